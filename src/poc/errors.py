@@ -1,0 +1,17 @@
+"""Errors shared by the CLI, the engine and the server."""
+
+
+class InputError(ValueError):
+    """Bad input from a user: the CLI exits 2 with one line, the server answers 400.
+
+    `field` names the offending request field or flag where there is one.
+    """
+
+    def __init__(self, message: str, field: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.status = status
+
+    def to_json(self) -> dict:
+        return {"error": self.message, "field": self.field}
