@@ -1,0 +1,191 @@
+"""The engine: owns one device (or, later, a process group), runs one job at a time batch by batch.
+
+`Engine.run(job, emit, stop)` is blocking and meant for a worker thread: it calls `emit(BatchResult)` as
+soon as each batch is on the host and returns a JobSummary. The next batch's host work (seeds, numpy RNG)
+runs on a helper thread while the device computes the current one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from poc.engine.compute import DTYPES, V1Compute, V2Compute, resolve_device
+from poc.engine.jobs import BatchResult, JobSummary, V1Job, V2Job, take
+from poc.errors import InputError
+from poc.protocol import v1
+
+log = logging.getLogger("poc.engine")
+
+
+class Busy(RuntimeError):
+    """A second job while one runs."""
+
+
+class Engine:
+    def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto"):
+        self.device = resolve_device(device)
+        self.model_dir = model_dir
+        self.dtype_flag = dtype
+        self.v2: V2Compute | None = None
+        self._v1: V1Compute | None = None
+        self._lock = threading.Lock()
+        self._prep_pool = ThreadPoolExecutor(1, thread_name_prefix="poc-prepare")
+        self.state = "loading" if model_dir else "ready"
+        self.load_seconds: float | None = None
+        self.broken_reason: str | None = None
+
+    # ---------------------------------------------------------------------------------------- models
+
+    def load(self) -> None:
+        """Load the v2 checkpoint given at start (if any)."""
+        if not self.model_dir:
+            self.state = "ready"
+            return
+        from poc.model.weights import load_model
+
+        t0 = time.perf_counter()
+        dtype = self.v2_dtype_arg()
+        model, cfg = load_model(self.model_dir, dtype=dtype, device=self.device, with_head=False, progress=True)
+        model.eval()
+        name = Path(self.model_dir).name
+        self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name)
+        self.load_seconds = time.perf_counter() - t0
+        self.state = "ready"
+
+    def v2_dtype_arg(self):
+        """"auto": the checkpoint's dtype on CUDA, float32 on CPU (CPU half-precision matmuls are slow and
+        the golden data is float32)."""
+        if self.dtype_flag == "auto":
+            return "auto" if self.device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype_flag]
+
+    def v1_compute(self, params: v1.V1Params, block_hash: str, dtype: str) -> V1Compute:
+        """The v1 model for (params, block_hash, dtype), reused while they stay the same."""
+        key = (params, block_hash, DTYPES[dtype])
+        if self._v1 is None or self._v1.key() != key:
+            self._v1 = None  # free the old model before building the next
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            c = V1Compute(params, block_hash, DTYPES[dtype], self.device)
+            log.info("v1 model built: dim=%d layers=%d dtype=%s in %.1f s", params.dim, params.n_layers, dtype,
+                     c.build_seconds)
+            self._v1 = c
+        return self._v1
+
+    def require_v2(self) -> V2Compute:
+        if self.v2 is None:
+            raise InputError("no PoC v2 model is loaded: start the server with --model DIR", "params.model")
+        return self.v2
+
+    # ------------------------------------------------------------------------------------ jobs
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Hold the device for one job; Busy at once if another holds it."""
+        if not self._lock.acquire(blocking=False):
+            raise Busy("a job is already running")
+        prev = self.state
+        self.state = "busy"
+        try:
+            yield
+        finally:
+            self.state = "broken" if self.broken_reason else prev
+            self._lock.release()
+
+    def run(self, job: V1Job | V2Job, emit: Callable[[BatchResult], None], stop: threading.Event) -> JobSummary:
+        with self.exclusive():
+            return self._run(job, emit, stop)
+
+    def _run(self, job, emit, stop) -> JobSummary:
+        t0 = time.perf_counter()
+        if isinstance(job, V1Job):
+            comp = self.v1_compute(job.params, job.block_hash, job.dtype)
+
+            def prepare(nonces):
+                return comp.prepare(job.public_key, nonces)
+
+            def run(prep):
+                return {"dist": comp.run(prep)}
+        else:
+            comp = self.require_v2()
+
+            def prepare(nonces):
+                return comp.prepare(job.block_hash, job.public_key, nonces, job.seq_len, job.k_dim, job.stronger_rng)
+
+            def run(prep):
+                arts, dropped = comp.run(prep)
+                return {"artifacts": arts, "dropped": dropped}
+
+        lim = job.limits
+        computed = batches = 0
+        t_start = time.perf_counter()  # the duration limit counts compute, not the model build
+
+        def next_nonces():
+            n = job.batch_size
+            if lim.max_nonces is not None:
+                n = min(n, lim.max_nonces - computed - pending)
+            return take(job.nonces, n) if n > 0 else []
+
+        pending = 0
+        nonces = next_nonces()
+        fut = self._prep_pool.submit(prepare, nonces) if nonces else None
+        reason = "exhausted"
+        while fut is not None:
+            if stop.is_set():
+                reason = "stopped"
+                break
+            if lim.max_duration is not None and time.perf_counter() - t_start >= lim.max_duration:
+                reason = "max_duration"
+                break
+            prep = fut.result()
+            pending = len(prep.nonces)
+            nxt = next_nonces()
+            fut = self._prep_pool.submit(prepare, nxt) if nxt else None
+            tb = time.perf_counter()
+            out = run(prep)
+            now = time.perf_counter()
+            computed += len(prep.nonces)
+            pending = 0
+            batches += 1
+            emit(BatchResult(index=batches, nonces=prep.nonces, elapsed=now - t_start, batch_seconds=now - tb, **out))
+            if lim.max_nonces is not None and computed >= lim.max_nonces:
+                reason = "max_nonces"
+                break
+        if fut is not None:
+            fut.cancel()
+        return JobSummary(reason=reason, batches=batches, computed=computed, elapsed=time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------------- one-shot helpers
+
+    def v1_distances(self, params: v1.V1Params, block_hash: str, public_key: str, nonces: Sequence[int],
+                     dtype: str = "float16", batch_size: int = 64) -> np.ndarray:
+        """Distances for explicit nonces (validation, the CLI)."""
+        with self.exclusive():
+            comp = self.v1_compute(params, block_hash, dtype)
+            out = [comp.run(comp.prepare(public_key, nonces[i:i + batch_size]))
+                   for i in range(0, len(nonces), batch_size)]
+        return np.concatenate(out) if out else np.empty(0)
+
+    def v2_artifacts(self, block_hash: str, public_key: str, nonces: Sequence[int], seq_len: int, k_dim: int,
+                     stronger_rng: bool = False, batch_size: int = 32) -> tuple[list[dict], list[int]]:
+        comp = self.require_v2()
+        arts, dropped = [], []
+        with self.exclusive():
+            for i in range(0, len(nonces), batch_size):
+                chunk = nonces[i:i + batch_size]
+                a, d = comp.run(comp.prepare(block_hash, public_key, chunk, seq_len, k_dim, stronger_rng))
+                arts += a
+                dropped += d
+        return arts, dropped
+
+    def close(self) -> None:
+        self._prep_pool.shutdown(wait=False, cancel_futures=True)
