@@ -1,0 +1,7 @@
+"""python -m poc: see poc.cli."""
+
+import sys
+
+from poc.cli import main
+
+sys.exit(main())

@@ -1,0 +1,20 @@
+"""The shared golden files, located from the repo root (../shared beside the checkout) or $POC_SHARED."""
+
+import json
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = Path(os.environ.get("POC_SHARED", ROOT.parent / "shared"))
+if not (SHARED / "golden").is_dir() and (ROOT / "shared" / "golden").is_dir():
+    SHARED = ROOT / "shared"  # a copy inside the checkout (the GPU machine gets only the repo)
+GOLDEN = SHARED / "golden"
+
+V1_GOLDEN = json.loads((GOLDEN / "v1_golden.json").read_text())
+V2_GOLDEN = json.loads((GOLDEN / "v2_golden.json").read_text())
+V1_SETS = sorted(V1_GOLDEN["sets"])
+V2_MODELS = sorted(V2_GOLDEN["models"])
+
+
+def v2_checkpoint(name: str) -> Path:
+    return GOLDEN / "v2_tiny" / name

@@ -1,0 +1,129 @@
+"""PoC v1 protocol pieces against golden/v1_golden.json (no model needed)."""
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from poc.errors import InputError
+from poc.protocol import v1
+
+from .golden import V1_GOLDEN as G, V1_SETS
+
+
+def test_target_first4():
+    t = v1.target(G["block_hash"], 256)
+    np.testing.assert_allclose(t[:4], G["target_first4_by_vocab"]["256"], rtol=0, atol=1e-15)
+    assert abs(np.linalg.norm(t) - 1) < 1e-12
+
+
+@pytest.mark.parametrize("set_name", V1_SETS)
+def test_weights_bit_exact(set_name):
+    s = G["sets"][set_name]
+    p = v1.V1Params.from_json(s["params"])
+    run = s["runs"]["float32"]
+    assert p.total_params == run["total_params"]
+    assert p.ffn_dim == run["model_hidden_dim"]
+    size = v1.pool_size(p.total_params)
+    assert size == run["pool_size"]
+    pool = v1.weight_pool(G["block_hash"], size, chunk=9973)  # odd chunking: same stream as one call
+    shapes = dict(v1.param_shapes(p))
+    for name, info in run["params_info"].items():
+        assert v1.name_hash(G["block_hash"], name) == info["name_hash_u32"]
+        w = v1.place(pool, name, shapes[name], G["block_hash"])
+        assert list(w.shape) == info["shape"]
+        digest = hashlib.sha256(np.ascontiguousarray(w, dtype="<f4").tobytes()).hexdigest()
+        assert digest == info["sha256_fp32_le"], name
+        mode, k = v1.placement(G["block_hash"], name, w.size, size)
+        pl = info["placement"]
+        assert k == (pl["start_idx"] if pl["mode"] == "slice" else pl["shift"])
+
+
+def test_pool_chunking_is_one_stream():
+    a = v1.weight_pool("abc", 100_003, chunk=1 << 20)
+    b = v1.weight_pool("abc", 100_003, chunk=1000)
+    ref = v1.get_rng("abc", 4).normal(0.0, 0.02, size=100_003).astype(np.float32)
+    assert np.array_equal(a, b) and np.array_equal(a, ref)
+
+
+@pytest.mark.parametrize("set_name", V1_SETS)
+def test_inputs_and_permutations(set_name):
+    s = G["sets"][set_name]
+    p = v1.V1Params.from_json(s["params"])
+    run = s["runs"]["float32"]
+    x = v1.input_embeddings(G["block_hash"], G["public_key"], [0, 1], p.seq_len, p.dim)
+    assert x.dtype == np.float16 and x.shape == (2, p.seq_len, p.dim)
+    assert x[0, 0, :4].astype(np.float64).tolist() == run["input_emb_nonce0_first4_after_fp16"]
+    raw = v1.get_rng(v1.input_seed(G["block_hash"], G["public_key"], 0), 4).standard_normal((1, p.seq_len, p.dim))
+    np.testing.assert_allclose(raw[0, 0, :4], run["input_emb_nonce0_first4_float64"], rtol=0, atol=1e-15)
+    perm = v1.permutations(G["block_hash"], G["public_key"], [0], p.vocab_size)
+    assert perm[0, :8].tolist() == run["permutation_nonce0_first8"]
+    assert sorted(perm[0].tolist()) == list(range(p.vocab_size))
+
+
+def test_ffn_hidden_dim_examples():
+    assert v1.PARAMS_V2.ffn_dim == 49152
+    assert v1.PARAMS_V1.ffn_dim == 28672
+    assert v1.ffn_hidden_dim(2048, 1024, 1.3) == 7168
+    assert v1.ffn_hidden_dim(64, 32, None) == 192 == v1.ffn_hidden_dim(64, 32, 1.0)
+    assert v1.PARAMS_V2.total_params == 17_763_122_944
+    assert v1.pool_size(v1.PARAMS_V2.total_params) == 888_156_147
+    assert v1.PARAMS_V1.total_params == 2_969_641_984
+
+
+def test_distance_formula():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 50)).astype(np.float32)
+    perms = np.stack([rng.permutation(50) for _ in range(3)])
+    tgt = v1.target("h", 50)
+    d = v1.distances(logits, perms, tgt)
+    for i in range(3):
+        u = logits[i][perms[i]].astype(np.float64)
+        assert abs(d[i] - np.linalg.norm(u / np.linalg.norm(u) - tgt)) < 1e-6
+
+
+def test_params_strict():
+    good = dict(G["sets"]["A_gqa_plain_rope"]["params"])
+    v1.V1Params.from_json(good)
+    v1.V1Params.from_json({**good, "rope_theta": 10000})  # Go sends integers: same result
+    for bad, field in [
+        ({k: v for k, v in good.items() if k != "seq_len"}, "params.seq_len"),  # the reference defaults it to 16
+        ({**good, "bogus": 1}, "params.bogus"),
+        ({**good, "dim": "64"}, "params.dim"),
+        ({**good, "dim": 64.5}, "params.dim"),
+        ({**good, "use_scaled_rope": "yes"}, "params.use_scaled_rope"),
+        ({**good, "seq_len": 0}, "params.seq_len"),
+        ({**good, "n_kv_heads": 3}, "params.n_kv_heads"),
+        ({**good, "dim": 66}, "params.dim"),
+    ]:
+        with pytest.raises(InputError) as e:
+            v1.V1Params.from_json(bad)
+        assert e.value.field == field, (bad, e.value.message)
+
+
+def test_nonce_layouts():
+    import itertools
+    assert list(itertools.islice(v1.worker_nonces(100, 1, 4), 3)) == [101, 105, 109]
+    assert list(itertools.islice(v1.node_nonces(2, 5, 1, 3), 3)) == [7, 22, 37]
+    assert list(v1.range_nonces(10, 20, 1, 3)) == [11, 14, 17, 20]
+
+
+def test_sub_batch_and_validation():
+    b = v1.ProofBatch("pk", "bh", 7, [1, 2, 3], [1.3, 1.5, 1.4013564660458173], 0)
+    sb = b.sub_batch(v1.DEFAULT_R_TARGET)
+    assert sb.nonces == [1] and sb.dist == [1.3]  # strict <
+    ok = v1.ProofBatch("pk", "bh", 7, list(range(200)), [1.39] * 200, 0)
+    vb = v1.validate_batch(ok, [1.39] * 200, v1.DEFAULT_R_TARGET, v1.DEFAULT_FRAUD_THRESHOLD)
+    assert vb.n_invalid == 0 and not vb.fraud_detected and vb.probability_honest == 1.0
+    # spec-v1 §3.4: >= 5 invalid of 200 is flagged, <= 4 passes
+    for k, fraud in [(4, False), (5, True)]:
+        rec = [1.45] * k + [1.39] * (200 - k)
+        vb = v1.validate_batch(ok, rec, v1.DEFAULT_R_TARGET, v1.DEFAULT_FRAUD_THRESHOLD)
+        assert vb.n_invalid == k and vb.fraud_detected is fraud
+    assert abs(v1.validate_batch(ok, [1.45] * 4 + [1.39] * 196, v1.DEFAULT_R_TARGET, 1e-7).probability_honest
+               - 3.7e-6) < 1e-7
+    # a submitted dist that is not < r_target is scored as invalid instead of crashing (F18)
+    bad = v1.ProofBatch("pk", "bh", 7, [1], [1.5], 0)
+    assert v1.validate_batch(bad, [1.3], v1.DEFAULT_R_TARGET, 1e-7).n_invalid == 1
+    empty = v1.validate_batch(v1.ProofBatch("pk", "bh", 7, [], [], 0), [], 1.4, 1e-7)
+    assert empty.probability_honest == 1.0 and not empty.fraud_detected
