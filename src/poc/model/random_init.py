@@ -1,0 +1,125 @@
+"""PoC v1's random model: weights drawn from the block hash under the reference's names, laid out for ours.
+
+The weights are bit-exact with the reference (spec-v1 §2): the float32 pool comes from numpy's PCG64, is
+moved to the device once, and every parameter is a slice (or tiled rotation) of it there, so building a
+17.8B-parameter model costs one pass of the RNG plus device copies. The reference's interleaved RoPE pairs
+(2i, 2i+1) become our rotate_half pairs (i, i + hd/2) by a row permutation of wq and wk inside each head;
+q·k products are unchanged, so the model computes the same function up to float summation order.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import torch
+
+from poc.model.config import ModelConfig
+from poc.model.transformer import Transformer
+from poc.protocol import v1
+
+# Llama 3.1 scaling constants the v1 reference hard-codes (spec-v1 §1.5)
+V1_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+
+# reference name suffix -> our (HF) name suffix
+_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+
+
+def v1_config(p: v1.V1Params) -> ModelConfig:
+    return ModelConfig(
+        dim=p.dim, n_layers=p.n_layers, n_heads=p.n_heads, n_kv_heads=p.n_kv_heads, head_dim=p.head_dim,
+        ffn_dim=p.ffn_dim, vocab_size=p.vocab_size, norm_eps=p.norm_eps, rope_theta=p.rope_theta,
+        rope_scaling=dict(V1_ROPE_SCALING) if p.use_scaled_rope else None, qkv_bias=False, qk_norm=False,
+        tie_embeddings=False, max_seq_len=p.seq_len, family="llama", torch_dtype="float16")
+
+
+def hf_name(ref_name: str) -> str | None:
+    """Our parameter name for a reference name; None for tok_embeddings (in the pool, never used)."""
+    if ref_name == "tok_embeddings.weight":
+        return None
+    if ref_name == "output.weight":
+        return "lm_head.weight"
+    if ref_name == "norm.weight":
+        return "norm.weight"
+    _, i, rest = ref_name.split(".", 2)
+    return f"layers.{i}.{_NAMES[rest]}"
+
+
+def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Permute q/k projection rows from interleaved RoPE pairs to rotate_half pairs, per head."""
+    out_f, d = w.shape
+    hd = out_f // n_heads
+    # (H, hd/2, 2, D) -> (H, 2, hd/2, D): row 2i of a head goes to i, row 2i+1 to hd/2 + i
+    return w.view(n_heads, hd // 2, 2, d).transpose(1, 2).reshape(out_f, d)
+
+
+def pool_tensor(block_hash: str, size: int, device: torch.device, chunk: int = 1 << 24) -> torch.Tensor:
+    """The float32 pool on `device`. numpy draws chunk i+1 (it releases the GIL) while chunk i is copied."""
+    out = torch.empty(size, dtype=torch.float32, device=device)
+    rng = v1.get_rng(block_hash, 4)
+    bufs = [np.empty(min(chunk, size), dtype=np.float64) for _ in range(2)]
+    f32 = [torch.empty(min(chunk, size), dtype=torch.float32).pin_memory() if device.type == "cuda"
+           else torch.empty(min(chunk, size), dtype=torch.float32) for _ in range(2)]
+    starts = list(range(0, size, chunk))
+
+    def draw(i: int) -> None:
+        n = min(chunk, size - starts[i])
+        b = bufs[i % 2][:n]
+        rng.standard_normal(out=b)
+        b *= v1.WEIGHT_STD  # numpy's normal(0, σ) is 0 + σ·z: the same doubles
+        f32[i % 2][:n].numpy()[:] = b
+
+    if not starts:
+        return out
+    draw(0)
+    for i, s in enumerate(starts):
+        n = min(chunk, size - s)
+        t = threading.Thread(target=draw, args=(i + 1,)) if i + 1 < len(starts) else None
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # buffer (i+1)%2 is free again
+        if t:
+            t.start()
+        out[s:s + n].copy_(f32[i % 2][:n], non_blocking=True)
+        if t:
+            t.join()
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return out
+
+
+def build_v1_model(p: v1.V1Params, block_hash: str, dtype: torch.dtype, device="cpu") -> Transformer:
+    """The reference's random model for (params, block_hash), in `dtype` on `device`, with its head."""
+    device = torch.device(device)
+    cfg = v1_config(p)
+    t0 = time.perf_counter()
+    pool = pool_tensor(block_hash, v1.pool_size(p.total_params), device)
+    with torch.device("meta"):
+        model = Transformer(cfg, with_head=True)
+    model.embed_tokens = None  # tok_embeddings is in the pool's total but never used: don't hold it
+    sd = {}
+    for ref, shape in v1.param_shapes(p):
+        name = hf_name(ref)
+        if name is None:
+            continue
+        w = v1.place(pool, ref, shape, block_hash).to(dtype, copy=True)  # fp32 pool -> dtype, as the reference
+        if ref.endswith(("wq.weight", "wk.weight")):
+            w = interleaved_to_half(w, p.n_heads if ref.endswith("wq.weight") else p.n_kv_heads)
+        sd[name] = w.contiguous()
+    del pool
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.init_rope(device, p.seq_len)
+    model.eval()
+    model.build_seconds = time.perf_counter() - t0
+    return model
