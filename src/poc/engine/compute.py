@@ -36,6 +36,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Handle:
+    """A batch whose device work was launched; `collect` waits for it."""
+
+    def __init__(self, prep, out: torch.Tensor, device: torch.device):
+        self.prep = prep
+        if device.type == "cuda":
+            self.host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            self.host.copy_(out, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = out, None
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
+def maybe_compile(fn, enabled: bool):
+    """torch.compile at fixed shapes when asked (CUDA); the eager function otherwise."""
+    if not enabled:
+        return fn
+    return torch.compile(fn, dynamic=False)
+
+
 # --------------------------------------------------------------------------------------------------
 # v1
 
@@ -50,11 +76,13 @@ class V1Prepared:
 class V1Compute:
     """The v1 random model for one (params, block_hash, dtype), plus its target vector."""
 
-    def __init__(self, params: v1.V1Params, block_hash: str, dtype: torch.dtype, device: torch.device):
+    def __init__(self, params: v1.V1Params, block_hash: str, dtype: torch.dtype, device: torch.device,
+                 compile: bool = False):
         self.params, self.block_hash, self.dtype, self.device = params, block_hash, dtype, device
         t0 = time.perf_counter()
         self.model = build_v1_model(params, block_hash, dtype, device)
         self.target = torch.from_numpy(v1.target(block_hash, params.vocab_size)).to(device)  # float64
+        self._fn = maybe_compile(self._batch, compile)
         _sync(device)
         self.build_seconds = time.perf_counter() - t0
 
@@ -69,18 +97,24 @@ class V1Compute:
             x, perms = x.pin_memory(), perms.pin_memory()
         return V1Prepared(list(nonces), x, perms)
 
-    @torch.inference_mode()
-    def run(self, prep: V1Prepared) -> np.ndarray:
-        """float64 distances, one per nonce."""
-        x = prep.x.to(self.device, non_blocking=True).to(self.dtype)  # fp16 first, as the reference
-        logits = self.model(x, last_only=True, logits=True)  # (B, V) float32
-        return self.distances(logits, prep.perms.to(self.device, non_blocking=True))
-
-    def distances(self, logits: torch.Tensor, perms: torch.Tensor) -> np.ndarray:
+    def _batch(self, x16: torch.Tensor, perms: torch.Tensor) -> torch.Tensor:
+        logits = self.model(x16.to(self.dtype), last_only=True, logits=True)  # fp16 first, as the reference
         p = torch.gather(logits.float(), 1, perms)
         u = p / torch.linalg.vector_norm(p, dim=1, keepdim=True)  # float32, as the reference
-        d = torch.linalg.vector_norm(u.double() - self.target[None, :], dim=1)
-        return d.cpu().numpy()
+        return torch.linalg.vector_norm(u.double() - self.target[None, :], dim=1)
+
+    @torch.inference_mode()
+    def launch(self, prep: V1Prepared) -> Handle:
+        x = prep.x.to(self.device, non_blocking=True)
+        perms = prep.perms.to(self.device, non_blocking=True)
+        return Handle(prep, self._fn(x, perms), self.device)
+
+    def collect(self, h: Handle) -> dict:
+        return {"dist": h.wait().numpy().copy()}
+
+    def run(self, prep: V1Prepared) -> np.ndarray:
+        """float64 distances, one per nonce."""
+        return self.collect(self.launch(prep))["dist"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -90,20 +124,20 @@ class V1Compute:
 @dataclass
 class V2Prepared:
     nonces: list[int]
-    plan: v2.PostProcessPlan
+    seeds: torch.Tensor  # (B,) or (B, 8) int64 input seeds
+    pick: torch.Tensor  # (B, k) int64
+    haar: torch.Tensor  # (B, k-1, k) float32
     seq_len: int
-    k_dim: int
-    stronger_rng: bool
-    public_key: str
     block_hash: str
 
 
 class V2Compute:
     """A loaded checkpoint; computes artifacts for any (block_hash, public_key, nonces, seq_len, k_dim)."""
 
-    def __init__(self, model, cfg, dtype: torch.dtype, device: torch.device, name: str):
+    def __init__(self, model, cfg, dtype: torch.dtype, device: torch.device, name: str, compile: bool = False):
         self.model, self.cfg, self.dtype, self.device, self.name = model, cfg, dtype, device, name
         self._vectors: tuple[str, torch.Tensor] | None = None
+        self._fn = maybe_compile(self._batch, compile)
 
     def reflections(self, block_hash: str) -> torch.Tensor:
         if self._vectors is None or self._vectors[0] != block_hash:
@@ -113,21 +147,35 @@ class V2Compute:
 
     def prepare(self, block_hash: str, public_key: str, nonces: Sequence[int], seq_len: int, k_dim: int,
                 stronger_rng: bool = False) -> V2Prepared:
+        seeds = v2.input_seeds(block_hash, public_key, nonces, stronger_rng)
         pl = v2.plan(block_hash, public_key, nonces, self.cfg.dim, k_dim, "cpu")
+        t = (seeds, pl.pick, pl.haar)
         if self.device.type == "cuda":
-            pl = v2.PostProcessPlan(pl.pick.pin_memory(), pl.haar.pin_memory())
-        return V2Prepared(list(nonces), pl, seq_len, k_dim, stronger_rng, public_key, block_hash)
+            t = tuple(x.pin_memory() for x in t)
+        return V2Prepared(list(nonces), *t, seq_len=seq_len, block_hash=block_hash)
+
+    def _batch(self, seeds, pick, haar, refl, seq_len: int) -> torch.Tensor:
+        x = v2.inputs_from_seeds(seeds, seq_len, self.cfg.dim).to(self.dtype)
+        h = self.model(x, reflections=refl, last_only=True)
+        return v2.project(h, v2.PostProcessPlan(pick, haar))
 
     @torch.inference_mode()
+    def launch(self, prep: V2Prepared) -> Handle:
+        dev = self.device
+        if self.model.rope_cos.shape[0] < prep.seq_len or self.model.rope_cos.device != dev:
+            self.model.init_rope(dev, max(prep.seq_len, self.cfg.max_seq_len))  # outside any compiled graph
+        seeds, pick, haar = (t.to(dev, non_blocking=True) for t in (prep.seeds, prep.pick, prep.haar))
+        return Handle(prep, self._fn(seeds, pick, haar, self.reflections(prep.block_hash), prep.seq_len), dev)
+
+    def collect(self, h: Handle) -> dict:
+        arts, dropped = v2.artifacts(h.prep.nonces, h.wait())
+        return {"artifacts": arts, "dropped": dropped}
+
     def vectors(self, prep: V2Prepared) -> torch.Tensor:
-        """(B, k) float32 unit vectors on the device."""
-        x = v2.inputs(prep.block_hash, prep.public_key, prep.nonces, prep.seq_len, self.cfg.dim,
-                      self.dtype, self.device, prep.stronger_rng)
-        h = self.model(x, reflections=self.reflections(prep.block_hash), last_only=True)
-        pl = v2.PostProcessPlan(prep.plan.pick.to(self.device, non_blocking=True),
-                                prep.plan.haar.to(self.device, non_blocking=True))
-        return v2.project(h, pl)
+        """(B, k) float32 unit vectors (host)."""
+        return self.launch(prep).wait()
 
     def run(self, prep: V2Prepared) -> tuple[list[dict], list[int]]:
         """(artifacts, nonces dropped for NaN/Inf)."""
-        return v2.artifacts(prep.nonces, self.vectors(prep))
+        out = self.collect(self.launch(prep))
+        return out["artifacts"], out["dropped"]

@@ -106,62 +106,61 @@ class Engine:
             return self._run(job, emit, stop)
 
     def _run(self, job, emit, stop) -> JobSummary:
+        """Pipelined: host prepares batch i+2 while the device runs batch i+1 and batch i is collected.
+
+        Every launched batch is collected and emitted, also when a stop arrives: computed work is never
+        dropped. max_nonces is counted at preparation, so no nonce past it is computed."""
         t0 = time.perf_counter()
         if isinstance(job, V1Job):
             comp = self.v1_compute(job.params, job.block_hash, job.dtype)
 
             def prepare(nonces):
                 return comp.prepare(job.public_key, nonces)
-
-            def run(prep):
-                return {"dist": comp.run(prep)}
         else:
             comp = self.require_v2()
 
             def prepare(nonces):
                 return comp.prepare(job.block_hash, job.public_key, nonces, job.seq_len, job.k_dim, job.stronger_rng)
 
-            def run(prep):
-                arts, dropped = comp.run(prep)
-                return {"artifacts": arts, "dropped": dropped}
-
         lim = job.limits
-        computed = batches = 0
+        taken = computed = batches = 0
         t_start = time.perf_counter()  # the duration limit counts compute, not the model build
 
-        def next_nonces():
-            n = job.batch_size
-            if lim.max_nonces is not None:
-                n = min(n, lim.max_nonces - computed - pending)
-            return take(job.nonces, n) if n > 0 else []
+        def submit_next():
+            nonlocal taken
+            n = job.batch_size if lim.max_nonces is None else min(job.batch_size, lim.max_nonces - taken)
+            nonces = take(job.nonces, n) if n > 0 else []
+            taken += len(nonces)
+            return self._prep_pool.submit(prepare, nonces) if nonces else None
 
-        pending = 0
-        nonces = next_nonces()
-        fut = self._prep_pool.submit(prepare, nonces) if nonces else None
+        fut = submit_next()
+        inflight = None  # (handle, launch time)
         reason = "exhausted"
-        while fut is not None:
-            if stop.is_set():
-                reason = "stopped"
-                break
-            if lim.max_duration is not None and time.perf_counter() - t_start >= lim.max_duration:
-                reason = "max_duration"
-                break
-            prep = fut.result()
-            pending = len(prep.nonces)
-            nxt = next_nonces()
-            fut = self._prep_pool.submit(prepare, nxt) if nxt else None
-            tb = time.perf_counter()
-            out = run(prep)
-            now = time.perf_counter()
-            computed += len(prep.nonces)
-            pending = 0
-            batches += 1
-            emit(BatchResult(index=batches, nonces=prep.nonces, elapsed=now - t_start, batch_seconds=now - tb, **out))
-            if lim.max_nonces is not None and computed >= lim.max_nonces:
-                reason = "max_nonces"
-                break
-        if fut is not None:
-            fut.cancel()
+        while fut is not None or inflight is not None:
+            handle = None
+            if fut is not None:
+                if stop.is_set():
+                    reason = "stopped"
+                elif lim.max_duration is not None and time.perf_counter() - t_start >= lim.max_duration:
+                    reason = "max_duration"
+                else:
+                    prep = fut.result()
+                    fut = submit_next()
+                    handle = (comp.launch(prep), time.perf_counter())
+                if handle is None:  # stopping: drop the prepared-but-not-launched batch, finish the in-flight one
+                    fut.cancel()
+                    fut = None
+            if inflight is not None:
+                h, tl = inflight
+                out = comp.collect(h)
+                now = time.perf_counter()
+                computed += len(h.prep.nonces)
+                batches += 1
+                emit(BatchResult(index=batches, nonces=h.prep.nonces, elapsed=now - t_start,
+                                 batch_seconds=now - tl, **out))
+            inflight = handle
+        if lim.max_nonces is not None and computed >= lim.max_nonces and reason == "exhausted":
+            reason = "max_nonces"
         return JobSummary(reason=reason, batches=batches, computed=computed, elapsed=time.perf_counter() - t0)
 
     # ------------------------------------------------------------------------- one-shot helpers

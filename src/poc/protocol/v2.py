@@ -85,12 +85,7 @@ def uniforms(seeds: Sequence[int] | int, n: int, device="cpu") -> torch.Tensor:
 
 def normals(seeds: Sequence[int] | int, n: int, device="cpu") -> torch.Tensor:
     """(len(seeds), n) float32 normals by Box-Muller on the half-split uniforms (§a.4)."""
-    m = (n + 1) // 2
-    u = uniforms(seeds, 2 * m, device)
-    u1 = u[:, :m].clamp_min(1e-10)
-    theta = _TWO_PI_F32 * u[:, m:]
-    r = torch.sqrt(-2.0 * torch.log(u1))
-    return torch.cat([r * torch.cos(theta), r * torch.sin(theta)], dim=1)[:, :n]
+    return _normals_t(_seed_tensor(seeds, device), n)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -101,24 +96,46 @@ def input_seed_string(block_hash: str, public_key: str, nonce: int) -> str:
     return f"{block_hash}_{public_key}_nonce{nonce}"  # no underscore before the number
 
 
-def inputs(block_hash: str, public_key: str, nonces: Sequence[int], seq_len: int, hidden: int,
-           dtype: torch.dtype = torch.float32, device="cpu", stronger_rng: bool = False) -> torch.Tensor:
-    """(B, S, H) input embeddings, generated in float32 on `device`, then cast to `dtype`."""
-    n = seq_len * hidden
+def input_seeds(block_hash: str, public_key: str, nonces: Sequence[int], stronger_rng: bool = False) -> torch.Tensor:
+    """Host-side seeds of the inputs: (B,) for the legacy RNG, (B, 8) sub-seeds for the stronger one."""
     strings = [input_seed_string(block_hash, public_key, x) for x in nonces]
-    if not stronger_rng:
-        x = normals([seed32(s) for s in strings], n, device)
-    else:
+    if stronger_rng:
+        return torch.tensor([seeds256(s) for s in strings], dtype=torch.int64).view(len(strings), 8)
+    return torch.tensor([seed32(s) for s in strings], dtype=torch.int64)
+
+
+def inputs_from_seeds(seeds: torch.Tensor, seq_len: int, hidden: int) -> torch.Tensor:
+    """(B, S, H) float32 inputs from `input_seeds` (on any device; pure tensor code, so it compiles)."""
+    n = seq_len * hidden
+    if seeds.dim() == 1:
+        x = _normals_t(seeds.view(-1, 1), n)
+    else:  # stronger RNG: 8 segments of ceil(n/8), each with its own sub-seed and Box-Muller split
         seg = (n + 7) // 8
-        subs = [seeds256(s) for s in strings]
         parts = []
         for j in range(8):
             lo, hi = j * seg, min((j + 1) * seg, n)
             if lo >= n:
                 break
-            parts.append(normals([s[j] for s in subs], hi - lo, device))
+            parts.append(_normals_t(seeds[:, j:j + 1], hi - lo))
         x = torch.cat(parts, dim=1)
-    return x.view(len(strings), seq_len, hidden).to(dtype)
+    return x.view(seeds.shape[0], seq_len, hidden)
+
+
+def _normals_t(seeds: torch.Tensor, n: int) -> torch.Tensor:
+    m = (n + 1) // 2
+    keys = torch.arange(2 * m, dtype=torch.int64, device=seeds.device).view(1, -1)
+    u = murmur(keys, seeds).to(torch.float32) / _U32_SCALE
+    u1 = u[:, :m].clamp_min(1e-10)
+    theta = _TWO_PI_F32 * u[:, m:]
+    r = torch.sqrt(-2.0 * torch.log(u1))
+    return torch.cat([r * torch.cos(theta), r * torch.sin(theta)], dim=1)[:, :n]
+
+
+def inputs(block_hash: str, public_key: str, nonces: Sequence[int], seq_len: int, hidden: int,
+           dtype: torch.dtype = torch.float32, device="cpu", stronger_rng: bool = False) -> torch.Tensor:
+    """(B, S, H) input embeddings, generated in float32 on `device`, then cast to `dtype`."""
+    seeds = input_seeds(block_hash, public_key, nonces, stronger_rng).to(device)
+    return inputs_from_seeds(seeds, seq_len, hidden).to(dtype)
 
 
 def layer_vectors(block_hash: str, n_layers: int, hidden: int, device="cpu") -> torch.Tensor:

@@ -1,0 +1,95 @@
+"""The engine's job loop: limits, stop, busy, every launched batch emitted exactly once."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from poc.engine.engine import Busy, Engine
+from poc.engine.jobs import Limits, V1Job, V2Job
+from poc.protocol import v1
+
+from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2, v2_checkpoint
+
+PARAMS = v1.V1Params.from_json(G1["sets"]["A_gqa_plain_rope"]["params"])
+BH, PK = G1["block_hash"], G1["public_key"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = Engine("cpu", model_dir=str(v2_checkpoint("qwen3")), dtype="float32")
+    e.load()
+    yield e
+    e.close()
+
+
+def v1_job(n_max=None, batch=4, duration=None, start=0):
+    return V1Job(BH, PK, 1, PARAMS, v1.DEFAULT_R_TARGET, v1.worker_nonces(start, 0, 1), batch, "float32",
+                 Limits(max_nonces=n_max, max_duration=duration))
+
+
+def test_max_nonces_exact_and_in_order(engine):
+    out = []
+    s = engine.run(v1_job(n_max=10, batch=4), out.append, threading.Event())
+    assert s.reason == "max_nonces" and s.computed == 10 and s.batches == 3
+    assert [b.nonces for b in out] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [b.index for b in out] == [1, 2, 3]
+    want = np.array(G1["sets"]["A_gqa_plain_rope"]["runs"]["float32"]["dist"][:10])
+    assert np.abs(np.concatenate([b.dist for b in out]) - want).max() < 1e-6
+
+
+def test_stop_finishes_inflight_batch(engine):
+    stop = threading.Event()
+    out = []
+
+    def emit(b):
+        out.append(b)
+        if b.index == 2:
+            stop.set()
+
+    s = engine.run(v1_job(batch=3), emit, stop)
+    assert s.reason == "stopped"
+    nonces = [n for b in out for n in b.nonces]
+    assert nonces == list(range(len(nonces)))  # contiguous, nothing skipped, nothing twice
+    assert 2 <= s.batches <= 3 and s.computed == len(nonces)
+
+
+def test_exhausted_iterator_and_duration(engine):
+    job = v1_job(batch=4)
+    job.nonces = v1.range_nonces(5, 14)
+    out = []
+    s = engine.run(job, out.append, threading.Event())
+    assert s.reason == "exhausted" and [n for b in out for n in b.nonces] == list(range(5, 15))
+    s = engine.run(v1_job(batch=2, duration=0.0), out.append, threading.Event())
+    assert s.reason == "max_duration" and s.computed == 0
+
+
+def test_busy(engine):
+    started, release = threading.Event(), threading.Event()
+
+    def emit(_b):
+        started.set()
+        release.wait(10)
+
+    t = threading.Thread(target=engine.run, args=(v1_job(n_max=8, batch=2), emit, threading.Event()))
+    t.start()
+    assert started.wait(30)
+    assert engine.state == "busy"
+    with pytest.raises(Busy):
+        engine.run(v1_job(n_max=2), lambda b: None, threading.Event())
+    release.set()
+    t.join(30)
+    assert engine.state == "ready"
+
+
+def test_v2_job_matches_golden(engine):
+    prm = G2["parameters"]
+    job = V2Job(prm["block_hash"], prm["public_key"], 1, prm["seq_len"], prm["k_dim"], iter(prm["nonces"]), 3)
+    out = []
+    s = engine.run(job, out.append, threading.Event())
+    assert s.computed == 8 and s.reason == "exhausted"
+    got = {a["nonce"]: a["vector_b64"] for b in out for a in b.artifacts}
+    want = {a["nonce"]: a["vector_b64"] for a in G2["models"]["qwen3"]["artifacts"]}
+    from poc.protocol import v2
+    for n in want:
+        assert np.linalg.norm(v2.decode(got[n]) - v2.decode(want[n])) < 1e-3
