@@ -31,8 +31,10 @@ class Busy(RuntimeError):
 
 
 class Engine:
-    def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto"):
+    def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto",
+                 compile: bool = False):
         self.device = resolve_device(device)
+        self.compile = compile and self.device.type == "cuda"  # torch.compile at fixed batch shapes
         self.model_dir = model_dir
         self.dtype_flag = dtype
         self.v2: V2Compute | None = None
@@ -57,7 +59,7 @@ class Engine:
         model, cfg = load_model(self.model_dir, dtype=dtype, device=self.device, with_head=False, progress=True)
         model.eval()
         name = Path(self.model_dir).name
-        self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name)
+        self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile)
         self.load_seconds = time.perf_counter() - t0
         self.state = "ready"
 
@@ -75,7 +77,7 @@ class Engine:
             self._v1 = None  # free the old model before building the next
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            c = V1Compute(params, block_hash, DTYPES[dtype], self.device)
+            c = V1Compute(params, block_hash, DTYPES[dtype], self.device, self.compile)
             log.info("v1 model built: dim=%d layers=%d dtype=%s in %.1f s", params.dim, params.n_layers, dtype,
                      c.build_seconds)
             self._v1 = c

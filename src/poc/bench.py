@@ -1,0 +1,264 @@
+"""End-to-end throughput benchmark on a GPU box (random weights of the real shapes, made on the GPU).
+
+    python -m poc.bench --workload W3 W4 --batch 256 512 --out benchmarks/h100.json [--hf] [--compile]
+
+For each workload and batch size: nonces/s through the engine (inputs, forward, post-processing, results to
+the host), TFLOP/s, % of the matmul ceiling measured in the same run, peak GPU memory, model build time and time
+to the first batch. With --hf, the plain transformers forward on the same shapes (W3-W5) in the same run.
+Writes JSON, and a PNG plot next to it when matplotlib is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from poc.engine.compute import DTYPES, V2Compute
+from poc.engine.engine import Engine
+from poc.engine.jobs import Limits, V1Job, V2Job
+from poc.model.config import PRESETS, ModelConfig
+from poc.model.random_init import v1_config
+from poc.model.transformer import Transformer
+from poc.protocol import v1
+
+BH = "ba5b00876d55f32856a5fbae8b4ebd79c5a90c763b23c15b7ec813cda54965ab"
+PK = "03b9be7b7bcc197eadcd6cd0ab62d129aa39b94e53ea72ecacc4d95ccec859435c"
+
+W2_PARAMS = v1.V1Params(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.3,
+                        multiple_of=1024, norm_eps=1e-5, rope_theta=500000.0, use_scaled_rope=False, seq_len=1024)
+WORKLOADS = {
+    "W1": {"protocol": "v1", "params": v1.PARAMS_V2, "dtype": "float16", "batches": [64, 128]},
+    "W2": {"protocol": "v1", "params": W2_PARAMS, "dtype": "float16", "batches": [32, 64, 128]},
+    "W3": {"protocol": "v2", "model": "qwen3-0.6b", "seq_len": 64, "dtype": "bfloat16", "batches": [512, 1024, 2048]},
+    "W4": {"protocol": "v2", "model": "qwen3-0.6b", "seq_len": 1024, "dtype": "bfloat16", "batches": [32, 64, 128]},
+    "W5": {"protocol": "v2", "model": "qwen3-8b", "seq_len": 1024, "dtype": "bfloat16", "batches": [8, 16, 32]},
+}
+
+
+def flops_per_nonce(cfg: ModelConfig, seq_len: int, head: bool) -> float:
+    """2 x matmul params x S + causal attention 2 x L x S^2 x (H x hd), + one head row when there is a head."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    per_layer = cfg.dim * q + 2 * cfg.dim * kv + q * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
+    f = 2.0 * cfg.n_layers * per_layer * seq_len + 2.0 * cfg.n_layers * seq_len * seq_len * q
+    return f + (2.0 * cfg.dim * cfg.vocab_size if head else 0.0)
+
+
+def _cuda_time(fn, iters: int, warmup: int = 3) -> float:
+    """Median seconds per call, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def matmul_ceiling(dtype: torch.dtype, n: int = 8192) -> float:
+    """Measured dense matmul TFLOP/s on random data (rotating over 3 input sets)."""
+    xs = [torch.randn(n, n, device="cuda", dtype=dtype) for _ in range(3)]
+    w = torch.randn(n, n, device="cuda", dtype=dtype)
+    i = [0]
+
+    def step():
+        i[0] += 1
+        return xs[i[0] % 3] @ w
+
+    t = _cuda_time(step, 10)
+    del xs, w
+    return 2 * n ** 3 / t / 1e12
+
+
+def random_v2_model(cfg: ModelConfig, dtype: torch.dtype, device) -> Transformer:
+    """A model of the real shape with N(0, 0.02) weights and norms near 1, made on the device."""
+    with torch.device(device):
+        m = Transformer(cfg).to(dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.05, generator=g)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    m.init_rope(device)
+    return m.eval()
+
+
+def run_engine(engine: Engine, job, warm_batches: int, timed_batches: int) -> dict:
+    """Run a job for warm + timed batches; the steady rate is over the timed ones (emit to emit)."""
+    times, sizes = [], []
+    t0 = time.perf_counter()
+
+    def emit(b):
+        times.append(time.perf_counter())
+        sizes.append(len(b.nonces))
+
+    job.limits = Limits(max_nonces=job.batch_size * (warm_batches + timed_batches), max_duration=None)
+    engine.run(job, emit, threading.Event())
+    k = warm_batches
+    rate = sum(sizes[k:]) / (times[-1] - times[k - 1]) if len(times) > k else float("nan")
+    return {"nonces_per_s": rate, "first_batch_s": times[0] - t0 if times else None,
+            "batch_s": (times[-1] - times[k - 1]) / max(1, len(times) - k)}
+
+
+def hf_forward_rate(cfg: ModelConfig, seq_len: int, batch: int, dtype: torch.dtype, iters: int = 10) -> dict:
+    """The plain transformers Qwen3 forward (eager, SDPA) on random embeddings of the same shape."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    hf_cfg = Qwen3Config(hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
+                         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                         vocab_size=cfg.vocab_size, rms_norm_eps=cfg.norm_eps, max_position_embeddings=40960,
+                         attn_implementation="sdpa")
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("cuda"):
+            model = Qwen3Model(hf_cfg).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    x = torch.randn(batch, seq_len, cfg.dim, device="cuda", dtype=dtype)
+    with torch.inference_mode():
+        t = _cuda_time(lambda: model(inputs_embeds=x, use_cache=False), iters, warmup=2)
+    del model, x
+    return {"nonces_per_s": batch / t}
+
+
+def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceiling: float,
+                   warm: int, timed: int) -> list[dict]:
+    w = WORKLOADS[name]
+    dtype = DTYPES[w["dtype"]]
+    rows = []
+    engine = Engine("cuda", compile=compile)
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    if w["protocol"] == "v1":
+        p = w["params"]
+        engine.v1_compute(p, BH, w["dtype"])
+        torch.cuda.synchronize()
+        cfg, seq_len, head = v1_config(p), p.seq_len, True
+    else:
+        cfg = replace(PRESETS[w["model"]])
+        engine.v2 = V2Compute(random_v2_model(cfg, dtype, "cuda"), cfg, dtype, torch.device("cuda"), w["model"],
+                              compile=compile)
+        torch.cuda.synchronize()
+        seq_len, head = w["seq_len"], False
+    build = time.perf_counter() - t0
+    fl = flops_per_nonce(cfg, seq_len, head)
+    for b in batches:
+        torch.cuda.reset_peak_memory_stats()
+        if w["protocol"] == "v1":
+            job = V1Job(BH, PK, 1, w["params"], v1.DEFAULT_R_TARGET, v1.worker_nonces(0, 0, 1), b, w["dtype"])
+        else:
+            job = V2Job(BH, PK, 1, seq_len, 12, v1.worker_nonces(0, 0, 1), b)
+        try:
+            r = run_engine(engine, job, warm, timed)
+        except torch.OutOfMemoryError:
+            rows.append({"workload": name, "batch": b, "error": "out of memory"})
+            torch.cuda.empty_cache()
+            continue
+        row = {"workload": name, "batch": b, "dtype": w["dtype"], "seq_len": seq_len, "compile": compile,
+               "flops_per_nonce": fl, **r, "tflops": r["nonces_per_s"] * fl / 1e12,
+               "pct_of_ceiling": 100 * r["nonces_per_s"] * fl / 1e12 / ceiling,
+               "flop_limit_nonces_per_s": ceiling * 1e12 / fl,
+               "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2 ** 30, "model_build_s": build}
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+        rows.append(row)
+    engine.v2 = None
+    engine._v1 = None
+    engine.close()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    if hf and w["protocol"] == "v2":
+        for b in batches:
+            try:
+                r = hf_forward_rate(cfg, seq_len, b, dtype)
+            except torch.OutOfMemoryError:
+                r = {"error": "out of memory"}
+            row = {"workload": name, "batch": b, "impl": "transformers-eager-forward", **r}
+            if "nonces_per_s" in r:
+                row["pct_of_ceiling"] = 100 * r["nonces_per_s"] * fl / 1e12 / ceiling
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            gc.collect()
+            torch.cuda.empty_cache()
+    return rows
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    names = sorted({r["workload"] for r in results["rows"]})
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
+    for ax, n in zip(axes[0], names):
+        ours = [r for r in results["rows"] if r["workload"] == n and "impl" not in r and "nonces_per_s" in r]
+        hf = [r for r in results["rows"] if r["workload"] == n and r.get("impl") and "nonces_per_s" in r]
+        if ours:
+            ax.plot([r["batch"] for r in ours], [r["nonces_per_s"] for r in ours], "o-", label="poc engine (e2e)")
+            ax.axhline(ours[0]["flop_limit_nonces_per_s"], color="r", ls="--", label="FLOP limit")
+        if hf:
+            ax.plot([r["batch"] for r in hf], [r["nonces_per_s"] for r in hf], "s--", label="transformers fwd")
+        ax.set_xscale("log", base=2)
+        ax.set_title(n)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("nonces/s")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{results['device']} (matmul ceiling {results['ceiling_tflops']:.0f} TFLOP/s)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m poc.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--batch", nargs="+", type=int, help="batch sizes (default: per workload)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the batch function")
+    ap.add_argument("--hf", action="store_true", help="also time the transformers forward (W3-W5)")
+    ap.add_argument("--warm", type=int, default=2, help="batches before timing")
+    ap.add_argument("--timed", type=int, default=6, help="timed batches")
+    ap.add_argument("--out", default="benchmarks/bench.json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("poc.bench needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ceil = {"bfloat16": matmul_ceiling(torch.bfloat16), "float16": matmul_ceiling(torch.float16)}
+    print(f"matmul ceiling: bf16 {ceil['bfloat16']:.0f} TFLOP/s, fp16 {ceil['float16']:.0f} TFLOP/s", flush=True)
+    rows = []
+    for name in args.workload:
+        w = WORKLOADS[name]
+        rows += bench_workload(name, args.batch or w["batches"], args.compile, args.hf, ceil[w["dtype"]],
+                               args.warm, args.timed)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+               "ceiling_tflops": ceil["bfloat16"], "ceilings": ceil, "command": "python -m poc.bench " +
+               " ".join(argv if argv is not None else os.sys.argv[1:]), "rows": rows,
+               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out.write_text(json.dumps(results, indent=1))
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
