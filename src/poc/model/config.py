@@ -1,0 +1,177 @@
+"""Model shape and numerics, read from a Hugging Face config.json (Llama, Qwen2, Qwen3)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from poc.errors import InputError
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # Llama-3.1 rule: factor, low/high_freq_factor, original_max_position_embeddings
+    qkv_bias: bool = False  # Qwen2 always; Llama when attention_bias
+    o_bias: bool = False  # Llama/Qwen3 attention_bias also puts a bias on o_proj (Qwen2 never does)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    tie_embeddings: bool = False  # lm_head shares embed_tokens' matrix
+    max_seq_len: int = 4096  # default size of the RoPE table; longer inputs grow it
+    family: str = "llama"
+    torch_dtype: str | None = None  # the checkpoint's dtype as config.json names it
+
+    def __post_init__(self):
+        sizes = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_seq_len")
+        bad = [f"{k}={getattr(self, k)}" for k in sizes if not (isinstance(getattr(self, k), int) and getattr(self, k) > 0)]
+        if bad:
+            raise InputError(f"model sizes must be positive integers: {', '.join(bad)}", "config")
+        if self.n_heads % self.n_kv_heads:
+            raise InputError(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}", "config")
+        if self.head_dim % 2:
+            raise InputError(f"head_dim={self.head_dim} must be even for RoPE", "config")
+        if not self.norm_eps > 0 or not self.rope_theta > 0:
+            raise InputError(
+                f"norm_eps={self.norm_eps} and rope_theta={self.rope_theta} must be positive", "config")
+        if self.family not in FAMILIES:
+            raise InputError(f"family={self.family!r} is not one of {', '.join(FAMILIES)}", "config")
+        if self.rope_scaling is not None:
+            missing = [k for k in LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
+            if missing:
+                raise InputError(f"rope_scaling lacks {', '.join(missing)}", "rope_scaling")
+            s = {k: float(self.rope_scaling[k]) for k in LLAMA3_ROPE_KEYS}
+            if s["high_freq_factor"] <= s["low_freq_factor"] or s["factor"] <= 0:
+                raise InputError(
+                    f"rope_scaling needs high_freq_factor={s['high_freq_factor']} > "
+                    f"low_freq_factor={s['low_freq_factor']} and factor={s['factor']} > 0", "rope_scaling")
+            object.__setattr__(self, "rope_scaling", s)
+
+    def __hash__(self):  # the generated one would choke on the rope_scaling dict
+        scaling = tuple(sorted(self.rope_scaling.items())) if self.rope_scaling else None
+        return hash(tuple(scaling if k == "rope_scaling" else v for k, v in self.__dict__.items()))
+
+    @property
+    def n_rep(self) -> int:
+        """Query heads per kv head."""
+        return self.n_heads // self.n_kv_heads
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | Path | dict) -> ModelConfig:
+        """Map a HF config.json (a model directory, the file itself, or its parsed dict)."""
+        hf = path_or_dict if isinstance(path_or_dict, dict) else _read_json(Path(path_or_dict))
+        family = _family(hf)
+
+        def need(key: str) -> Any:
+            if hf.get(key) is None:
+                raise InputError(f"config.json lacks {key!r}", key)
+            return hf[key]
+
+        if hf.get("hidden_act", "silu") != "silu":
+            raise InputError(f"hidden_act={hf['hidden_act']!r} is not supported (only silu)", "hidden_act")
+        if hf.get("mlp_bias"):
+            raise InputError("mlp_bias=true is not supported", "mlp_bias")
+        if hf.get("use_sliding_window"):
+            raise InputError("use_sliding_window=true is not supported", "use_sliding_window")
+
+        rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+        attention_bias = bool(hf.get("attention_bias", False))
+        dtype = hf.get("torch_dtype") or hf.get("dtype")
+        try:
+            dim, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
+            return cls(
+                dim=dim,
+                n_layers=int(need("num_hidden_layers")),
+                n_heads=n_heads,
+                n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+                head_dim=int(hf.get("head_dim") or (dim // n_heads if n_heads > 0 else 0)),
+                ffn_dim=int(need("intermediate_size")),
+                vocab_size=int(need("vocab_size")),
+                norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # the HF default for all three families
+                rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                rope_scaling=_rope_scaling(hf),
+                qkv_bias=family == "qwen2" or attention_bias,
+                o_bias=family != "qwen2" and attention_bias,
+                qk_norm=family == "qwen3",
+                tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                max_seq_len=int(hf.get("max_position_embeddings") or 4096),
+                family=family,
+                torch_dtype=str(dtype).removeprefix("torch.") if dtype else None,
+            )
+        except InputError:
+            raise
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise InputError(f"config.json has a value of the wrong type: {e}", "config") from None
+
+
+def _read_json(path: Path) -> dict:
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise InputError(f"no config.json at {path}", "model")
+    try:
+        hf = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{path} is not valid JSON: {e}", "model") from None
+    if not isinstance(hf, dict):
+        raise InputError(f"{path} holds a JSON {type(hf).__name__}, not an object", "model")
+    return hf
+
+
+def _family(hf: dict) -> str:
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise InputError(
+            f"model_type={model_type!r} is not supported (supported: {', '.join(FAMILIES)})", "model_type")
+    for arch in archs:
+        if ARCHITECTURES.get(arch) != model_type:
+            raise InputError(
+                f"architecture {arch!r} (model_type {model_type!r}) is not supported "
+                f"(supported: {', '.join(ARCHITECTURES)})", "architectures")
+    return model_type
+
+
+def _rope_scaling(hf: dict) -> dict | None:
+    """The Llama-3 scaling parameters, None for plain RoPE; any other rope_type is an error."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise InputError(f"rope_scaling must be an object, got {rope!r}", "rope_scaling")
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type in (None, "default"):
+        return None
+    if rope_type != "llama3":
+        raise InputError(f"rope_type={rope_type!r} is not supported (default or llama3)", "rope_scaling")
+    scaling = {k: rope.get(k) for k in LLAMA3_ROPE_KEYS}
+    if scaling["original_max_position_embeddings"] is None:  # HF falls back the same way
+        scaling["original_max_position_embeddings"] = hf.get("max_position_embeddings")
+    missing = [k for k, v in scaling.items() if v is None]
+    if missing:
+        raise InputError(f"llama3 rope scaling lacks {', '.join(missing)}", "rope_scaling")
+    return scaling
+
+
+PRESETS = {
+    # the shape of golden/v2_tiny/qwen3
+    "tiny": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=256,
+                        norm_eps=1e-6, rope_theta=1e6, qk_norm=True, family="qwen3", torch_dtype="float32"),
+    "qwen3-0.6b": ModelConfig(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,
+                              vocab_size=151936, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, tie_embeddings=True,
+                              max_seq_len=40960, family="qwen3", torch_dtype="bfloat16"),
+    "qwen3-8b": ModelConfig(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=12288,
+                            vocab_size=151936, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, max_seq_len=40960,
+                            family="qwen3", torch_dtype="bfloat16"),
+}
