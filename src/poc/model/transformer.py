@@ -1,0 +1,195 @@
+"""The Llama/Qwen2/Qwen3 decoder as one single-device forward pass on input embeddings.
+
+Parameter names are those of the HF checkpoints without their `model.` prefix, so loading is a prefix strip.
+There is no token lookup and no KV cache: a proof-of-compute pass is one causal forward over (B, S, D) embeddings.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from poc.model.config import ModelConfig
+
+# enable_gqa arrived in torch 2.5; before that the kv heads are repeated by hand
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # normalise in fp32, round to the input dtype, then scale in the model dtype (HF and the v1 reference agree)
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.to(x.dtype) * self.weight
+
+
+def rope_freqs(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> Tensor:
+    """Inverse frequencies (head_dim/2,) in float32, with the Llama-3.1 rule when `scaling` is given."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    if scaling is None:
+        return freqs
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    medium = (1 - smooth) * freqs / factor + smooth * freqs
+    scaled = torch.where(wavelen > old_ctx / low, freqs / factor, medium)
+    return torch.where(wavelen < old_ctx / high, freqs, scaled)
+
+
+def rope_table(head_dim: int, n_pos: int, theta: float, scaling: dict | None = None,
+               device=None) -> tuple[Tensor, Tensor]:
+    """(cos, sin), float32, in the duplicated rotate_half form (n_pos, head_dim): column i and i + head_dim/2 agree."""
+    freqs = rope_freqs(head_dim, theta, scaling, device)
+    angles = torch.arange(n_pos, dtype=torch.float32, device=device)[:, None] * freqs[None, :]
+    angles = torch.cat([angles, angles], dim=-1)  # (n_pos, hd/2) -> (n_pos, hd)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x (..., S, D) by the table rows (S, D); cos/sin are rounded to x's dtype first, the math is fp32."""
+    cos, sin = cos.to(x.dtype).float(), sin.to(x.dtype).float()
+    return (x.float() * cos + rotate_half(x).float() * sin).to(x.dtype)
+
+
+def reflect(x: Tensor, v: Tensor) -> Tensor:
+    """Householder reflection x - 2 (x.v) v along the last dim, in x's dtype (v a unit vector of that dtype)."""
+    return x - 2 * (x * v).sum(-1, keepdim=True) * v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        # local head counts: tensor parallel slices the projections and lowers these, never the config
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, q_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.dim, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)  # (B, S, H*D) -> (B, S, H, D)
+        k = self.k_proj(x).view(B, S, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, S, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: per head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, S, H, D) -> (B, H, S, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = self.n_heads != self.n_kv_heads
+        if gqa and not _SDPA_HAS_GQA:
+            # kv head j serves query heads j*n_rep ... j*n_rep + n_rep - 1: repeat_interleave, not a tile
+            n_rep = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        extra = {"enable_gqa": True} if gqa and _SDPA_HAS_GQA else {}
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1 / math.sqrt(self.head_dim), **extra)
+        y = y.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)  # (B, H, S, D) -> (B, S, H*D)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, ffn_dim, bias=False)
+        self.up_proj = nn.Linear(dim, ffn_dim, bias=False)
+        self.down_proj = nn.Linear(ffn_dim, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """The split pair (mlp branch, residual) as vLLM returns it; the layer output is their sum."""
+        r = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        a = self.mlp(self.post_attention_layernorm(r))
+        return a, r
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, with_head: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        # PoC feeds embeddings and v2 reads hidden states: the token table and head exist only when asked for
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim) if with_head else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if with_head else None
+        self.tie_weights()
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.init_rope()
+
+    def tie_weights(self) -> None:
+        """Point lm_head at embed_tokens' matrix (needed again after load_state_dict(assign=True))."""
+        if self.cfg.tie_embeddings and self.lm_head is not None and self.embed_tokens is not None:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def init_rope(self, device=None, n_pos: int | None = None) -> None:
+        """(Re)build the float32 RoPE table for n_pos positions (default max_seq_len) on device (default: current)."""
+        if device is None:
+            device = None if self.rope_cos.is_meta else self.rope_cos.device
+        n_pos = n_pos or self.cfg.max_seq_len
+        if torch.empty(0, device=device).is_meta:
+            # shapes only: meta kernels for the table's math would pull in torch._dynamo and sympy (~70 MB of RSS)
+            self.rope_cos = torch.empty(n_pos, self.cfg.head_dim, device=device)
+            self.rope_sin = torch.empty(n_pos, self.cfg.head_dim, device=device)
+            return
+        self.rope_cos, self.rope_sin = rope_table(
+            self.cfg.head_dim, n_pos, self.cfg.rope_theta, self.cfg.rope_scaling, device=device)
+
+    def forward(self, h: Tensor, reflections: Tensor | None = None, last_only: bool = True,
+                logits: bool = False) -> Tensor:
+        """Embeddings (B, S, D) -> final-norm hidden states (B, D) or (B, S, D), or fp32 logits (B, [S,] V).
+
+        reflections (n_layers_global, D), unit rows: after layer i both parts of its output are reflected by row i.
+        A pipeline stage without `norm` returns the un-normed (B, S, D) output of its last layer.
+        """
+        B, S, _ = h.shape
+        if self.rope_cos.is_meta or self.rope_cos.shape[0] < S or self.rope_cos.device != h.device:
+            self.init_rope(h.device, max(S, self.cfg.max_seq_len))
+        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        if reflections is not None:
+            reflections = reflections.to(device=h.device, dtype=h.dtype)
+        for key, block in self.layers.items():
+            if block is None:  # passthrough for layers another pipeline stage owns
+                continue
+            a, r = block(h, cos, sin)
+            if reflections is not None:
+                # both halves, in the model dtype, as the fork's hook does to vLLM's (hidden, residual) pair
+                v = reflections[int(key)]
+                a, r = reflect(a, v), reflect(r, v)
+            h = a + r
+        if self.norm is None:
+            return h
+        if last_only:
+            h = h[:, -1]  # (B, S, D) -> (B, D): the norm is per position, so slice first
+        h = self.norm(h)
+        if logits:
+            if self.lm_head is None:
+                raise ValueError("logits=True needs a model built with with_head=True")
+            return self.lm_head(h).float()
+        return h
