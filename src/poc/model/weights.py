@@ -1,0 +1,189 @@
+"""Safetensors checkpoint (one file or shards) -> Transformer, one tensor at a time.
+
+Host memory stays at about one copy of the weights: the model is built on meta, every tensor is read, converted
+and placed on its own, and `load_state_dict(assign=True)` adopts the placed tensors without copying them again.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+from tqdm import tqdm
+
+from poc.errors import InputError
+from poc.model.config import ModelConfig
+from poc.model.transformer import Transformer
+
+FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+INDEX_FILE = "model.safetensors.index.json"
+CHUNK_BYTES = 4 << 20  # largest single read; bounds the memory needed on top of the weights
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor lives; read from the file header only."""
+
+    file: Path
+    key: str  # the name in the file, e.g. model.layers.0.mlp.up_proj.weight
+    shape: tuple[int, ...]
+    dtype: str  # safetensors code: F32, BF16, ...
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * FILE_DTYPES[self.dtype].itemsize if self.dtype in FILE_DTYPES else 0
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
+    """'auto' -> the config's torch_dtype (float32 when absent); names like 'bf16' -> torch dtypes."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = (cfg.torch_dtype or "float32") if dtype == "auto" else str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise InputError(f"dtype {dtype!r} (-> {name!r}) is not one of {', '.join(DTYPES)}", "dtype")
+    return DTYPES[name]
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory: from the shard index, model.safetensors, or *.safetensors."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise InputError(f"{index} is not a valid shard index ({type(e).__name__}: {e})", "model") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise InputError(f"{index} names shard files that do not exist: {', '.join(missing)}", "model")
+        return [path / n for n in names]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise InputError(f"no *.safetensors files in {path}", "model")
+    return files
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError for a bad header or a short file, OSError for the rest
+        raise InputError(f"{file} is not a valid safetensors file: {e}", "model") from None
+
+
+def index_checkpoint(path: str | Path) -> dict[str, TensorRef]:
+    """Model parameter name (`model.` stripped) -> TensorRef, for every tensor in the checkpoint's files."""
+    refs = {}
+    for file in checkpoint_files(Path(path)):
+        with _open(file) as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                refs[key.removeprefix("model.")] = TensorRef(file, key, tuple(sl.get_shape()), sl.get_dtype())
+    return refs
+
+
+def read_tensor(ref: TensorRef, index=None) -> Tensor:
+    """The tensor, or only the part `index` selects (rows or columns for a tensor-parallel rank).
+
+    The file is opened per tensor: recent safetensors return views of a whole-file mmap, and the pages touched
+    would stay resident (and count as ours) until the file is closed.
+    """
+    try:
+        with _open(ref.file) as f:
+            return f.get_tensor(ref.key) if index is None else f.get_slice(ref.key)[index]
+    except InputError:
+        raise
+    except Exception as e:
+        raise InputError(f"cannot read {ref.key} from {ref.file}: {e}", "model") from None
+
+
+def iter_state_dict(refs: dict[str, TensorRef], names: Iterable[str], dtype: torch.dtype | None = None,
+                    device: torch.device | str = "cpu") -> Iterator[tuple[str, Tensor]]:
+    """Yield (name, tensor) one at a time, each in a fresh buffer of `dtype` (default: the file's) on `device`.
+
+    Large tensors are copied in blocks of rows, so the transient on top of the weights is one block.
+    """
+    for name in names:
+        ref = refs[name]
+        out = torch.empty(ref.shape, dtype=dtype or FILE_DTYPES[ref.dtype], device=device)
+        rows = ref.shape[0] if ref.shape else 0
+        step = max(1, CHUNK_BYTES * rows // ref.nbytes) if ref.nbytes else 1
+        if rows <= step:
+            out.copy_(read_tensor(ref))
+        else:
+            for a in range(0, rows, step):
+                out[a:a + step].copy_(read_tensor(ref, slice(a, a + step)))
+        yield name, out
+
+
+def expected_keys(model: Transformer) -> list[str]:
+    """State-dict names the checkpoint must supply (a tied lm_head is embed_tokens' matrix, not a tensor)."""
+    keys = list(model.state_dict(keep_vars=True))
+    if model.cfg.tie_embeddings and model.embed_tokens is not None:
+        keys.remove("lm_head.weight")
+    return keys
+
+
+def check_checkpoint(refs: dict[str, TensorRef], model: Transformer, names: list[str]) -> None:
+    """Every name present, with the model's shape and a float dtype; raise InputError otherwise, before any read."""
+    missing = [n for n in names if n not in refs]
+    if missing:
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise InputError(f"checkpoint lacks {len(missing)} tensors: {', '.join(missing[:8])}{more}", "model")
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+    for n in names:
+        ref = refs[n]
+        if ref.shape != shapes[n]:
+            raise InputError(
+                f"{ref.key} in {ref.file.name} has shape {list(ref.shape)} but config.json implies "
+                f"{list(shapes[n])}", "model")
+        if ref.dtype not in FILE_DTYPES:
+            raise InputError(f"{ref.key} has dtype {ref.dtype}; only float checkpoints are supported", "model")
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
+               with_head: bool = False, progress: bool = True) -> tuple[Transformer, ModelConfig]:
+    """Build the model of a HF checkpoint directory on meta and fill it from its safetensors, in eval mode."""
+    path = Path(path)
+    if not path.is_dir():
+        raise InputError(f"model directory {path} does not exist", "model")
+    cfg = ModelConfig.from_hf(path)
+    dtype = resolve_dtype(dtype, cfg)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = Transformer(cfg, with_head=with_head)
+    names = expected_keys(model)
+    refs = index_checkpoint(path)  # unused tensors (lm_head without a head, rotary inv_freq, ...) are never read
+    check_checkpoint(refs, model, names)
+
+    sd = {}
+    total = sum(refs[n].nbytes for n in names)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}", file=sys.stderr,
+              disable=not progress) as bar:
+        for name, t in iter_state_dict(refs, names, dtype, device):
+            sd[name] = t
+            bar.update(refs[name].nbytes)
+    model.load_state_dict(sd, assign=True, strict=False)
+    del sd
+    model.tie_weights()
+    left = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]
+    if left:
+        raise InputError(f"checkpoint did not fill {', '.join(left)}", "model")
+    model.init_rope(device)
+    model.requires_grad_(False)
+    return model.eval(), cfg
