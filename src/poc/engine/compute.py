@@ -137,6 +137,7 @@ class V2Compute:
     def __init__(self, model, cfg, dtype: torch.dtype, device: torch.device, name: str, compile: bool = False):
         self.model, self.cfg, self.dtype, self.device, self.name = model, cfg, dtype, device, name
         self._vectors: tuple[str, torch.Tensor] | None = None
+        self._keys: torch.Tensor | None = None
         self._fn = maybe_compile(self._batch, compile)
 
     def reflections(self, block_hash: str) -> torch.Tensor:
@@ -154,8 +155,8 @@ class V2Compute:
             t = tuple(x.pin_memory() for x in t)
         return V2Prepared(list(nonces), *t, seq_len=seq_len, block_hash=block_hash)
 
-    def _batch(self, seeds, pick, haar, refl, seq_len: int) -> torch.Tensor:
-        x = v2.inputs_from_seeds(seeds, seq_len, self.cfg.dim).to(self.dtype)
+    def _batch(self, seeds, keys, pick, haar, refl, seq_len: int) -> torch.Tensor:
+        x = v2.inputs_from_seeds(seeds, seq_len, self.cfg.dim, keys).to(self.dtype)
         h = self.model(x, reflections=refl, last_only=True)
         return v2.project(h, v2.PostProcessPlan(pick, haar))
 
@@ -165,7 +166,14 @@ class V2Compute:
         if self.model.rope_cos.shape[0] < prep.seq_len or self.model.rope_cos.device != dev:
             self.model.init_rope(dev, max(prep.seq_len, self.cfg.max_seq_len))  # outside any compiled graph
         seeds, pick, haar = (t.to(dev, non_blocking=True) for t in (prep.seeds, prep.pick, prep.haar))
-        return Handle(prep, self._fn(seeds, pick, haar, self.reflections(prep.block_hash), prep.seq_len), dev)
+        out = self._fn(seeds, self.keys(prep.seq_len), pick, haar, self.reflections(prep.block_hash), prep.seq_len)
+        return Handle(prep, out, dev)
+
+    def keys(self, seq_len: int) -> torch.Tensor:
+        n = seq_len * self.cfg.dim
+        if self._keys is None or self._keys.numel() < n:
+            self._keys = v2.hash_keys(n, self.device)
+        return self._keys
 
     def collect(self, h: Handle) -> dict:
         arts, dropped = v2.artifacts(h.prep.nonces, h.wait())

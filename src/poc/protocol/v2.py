@@ -104,11 +104,21 @@ def input_seeds(block_hash: str, public_key: str, nonces: Sequence[int], stronge
     return torch.tensor([seed32(s) for s in strings], dtype=torch.int64)
 
 
-def inputs_from_seeds(seeds: torch.Tensor, seq_len: int, hidden: int) -> torch.Tensor:
-    """(B, S, H) float32 inputs from `input_seeds` (on any device; pure tensor code, so it compiles)."""
+def hash_keys(n: int, device="cpu") -> torch.Tensor:
+    """The element indices 0..2*ceil(n/2)-1 as int64, made outside compiled code (inductor would index them in
+    int32 and overflow on the hash constants)."""
+    return torch.arange(2 * ((n + 1) // 2), dtype=torch.int64, device=device)
+
+
+def inputs_from_seeds(seeds: torch.Tensor, seq_len: int, hidden: int, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, S, H) float32 inputs from `input_seeds` (on any device; pure tensor code, so it compiles).
+
+    keys: hash_keys(seq_len * hidden) on the same device (made here when not given)."""
     n = seq_len * hidden
+    if keys is None:
+        keys = hash_keys(n, seeds.device)
     if seeds.dim() == 1:
-        x = _normals_t(seeds.view(-1, 1), n)
+        x = _normals_t(seeds.view(-1, 1), n, keys)
     else:  # stronger RNG: 8 segments of ceil(n/8), each with its own sub-seed and Box-Muller split
         seg = (n + 7) // 8
         parts = []
@@ -116,15 +126,16 @@ def inputs_from_seeds(seeds: torch.Tensor, seq_len: int, hidden: int) -> torch.T
             lo, hi = j * seg, min((j + 1) * seg, n)
             if lo >= n:
                 break
-            parts.append(_normals_t(seeds[:, j:j + 1], hi - lo))
+            parts.append(_normals_t(seeds[:, j:j + 1], hi - lo, keys))
         x = torch.cat(parts, dim=1)
     return x.view(seeds.shape[0], seq_len, hidden)
 
 
-def _normals_t(seeds: torch.Tensor, n: int) -> torch.Tensor:
+def _normals_t(seeds: torch.Tensor, n: int, keys: torch.Tensor | None = None) -> torch.Tensor:
     m = (n + 1) // 2
-    keys = torch.arange(2 * m, dtype=torch.int64, device=seeds.device).view(1, -1)
-    u = murmur(keys, seeds).to(torch.float32) / _U32_SCALE
+    if keys is None:
+        keys = hash_keys(n, seeds.device)
+    u = murmur(keys[:2 * m].view(1, -1), seeds).to(torch.float32) / _U32_SCALE
     u1 = u[:, :m].clamp_min(1e-10)
     theta = _TWO_PI_F32 * u[:, m:]
     r = torch.sqrt(-2.0 * torch.log(u1))
