@@ -77,8 +77,10 @@ class V1Compute:
     """The v1 random model for one (params, block_hash, dtype), plus its target vector."""
 
     def __init__(self, params: v1.V1Params, block_hash: str, dtype: torch.dtype, device: torch.device,
-                 compile: bool = False):
+                 compile: bool = False, input_workers: int = 0):
         self.params, self.block_hash, self.dtype, self.device = params, block_hash, dtype, device
+        self.input_workers = input_workers  # > 0: inputs drawn by that many processes (V1InputPool)
+        self._pool = None
         t0 = time.perf_counter()
         self.model = build_v1_model(params, block_hash, dtype, device)
         self.target = torch.from_numpy(v1.target(block_hash, params.vocab_size)).to(device)  # float64
@@ -91,6 +93,13 @@ class V1Compute:
 
     def prepare(self, public_key: str, nonces: Sequence[int]) -> V1Prepared:
         p = self.params
+        if self.input_workers > 0 and len(nonces) > 1:
+            if self._pool is None or self._pool.batch < len(nonces):
+                from poc.engine.v1inputs import V1InputPool
+                self.close()
+                self._pool = V1InputPool(len(nonces), p.seq_len, p.dim, p.vocab_size, self.input_workers)
+            x, perms = self._pool.fill(self.block_hash, public_key, list(nonces))
+            return V1Prepared(list(nonces), torch.from_numpy(x), torch.from_numpy(perms))
         x = torch.from_numpy(v1.input_embeddings(self.block_hash, public_key, nonces, p.seq_len, p.dim))
         perms = torch.from_numpy(v1.permutations(self.block_hash, public_key, nonces, p.vocab_size))
         if self.device.type == "cuda":
@@ -115,6 +124,11 @@ class V1Compute:
     def run(self, prep: V1Prepared) -> np.ndarray:
         """float64 distances, one per nonce."""
         return self.collect(self.launch(prep))["dist"]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
 
 # --------------------------------------------------------------------------------------------------

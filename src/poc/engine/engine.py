@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,9 +33,12 @@ class Busy(RuntimeError):
 
 class Engine:
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto",
-                 compile: bool = False):
+                 compile: bool = False, v1_input_workers: int | None = None):
         self.device = resolve_device(device)
         self.compile = compile and self.device.type == "cuda"  # torch.compile at fixed batch shapes
+        if v1_input_workers is None:  # on a GPU box the numpy RNG needs many cores to keep up
+            v1_input_workers = max(1, min(16, (os.cpu_count() or 2) - 2)) if self.device.type == "cuda" else 0
+        self.v1_input_workers = v1_input_workers
         self.model_dir = model_dir
         self.dtype_flag = dtype
         self.v2: V2Compute | None = None
@@ -48,7 +52,8 @@ class Engine:
     # ---------------------------------------------------------------------------------------- models
 
     def load(self) -> None:
-        """Load the v2 checkpoint given at start (if any)."""
+        """Warm up torch (its first model build costs ~2 s, once) and load the v2 checkpoint given at start."""
+        self._warmup()
         if not self.model_dir:
             self.state = "ready"
             return
@@ -63,6 +68,13 @@ class Engine:
         self.load_seconds = time.perf_counter() - t0
         self.state = "ready"
 
+    def _warmup(self) -> None:
+        tiny = v1.V1Params(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=64, ffn_dim_multiplier=None,
+                           multiple_of=32, norm_eps=1e-5, rope_theta=1e4, use_scaled_rope=False, seq_len=4)
+        c = V1Compute(tiny, "warmup", torch.float32, self.device)
+        c.run(c.prepare("warmup", [0, 1]))
+        c.close()
+
     def v2_dtype_arg(self):
         """"auto": the checkpoint's dtype on CUDA, float32 on CPU (CPU half-precision matmuls are slow and
         the golden data is float32)."""
@@ -74,10 +86,12 @@ class Engine:
         """The v1 model for (params, block_hash, dtype), reused while they stay the same."""
         key = (params, block_hash, DTYPES[dtype])
         if self._v1 is None or self._v1.key() != key:
+            if self._v1 is not None:
+                self._v1.close()
             self._v1 = None  # free the old model before building the next
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            c = V1Compute(params, block_hash, DTYPES[dtype], self.device, self.compile)
+            c = V1Compute(params, block_hash, DTYPES[dtype], self.device, self.compile, self.v1_input_workers)
             log.info("v1 model built: dim=%d layers=%d dtype=%s in %.1f s", params.dim, params.n_layers, dtype,
                      c.build_seconds)
             self._v1 = c
@@ -190,3 +204,5 @@ class Engine:
 
     def close(self) -> None:
         self._prep_pool.shutdown(wait=False, cancel_futures=True)
+        if self._v1 is not None:
+            self._v1.close()
