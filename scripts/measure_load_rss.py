@@ -18,6 +18,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 SHAPES = {  # layer shapes of real models (vocab kept small: a headless load never reads the embedding)
@@ -94,12 +95,14 @@ def measure(path: str, dtype: str) -> dict:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
+    t0 = time.perf_counter()
     model, _ = load_model(path, dtype=dtype, device="cpu", progress=False)
+    load_s = time.perf_counter() - t0
     peak_ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     peak_hwm = _status_kb("VmHWM") * 1024
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return {
-        "weight_bytes": weights, "rss_after_imports": imported, "baseline_rss": base,
+        "weight_bytes": weights, "load_s": round(load_s, 2), "rss_after_imports": imported, "baseline_rss": base,
         "peak_above_baseline_ru_maxrss": peak_ru - base, "ratio_ru_maxrss": round((peak_ru - base) / weights, 4),
         "peak_above_baseline_vmhwm": peak_hwm - base, "ratio_vmhwm": round((peak_hwm - base) / weights, 4),
     }

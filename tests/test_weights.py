@@ -133,10 +133,10 @@ def test_bad_dtype_name(ckpt):
     assert error_of(ckpt[0], dtype="int8").field == "dtype"
 
 
-def test_large_tensors_are_read_in_row_blocks(tmp_path, monkeypatch):
+def test_conversion_through_a_small_staging_block(tmp_path, monkeypatch):
     import poc.model.weights as weights
 
-    monkeypatch.setattr(weights, "CHUNK_BYTES", 1000)  # ~4 rows of 64 floats per read
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 1000)  # 250 floats per read: blocks straddle rows and tensors
     sd = hf_state_dict()
     model, _ = load_model(write_checkpoint(tmp_path, sd), dtype=torch.bfloat16, progress=False)
     got = model.state_dict()["layers.0.mlp.down_proj.weight"]

@@ -28,7 +28,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 INDEX_FILE = "model.safetensors.index.json"
-CHUNK_BYTES = 4 << 20  # largest single read; bounds the memory needed on top of the weights
+CHUNK_BYTES = 8 << 20  # staging block for dtype conversion and device copies: the only transient on top
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class TensorRef:
     key: str  # the name in the file, e.g. model.layers.0.mlp.up_proj.weight
     shape: tuple[int, ...]
     dtype: str  # safetensors code: F32, BF16, ...
+    offset: int = 0  # of the first byte, from the start of the file
 
     @property
     def nbytes(self) -> int:
@@ -86,23 +87,28 @@ def _open(file: Path):
         raise InputError(f"{file} is not a valid safetensors file: {e}", "model") from None
 
 
+def _data_offsets(file: Path) -> dict[str, int]:
+    """Absolute byte offset of each tensor, from the header (which safe_open has already validated)."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
 def index_checkpoint(path: str | Path) -> dict[str, TensorRef]:
     """Model parameter name (`model.` stripped) -> TensorRef, for every tensor in the checkpoint's files."""
     refs = {}
     for file in checkpoint_files(Path(path)):
-        with _open(file) as f:
-            for key in f.keys():
-                sl = f.get_slice(key)
-                refs[key.removeprefix("model.")] = TensorRef(file, key, tuple(sl.get_shape()), sl.get_dtype())
+        with _open(file) as f:  # safetensors checks the header and that the file is long enough
+            shapes = {key: (tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype()) for key in f.keys()}
+        offsets = _data_offsets(file)
+        for key, (shape, dtype) in shapes.items():
+            refs[key.removeprefix("model.")] = TensorRef(file, key, shape, dtype, offsets[key])
     return refs
 
 
 def read_tensor(ref: TensorRef, index=None) -> Tensor:
-    """The tensor, or only the part `index` selects (rows or columns for a tensor-parallel rank).
-
-    The file is opened per tensor: recent safetensors return views of a whole-file mmap, and the pages touched
-    would stay resident (and count as ours) until the file is closed.
-    """
+    """The tensor, or only the part `index` selects (rows or columns, as a tensor-parallel rank needs)."""
     try:
         with _open(ref.file) as f:
             return f.get_tensor(ref.key) if index is None else f.get_slice(ref.key)[index]
@@ -112,23 +118,50 @@ def read_tensor(ref: TensorRef, index=None) -> Tensor:
         raise InputError(f"cannot read {ref.key} from {ref.file}: {e}", "model") from None
 
 
+def _fill(f, buf: memoryview, ref: TensorRef) -> None:
+    while buf:
+        n = f.readinto(buf)
+        if not n:
+            raise InputError(f"{ref.file} ended inside {ref.key} (changed while loading?)", "model")
+        buf = buf[n:]
+
+
 def iter_state_dict(refs: dict[str, TensorRef], names: Iterable[str], dtype: torch.dtype | None = None,
                     device: torch.device | str = "cpu") -> Iterator[tuple[str, Tensor]]:
     """Yield (name, tensor) one at a time, each in a fresh buffer of `dtype` (default: the file's) on `device`.
 
-    Large tensors are copied in blocks of rows, so the transient on top of the weights is one block.
+    Plain positioned reads, not mmap: safetensors' mmap keeps every page it touched resident until the file is
+    closed (a whole shard of extra RSS). A tensor already in the target dtype on the CPU is read straight into
+    place; anything else goes through one staging block of CHUNK_BYTES, so nothing but that block is transient.
     """
-    for name in names:
-        ref = refs[name]
-        out = torch.empty(ref.shape, dtype=dtype or FILE_DTYPES[ref.dtype], device=device)
-        rows = ref.shape[0] if ref.shape else 0
-        step = max(1, CHUNK_BYTES * rows // ref.nbytes) if ref.nbytes else 1
-        if rows <= step:
-            out.copy_(read_tensor(ref))
-        else:
-            for a in range(0, rows, step):
-                out[a:a + step].copy_(read_tensor(ref, slice(a, a + step)))
-        yield name, out
+    device = torch.device(device)
+    staging = None
+    f, f_path = None, None
+    try:
+        for name in sorted(names, key=lambda n: (str(refs[n].file), refs[n].offset)):  # sequential reads
+            ref = refs[name]
+            if ref.file != f_path:
+                if f is not None:
+                    f.close()
+                f, f_path = open(ref.file, "rb", buffering=0), ref.file
+            src_dtype = FILE_DTYPES[ref.dtype]
+            out = torch.empty(ref.shape, dtype=dtype or src_dtype, device=device)
+            f.seek(ref.offset)
+            if out.dtype == src_dtype and device.type == "cpu":
+                _fill(f, memoryview(out.view(-1).view(torch.uint8).numpy()), ref)
+            else:
+                if staging is None:
+                    staging = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=device.type == "cuda")
+                flat, step = out.view(-1), CHUNK_BYTES // src_dtype.itemsize
+                for a in range(0, flat.numel(), step):
+                    n = min(step, flat.numel() - a)
+                    block = staging[: n * src_dtype.itemsize]
+                    _fill(f, memoryview(block.numpy()), ref)
+                    flat[a:a + n].copy_(block.view(src_dtype))
+            yield name, out
+    finally:
+        if f is not None:
+            f.close()
 
 
 def expected_keys(model: Transformer) -> list[str]:
