@@ -82,7 +82,7 @@ class V1Compute:
         self.input_workers = input_workers  # > 0: inputs drawn by that many processes (V1InputPool)
         self._pool = None
         t0 = time.perf_counter()
-        self.model = build_v1_model(params, block_hash, dtype, device)
+        self.model = build_v1_model(params, block_hash, dtype, device).fuse()
         self.target = torch.from_numpy(v1.target(block_hash, params.vocab_size)).to(device)  # float64
         self._fn = maybe_compile(self._batch, compile)
         _sync(device)
@@ -149,7 +149,7 @@ class V2Compute:
     """A loaded checkpoint; computes artifacts for any (block_hash, public_key, nonces, seq_len, k_dim)."""
 
     def __init__(self, model, cfg, dtype: torch.dtype, device: torch.device, name: str, compile: bool = False):
-        self.model, self.cfg, self.dtype, self.device, self.name = model, cfg, dtype, device, name
+        self.model, self.cfg, self.dtype, self.device, self.name = model.fuse(), cfg, dtype, device, name
         self._vectors: tuple[str, torch.Tensor] | None = None
         self._keys: torch.Tensor | None = None
         self._fn = maybe_compile(self._batch, compile)

@@ -80,27 +80,63 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, kv_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, kv_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_dim, cfg.dim, bias=cfg.o_bias)
+        self.qkv_proj: nn.Linear | None = None  # set by fuse()
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def fuse(self) -> None:
+        """Replace q/k/v by one projection (one GEMM instead of three); same numbers per output element."""
+        if self.qkv_proj is not None:
+            return
+        ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        qkv = nn.Linear(ws[0].shape[1], sum(w.shape[0] for w in ws), bias=self.q_proj.bias is not None,
+                        device=ws[0].device, dtype=ws[0].dtype)
+        with torch.no_grad():
+            qkv.weight.copy_(torch.cat(ws))
+            if qkv.bias is not None:
+                qkv.bias.copy_(torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
+        self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = qkv, None, None, None
+
+    def _project(self, x: Tensor, last_only: bool) -> tuple[Tensor, Tensor, Tensor]:
+        xq = x[:, -1:] if last_only else x  # the last layer of a last-position pass needs one query
+        if self.qkv_proj is None:
+            return self.q_proj(xq), self.k_proj(x), self.v_proj(x)
+        q_dim = self.n_heads * self.head_dim
+        w, b = self.qkv_proj.weight, self.qkv_proj.bias
+        if not last_only:
+            return _split3(self.qkv_proj(x), q_dim)
+        q = F.linear(xq, w[:q_dim], None if b is None else b[:q_dim])
+        kv = F.linear(x, w[q_dim:], None if b is None else b[q_dim:])
+        k, v = kv.chunk(2, dim=-1)
+        return q, k, v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, last_only: bool = False) -> Tensor:
+        """Causal self-attention; with last_only, only the last position's output (B, 1, D) is computed."""
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)  # (B, S, H*D) -> (B, S, H, D)
-        k = self.k_proj(x).view(B, S, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, S, self.n_kv_heads, self.head_dim)
+        q, k, v = self._project(x, last_only)
+        Sq = q.shape[1]
+        q = q.view(B, Sq, self.n_heads, self.head_dim)  # (B, Sq, H*D) -> (B, Sq, H, D)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim)
+        v = v.view(B, S, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3: per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, S, H, D) -> (B, H, S, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos[S - Sq:], sin[S - Sq:]), apply_rope(k, cos, sin)
         gqa = self.n_heads != self.n_kv_heads
         if gqa and not _SDPA_HAS_GQA:
             # kv head j serves query heads j*n_rep ... j*n_rep + n_rep - 1: repeat_interleave, not a tile
             n_rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
         extra = {"enable_gqa": True} if gqa and _SDPA_HAS_GQA else {}
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1 / math.sqrt(self.head_dim), **extra)
-        y = y.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)  # (B, H, S, D) -> (B, S, H*D)
+        # a single last query sees every key: no mask (SDPA's causal mask is top-left aligned)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=Sq > 1, scale=1 / math.sqrt(self.head_dim), **extra)
+        y = y.transpose(1, 2).reshape(B, Sq, self.n_heads * self.head_dim)  # (B, H, Sq, D) -> (B, Sq, H*D)
         return self.o_proj(y)
+
+
+def _split3(qkv: Tensor, q_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    kv = (qkv.shape[-1] - q_dim) // 2
+    return qkv.split([q_dim, kv, kv], dim=-1)
 
 
 class MLP(nn.Module):
@@ -110,7 +146,22 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dim, ffn_dim, bias=False)
         self.down_proj = nn.Linear(ffn_dim, dim, bias=False)
 
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """One GEMM for gate and up."""
+        if self.gate_up_proj is not None:
+            return
+        g, u = self.gate_proj.weight, self.up_proj.weight
+        gu = nn.Linear(g.shape[1], 2 * g.shape[0], bias=False, device=g.device, dtype=g.dtype)
+        with torch.no_grad():
+            gu.weight.copy_(torch.cat([g, u]))
+        self.gate_up_proj, self.gate_proj, self.up_proj = gu, None, None
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up_proj is not None:
+            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -122,9 +173,12 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """The split pair (mlp branch, residual) as vLLM returns it; the layer output is their sum."""
-        r = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, last_only: bool = False) -> tuple[Tensor, Tensor]:
+        """The split pair (mlp branch, residual) as vLLM returns it; the layer output is their sum.
+
+        last_only: compute only the last position (B, 1, D) (keys and values still see every position)."""
+        res = x[:, -1:] if last_only else x
+        r = res + self.self_attn(self.input_layernorm(x), cos, sin, last_only)
         a = self.mlp(self.post_attention_layernorm(r))
         return a, r
 
@@ -142,6 +196,14 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.init_rope()
+
+    def fuse(self) -> "Transformer":
+        """Fuse q/k/v and gate/up into single GEMMs (after loading and any sharding)."""
+        for block in self.layers.values():
+            if block is not None:
+                block.self_attn.fuse()
+                block.mlp.fuse()
+        return self
 
     def tie_weights(self) -> None:
         """Point lm_head at embed_tokens' matrix (needed again after load_state_dict(assign=True))."""
@@ -174,10 +236,12 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]
         if reflections is not None:
             reflections = reflections.to(device=h.device, dtype=h.dtype)
-        for key, block in self.layers.items():
-            if block is None:  # passthrough for layers another pipeline stage owns
-                continue
-            a, r = block(h, cos, sin)
+        blocks = [(k, b) for k, b in self.layers.items() if b is not None]  # None: another stage's layer
+        for i, (key, block) in enumerate(blocks):
+            # a last-position pass needs only the last query and MLP row in the final layer (exact, and
+            # about one layer's FLOPs saved); a pipeline stage without the norm hands on every position
+            last = last_only and self.norm is not None and i == len(blocks) - 1
+            a, r = block(h, cos, sin, last)
             if reflections is not None:
                 # both halves, in the model dtype, as the fork's hook does to vLLM's (hidden, residual) pair
                 v = reflections[int(key)]
@@ -186,7 +250,7 @@ class Transformer(nn.Module):
         if self.norm is None:
             return h
         if last_only:
-            h = h[:, -1]  # (B, S, D) -> (B, D): the norm is per position, so slice first
+            h = h[:, -1]  # (B, S|1, D) -> (B, D): the norm is per position, so slice first
         h = self.norm(h)
         if logits:
             if self.lm_head is None:
