@@ -1,0 +1,83 @@
+"""ServerConfig: the model server's settings, from flags, each also settable by an environment variable.
+
+    python model_server.py [--host 127.0.0.1] [--port 18000] [--model DIR] [--dtype auto|float16|bfloat16|float32]
+                           [--device cpu|cuda] [--log-level info]
+
+Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_DTYPE, POC_DEVICE, POC_LOG_LEVEL) > default.
+The other fields are limits and timings; tests override them directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from poc.errors import InputError
+
+DTYPE_CHOICES = ("auto", "float16", "bfloat16", "float32")
+ENV = {"host": "POC_HOST", "port": "POC_PORT", "model": "POC_MODEL", "dtype": "POC_DTYPE", "device": "POC_DEVICE",
+       "log_level": "POC_LOG_LEVEL"}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # the PyWorker runs on the same host
+    port: int = 18000
+    model: str | None = None  # a HF checkpoint dir: serve PoC v2 for it (and v1); None: PoC v1 only
+    dtype: str = "auto"  # of the v2 checkpoint; auto: its own dtype on CUDA, float32 on CPU
+    device: str | None = None  # None: cuda when available, else cpu
+    log_level: str = "INFO"
+    # limits: answered with 400/413/422/429 before any GPU work
+    max_body_bytes: int = 16 << 20
+    max_batch_size: int = 4096
+    max_request_nonces: int = 100_000  # explicit nonce lists (/validate, /api/v1/pow/generate)
+    max_queued_nonces: int = 100_000  # the /api/v1/pow/generate queue, as the reference's POC_MAX_QUEUED_NONCES
+    max_duration_limit: float = 86_400.0  # the largest max_duration a request may ask for
+    default_max_duration: float = 420.0  # the reference's MAX_JOB_DURATION
+    # timings
+    progress_interval: float = 2.0  # {"status": "progress"} lines
+    rate_log_interval: float = 5.0  # "rate: ..." log lines
+    callback_interval: float = 5.0  # merged results to {url}/generated, as the reference's sender
+    callback_timeout: float = 10.0
+    callback_max_pending: int = 10_000
+    callback_backoff: float = 1.0  # first retry delay; doubles up to 30 s
+    result_ttl: float = 300.0  # queued /generate results stay readable this long after completion
+    shutdown_flush_seconds: float = 5.0  # how long shutdown waits for pending callbacks
+    memory_headroom: float = 0.9  # a job may plan to use this fraction of the free memory
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise InputError(f"--port must be in 1..65535, got {self.port}", "port")
+        if self.dtype not in DTYPE_CHOICES:
+            raise InputError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}", "dtype")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise InputError(message)
+
+
+def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """Flags, then POC_* environment variables, then the defaults."""
+    import os
+
+    env = os.environ if env is None else env
+    d = ServerConfig()
+    ap = _Parser(prog="python model_server.py", description="The PoC model server (v1 and v2, NDJSON streaming).")
+    ap.add_argument("--host", default=env.get(ENV["host"], d.host), help=f"bind address (env {ENV['host']})")
+    ap.add_argument("--port", default=env.get(ENV["port"], d.port), help=f"(env {ENV['port']})")
+    ap.add_argument("--model", default=env.get(ENV["model"]) or None,
+                    help=f"HF checkpoint dir for PoC v2; without it only v1 is served (env {ENV['model']})")
+    ap.add_argument("--dtype", default=env.get(ENV["dtype"], d.dtype), help=f"{'|'.join(DTYPE_CHOICES)} (env {ENV['dtype']})")
+    ap.add_argument("--device", default=env.get(ENV["device"]) or None, help=f"cpu, cuda or cuda:N (env {ENV['device']})")
+    ap.add_argument("--log-level", default=env.get(ENV["log_level"], d.log_level), help=f"(env {ENV['log_level']})")
+    a = ap.parse_args(argv)
+    try:
+        port = int(a.port)
+    except ValueError:
+        raise InputError(f"--port must be an integer, got {a.port!r}", "port") from None
+    level = str(a.log_level).upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise InputError(f"--log-level must be debug, info, warning or error, got {a.log_level!r}", "log_level")
+    return ServerConfig(host=a.host, port=port, model=a.model, dtype=a.dtype, device=a.device, log_level=level)

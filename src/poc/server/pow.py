@@ -1,0 +1,450 @@
+"""/api/v1/pow/*: the API a Gonka MLNode speaks to its PoC backend. The request's params say which protocol.
+
+PoC v2 (spec-v2 §e): POST /init/generate (continuous generation, artifacts to {url}/generated), POST /generate
+(explicit nonces, optional validation; queued FIFO, or `wait: true`), GET /generate/{request_id}, GET /status,
+POST /stop. PoC v1 (spec-v1 §4.5): POST /init, /init/generate, /init/validate, /phase/generate,
+/phase/validate, /validate (a ProofBatch, scored and posted to {url}/validated), GET /status, POST /stop.
+
+Fixed against the reference (spec-v2 §f 7-12): batch_size, seq_len, k_dim and nonces are range-checked (400,
+never a spinning loop or an endless retry); duplicate nonces are refused; `wait: true` while a job holds the
+device is a 409 at once, not a wait; NaN-dropped nonces are reported and not counted as processed; /stop
+delivers what was computed (the callback buffer is flushed, completed results stay readable for result_ttl)
+instead of discarding it; validation scores missing or undecodable vectors as mismatches (protocol.v2.validate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from poc.engine.jobs import BatchResult
+from poc.errors import InputError
+from poc.protocol import v1, v2
+from poc.server import schemas
+from poc.server.app import (check_v1_memory, check_v2_memory, claim_device, config_key, engine_key, gate_key,
+                            new_runner, require_ready, sender_key, served_model, tasks_key)
+from poc.server.logs import describe
+from poc.server.stream import JobRunner
+from poc.server.vast import collect, validate_v1
+
+log = logging.getLogger("poc.pow")
+
+PREFIX = "/api/v1/pow"
+
+
+def setup(app: web.Application) -> None:
+    svc = PowService(app)
+    app[pow_key] = svc
+    r = app.router
+    r.add_post(f"{PREFIX}/init", svc.init)
+    r.add_post(f"{PREFIX}/init/generate", svc.init_generate)
+    r.add_post(f"{PREFIX}/init/validate", svc.init_validate)
+    r.add_post(f"{PREFIX}/phase/generate", svc.phase_generate)
+    r.add_post(f"{PREFIX}/phase/validate", svc.phase_validate)
+    r.add_post(f"{PREFIX}/validate", svc.validate)
+    r.add_post(f"{PREFIX}/generate", svc.generate)
+    r.add_get(f"{PREFIX}/generate/{{request_id}}", svc.generate_result)
+    r.add_get(f"{PREFIX}/status", svc.status)
+    r.add_post(f"{PREFIX}/stop", svc.stop)
+
+
+def ok(state: str) -> web.Response:
+    return web.json_response({"status": "OK", "pow_status": {"status": state}})
+
+
+# --------------------------------------------------------------------------------------------------
+# continuous generation (/init/generate, /phase/generate)
+
+
+class Generation:
+    """One generation loop on the device; batches are merged and posted to {url}/generated every
+    callback_interval seconds, and once more when it ends (stop, shutdown or error)."""
+
+    def __init__(self, app: web.Application, protocol: str, init, runner: JobRunner):
+        self.app, self.protocol, self.init, self.runner = app, protocol, init, runner
+        self.id = uuid.uuid4().hex
+        self.seq = itertools.count(1)
+        self.buffer: list[BatchResult] = []
+        self.error: str | None = None
+        self.task: asyncio.Task | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name=f"pow-generation-{self.id[:8]}")
+
+    async def stop(self, reason: str = "stopped") -> None:
+        self.runner.stop(reason)
+        if self.task is not None:
+            await asyncio.shield(self.task)  # ends after the batch in flight, with a final flush
+
+    async def _run(self) -> None:
+        interval = self.app[config_key].callback_interval
+        last = time.monotonic()
+        try:
+            async with contextlib.aclosing(self.runner.events()) as events:
+                async for kind, item in events:
+                    if kind == "batch":
+                        self.buffer.append(item)
+                    elif kind == "done" and item.reason == "error":
+                        self.error = f"{item.error_type}: {item.error}"
+                    if time.monotonic() - last >= interval:
+                        self.flush()
+                        last = time.monotonic()
+        finally:
+            self.flush()
+            self.runner.close()
+
+    def flush(self) -> None:
+        """Hand what was computed since the last flush to the callback sender (nothing is discarded)."""
+        batches, self.buffer = self.buffer, []
+        url = self.init.url
+        if not batches or url is None:
+            return
+        i = self.init
+        if self.protocol == "v2":
+            arts = [a for b in batches for a in (b.artifacts or [])]
+            dropped = [n for b in batches for n in b.dropped]
+            if not arts and not dropped:
+                return
+            payload = {"public_key": i.public_key, "block_hash": i.block_hash, "block_height": i.block_height,
+                       "node_id": i.node_id, "artifacts": arts, "encoding": v2.encoding(i.k_dim)}
+            if dropped:
+                payload["dropped_nonces"] = dropped
+        else:
+            nonces, dist = [], []
+            for b in batches:
+                for n, d in zip(b.nonces, b.dist):
+                    if d < i.r_target:
+                        nonces.append(n)
+                        dist.append(float(d))
+            if not nonces:
+                return
+            payload = v1.ProofBatch(i.public_key, i.block_hash, i.block_height, nonces, dist, i.node_id).to_json()
+        self.app[sender_key].submit("generated", url, payload, f"{self.id}-{next(self.seq)}")
+
+    def stats(self) -> dict:
+        s = self.runner.stats
+        processed = s.computed - s.dropped  # NaN-dropped nonces are not "processed" (spec-v2 §f 7)
+        d = {"total_processed": processed, "nonces_per_second": round(s.rate, 3)}
+        if self.protocol == "v1":
+            d["total_valid"] = s.valid
+        else:
+            d["dropped_nonces"] = s.dropped
+        return d
+
+
+# --------------------------------------------------------------------------------------------------
+# the queue (/generate without wait, /validate for v1)
+
+
+@dataclass
+class QueuedJob:
+    kind: str  # "generate" (v2) or "validate_v1"
+    request: object  # PowV2Generate, or (ProofBatch, PowV1Init)
+    n_nonces: int
+    id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    status: str = "queued"  # queued | running | completed | failed | cancelled
+    result: dict | None = None
+    error: str | None = None
+    finished_at: float | None = None
+    runner: JobRunner | None = None
+
+    def view(self) -> dict:
+        d = {"status": self.status, "request_id": self.id}
+        if self.result is not None:
+            d.update(self.result)
+        if self.error is not None:
+            d["error"] = self.error
+        return d
+
+
+class PowService:
+    def __init__(self, app: web.Application):
+        self.app = app
+        self.gen: Generation | None = None
+        self.v1_init: schemas.PowV1Init | None = None
+        self.v1_phase = "IDLE"
+        self.queue: deque[QueuedJob] = deque()
+        self.jobs: dict[str, QueuedJob] = {}
+        self.queued_nonces = 0  # queued + running
+        self._wake = asyncio.Event()
+        self._worker: asyncio.Task | None = None
+        self._closing = False
+
+    @property
+    def cfg(self):
+        return self.app[config_key]
+
+    # ------------------------------------------------------------------------------- life cycle
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._work(), name="pow-queue")
+            self.app[tasks_key]["pow-queue"] = self._worker
+
+    async def shutdown(self) -> None:
+        """SIGTERM: stop generation (flushing its results to the sender) and the queue."""
+        self._closing = True
+        await self._stop_all("shutdown")
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+
+    async def _stop_all(self, reason: str) -> None:
+        if self.gen is not None and self.gen.active:
+            await self.gen.stop(reason)
+        now = time.monotonic()
+        while self.queue:
+            j = self.queue.popleft()
+            j.status, j.finished_at = "cancelled", now
+            self.queued_nonces -= j.n_nonces
+        for j in self.jobs.values():
+            if j.status == "running" and j.runner is not None:
+                j.status = "cancelled"
+                j.runner.stop(reason)
+        self.v1_phase = "IDLE"
+
+    # ----------------------------------------------------------------------------------- helpers
+
+    async def _body(self, request: web.Request) -> dict:
+        return await schemas.read_json(request, self.cfg.max_body_bytes)
+
+    def _refuse_if_generating(self) -> None:
+        if self.gen is not None and self.gen.active:
+            raise InputError("Already generating: POST /api/v1/pow/stop first", None, status=409)
+
+    def _start_generation(self, protocol: str, init, job, label: str) -> None:
+        claim = claim_device(self.app, f"pow generation ({protocol})")
+        self.gen = Generation(self.app, protocol, init, new_runner(self.app, job, claim, label))
+        self.gen.start()
+
+    def _need_v1(self) -> schemas.PowV1Init:
+        if self.v1_init is None:
+            raise InputError("PoC v1 is not initialized: POST /api/v1/pow/init first", None, status=409)
+        return self.v1_init
+
+    # ---------------------------------------------------------------------------------- routes
+
+    async def init_generate(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if "params" not in body:
+            raise InputError("missing required field: params", "params")
+        proto = schemas.protocol_of(body["params"])
+        require_ready(self.app)
+        if proto == "v1":
+            init = schemas.parse_pow_v1_init(body, self.cfg, need_node=True)
+            check_v1_memory(self.app, init.params, init.batch_size, "float16")
+            self._refuse_if_generating()
+            self._start_generation("v1", init, init.job(), f"v1 pow generation node {init.node_id}/{init.node_count}")
+            self.v1_init, self.v1_phase = init, "GENERATING"
+            return ok("GENERATING")
+        init = schemas.parse_pow_v2_init(body, self.cfg, served_model(self.app))
+        check_v2_memory(self.app, init.batch_size, init.seq_len)
+        self._refuse_if_generating()
+        self._start_generation("v2", init, init.job(), f"v2 pow generation node {init.node_id}/{init.node_count} "
+                                                       f"group {init.group_id}/{init.n_groups}")
+        return ok("GENERATING")
+
+    async def _v1_init_body(self, request: web.Request, need_node: bool) -> schemas.PowV1Init:
+        body = await self._body(request)
+        if "params" not in body:
+            raise InputError("missing required field: params", "params")
+        if schemas.protocol_of(body["params"]) != "v1":
+            raise InputError("PoC v2 has no /init or /init/validate: use /init/generate or /generate", "params")
+        require_ready(self.app)
+        init = schemas.parse_pow_v1_init(body, self.cfg, need_node=need_node)
+        check_v1_memory(self.app, init.params, init.batch_size, "float16")
+        self._refuse_if_generating()
+        return init
+
+    async def init(self, request: web.Request) -> web.Response:
+        self.v1_init, self.v1_phase = await self._v1_init_body(request, need_node=False), "IDLE"
+        return ok("IDLE")
+
+    async def init_validate(self, request: web.Request) -> web.Response:
+        self.v1_init, self.v1_phase = await self._v1_init_body(request, need_node=False), "VALIDATING"
+        return ok("VALIDATING")
+
+    async def phase_generate(self, request: web.Request) -> web.Response:
+        init = self._need_v1()
+        if init.node_id < 0:
+            raise InputError("node_id and node_count were not given to /init: use /init/generate", "node_id")
+        require_ready(self.app)
+        self._refuse_if_generating()
+        self._start_generation("v1", init, init.job(), f"v1 pow generation node {init.node_id}/{init.node_count}")
+        self.v1_phase = "GENERATING"
+        return ok("GENERATING")
+
+    async def phase_validate(self, request: web.Request) -> web.Response:
+        self._need_v1()
+        if self.gen is not None and self.gen.active:
+            await self.gen.stop()
+        self.v1_phase = "VALIDATING"
+        return ok("VALIDATING")
+
+    async def validate(self, request: web.Request) -> web.Response:
+        """A v1 ProofBatch to score; the ValidatedBatch goes to {url}/validated (and GET /generate/{id})."""
+        init = self._need_v1()
+        body = await self._body(request)
+        batch = schemas.parse_proof_batch(body, self.cfg)
+        if batch.block_hash != init.block_hash:
+            raise InputError(f"block_hash {batch.block_hash!r} is not the initialized {init.block_hash!r}",
+                             "block_hash")
+        check_v1_memory(self.app, init.params, min(len(batch.nonces), 100), "float16")
+        job = self._enqueue("validate_v1", (batch, init), len(batch.nonces))
+        return web.json_response({"status": "OK", "pow_status": {"status": self.v1_phase}, "request_id": job.id,
+                                  "queued_count": len(batch.nonces)})
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        require_ready(self.app)
+        req = schemas.parse_pow_v2_generate(body, self.cfg, served_model(self.app))
+        check_v2_memory(self.app, req.batch_size, req.seq_len)
+        if req.wait:
+            claim = claim_device(self.app, "pow /generate wait")  # 409 at once, never a blocking wait (§f 11)
+            job = QueuedJob("generate", req, len(req.nonces), status="running")
+            result = await self._compute_v2(job, claim)
+            return web.json_response({"status": "completed", "request_id": job.id, **result})
+        job = self._enqueue("generate", req, len(req.nonces))
+        return web.json_response({"status": "queued", "request_id": job.id, "queued_count": len(req.nonces)})
+
+    async def generate_result(self, request: web.Request) -> web.Response:
+        self._sweep()
+        rid = request.match_info["request_id"]
+        job = self.jobs.get(rid)
+        if job is None:
+            raise InputError(f"Request {rid} not found (unknown, or expired {self.cfg.result_ttl:.0f} s after it "
+                             "finished)", "request_id", status=404)
+        return web.json_response(job.view())
+
+    async def status(self, request: web.Request) -> web.Response:
+        engine = self.app[engine_key]
+        gen = self.gen if self.gen is not None and self.gen.active else None
+        if engine.state == "loading":
+            state = "LOADING"
+        elif gen is not None:
+            state = "GENERATING"
+        elif self.v1_phase == "VALIDATING":
+            state = "VALIDATING"
+        else:
+            state = "IDLE"
+        running = sum(1 for j in self.jobs.values() if j.status == "running")
+        body = {"status": state, "is_model_initialized": engine.v2 is not None or self.v1_init is not None,
+                "config": gen.init.status_config() if gen else (self.v1_init.status_config() if self.v1_init else None),
+                "stats": gen.stats() if gen else None,
+                "queue": {"queued": len(self.queue), "running": running, "queued_nonces": self.queued_nonces}}
+        if self.gen is not None and not self.gen.active and self.gen.error:
+            body["last_error"] = self.gen.error
+        return web.json_response(body)
+
+    async def stop(self, request: web.Request) -> web.Response:
+        await self._stop_all("stopped")
+        self.v1_init = None
+        return ok("STOPPED")
+
+    # ------------------------------------------------------------------------------------ queue
+
+    def _enqueue(self, kind: str, req, n: int) -> QueuedJob:
+        if self._closing:
+            raise InputError("the server is shutting down", None, status=503)
+        if self.queued_nonces + n > self.cfg.max_queued_nonces:
+            raise InputError(f"Queue full: {self.queued_nonces} nonces queued, {n} more would pass the limit of "
+                             f"{self.cfg.max_queued_nonces}", "nonces", status=429)
+        self._sweep()
+        job = QueuedJob(kind, req, n)
+        self.jobs[job.id] = job
+        self.queue.append(job)
+        self.queued_nonces += n
+        self._ensure_worker()
+        self._wake.set()
+        return job
+
+    def _sweep(self) -> None:
+        """Forget results `result_ttl` seconds after they finished."""
+        cut = time.monotonic() - self.cfg.result_ttl
+        for rid in [r for r, j in self.jobs.items() if j.finished_at is not None and j.finished_at < cut]:
+            del self.jobs[rid]
+
+    async def _work(self) -> None:
+        gate = self.app[gate_key]
+        while True:
+            while not self.queue:
+                self._wake.clear()
+                await self._wake.wait()
+            job = self.queue[0]
+            claim = await gate.claim(f"pow queue {job.id[:8]}")  # waits (without blocking the loop) for the device
+            if not self.queue or self.queue[0] is not job:  # cancelled by /stop meanwhile
+                claim.release()
+                continue
+            self.queue.popleft()
+            job.status = "running"
+            try:
+                if job.kind == "generate":
+                    job.result = await self._compute_v2(job, claim)
+                else:
+                    job.result = await self._validate_v1(job, claim)
+                if job.status == "running":
+                    job.status = "completed"
+                    self._deliver(job)
+            except InputError as e:
+                job.status = "cancelled" if job.status == "cancelled" else "failed"
+                job.error = e.message
+            except Exception as e:  # one line, the queue goes on
+                job.status, job.error = "failed", f"{type(e).__name__}: {e}"
+                log.warning("queued job %s failed %s", job.id, describe(e))
+            finally:
+                claim.release()
+                job.runner = None
+                job.finished_at = time.monotonic()
+                self.queued_nonces -= job.n_nonces
+
+    async def _compute_v2(self, job: QueuedJob, claim) -> dict:
+        req: schemas.PowV2Generate = job.request
+        label = f"v2 pow /generate of {len(req.nonces)} nonces" + (" (validation)" if req.received is not None else "")
+        job.runner = new_runner(self.app, req.job(), claim, label)
+        results, _ = await collect(job.runner)
+        arts = [a for b in results for a in (b.artifacts or [])]
+        dropped = [n for b in results for n in b.dropped]
+        if req.received is None:
+            out = {"artifacts": arts, "encoding": v2.encoding(req.k_dim)}
+            if dropped:
+                out["dropped_nonces"] = dropped
+            return out
+        computed = {a["nonce"]: a["vector_b64"] for a in arts}
+        return v2.validate(computed, req.received, req.nonces, req.k_dim, req.stat)
+
+    async def _validate_v1(self, job: QueuedJob, claim) -> dict:
+        batch, init = job.request
+        vb = await validate_v1(self.app, batch, init.params, init.r_target, init.fraud_threshold, "float16", claim,
+                               on_runner=lambda r: setattr(job, "runner", r))
+        return vb.to_json()
+
+    def _deliver(self, job: QueuedJob) -> None:
+        """The completed job's callback, if it asked for one."""
+        sender = self.app[sender_key]
+        if job.kind == "validate_v1":
+            _batch, init = job.request
+            if init.url:
+                sender.submit("validated", init.url, job.result, job.id)
+            return
+        req: schemas.PowV2Generate = job.request
+        if not req.url:
+            return
+        head = {"request_id": job.id, "block_hash": req.block_hash, "block_height": req.block_height,
+                "public_key": req.public_key, "node_id": req.node_id}
+        sender.submit("validated" if req.received is not None else "generated", req.url, {**head, **job.result},
+                      job.id)
+
+
+pow_key = web.AppKey("pow", PowService)

@@ -1,0 +1,520 @@
+"""Request validation: JSON bodies -> job dataclasses, or InputError (400 with {"error", "field"}) before any work.
+
+Every field is typed and range-checked; params have no silent defaults (spec-v1 §6 F10). The root routes are
+strict about unknown fields. The /api/v1/pow routes ignore unknown top-level fields, as the reference does
+(the MLNode's client struct is the contract there), but their params are strict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from aiohttp import web
+
+from poc.engine.jobs import Limits, V1Job, V2Job
+from poc.errors import InputError
+from poc.protocol import v1, v2
+from poc.server.config import ServerConfig
+
+MISSING = object()
+MAX_NONCE = (1 << 63) - 1  # nonces travel as int64 on the device
+V1_DTYPES = ("float16", "bfloat16", "float32")
+V2_PARAM_KEYS = {"model", "seq_len", "k_dim"}
+
+
+class ParamsMismatch(InputError):
+    """409: params.model is not the model this server serves (the reference's check_params_match)."""
+
+    def __init__(self, requested: dict, served: "ServedModel | None"):
+        names = served.names if served else []
+        why = (f"params.model {requested.get('model')!r} is not served here (serving {', '.join(names)})" if names
+               else "no PoC v2 model is loaded: start the server with --model DIR")
+        super().__init__(why, "params.model", status=409)
+        self.requested, self.deployed = requested, {"model": names, "seq_len": None, "k_dim": None}
+
+    def to_json(self) -> dict:
+        return {"error": "params mismatch", "field": self.field, "detail": self.message,
+                "requested": self.requested, "deployed": self.deployed}
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    names: list[str]  # what params.model may say: the directory's basename, the path as given, its absolute path
+    max_seq_len: int  # the model's max_position_embeddings
+    hidden: int
+
+    @classmethod
+    def of(cls, model_arg: str, cfg) -> "ServedModel":
+        p = Path(model_arg)
+        names = list(dict.fromkeys([p.name, model_arg, str(p.resolve())]))
+        return cls(names, cfg.max_seq_len, cfg.dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# bodies
+
+
+async def read_json(request: web.Request, max_bytes: int) -> dict:
+    """The JSON object of the body; 413 over `max_bytes`, 400 for anything that is not a JSON object."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise InputError(f"request body of {request.content_length} bytes is over the {max_bytes}-byte limit",
+                         None, status=413)
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise InputError(f"request body is over the {max_bytes}-byte limit", None, status=413) from None
+    try:
+        obj = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"Invalid JSON: {e}", None) from None
+    if not isinstance(obj, dict):
+        raise InputError("the body must be a JSON object", None)
+    return obj
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def unwrap(body: dict) -> dict:
+    """The PyWorker envelope: {"auth_data": ..., "payload": {...}} carries the request in payload."""
+    if "payload" in body and set(body) <= {"payload", "auth_data"}:
+        p = body["payload"]
+        if not isinstance(p, dict):
+            raise InputError("payload must be a JSON object", "payload")
+        return p
+    return body
+
+
+# --------------------------------------------------------------------------------------------------
+# fields
+
+
+def _path(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def check_keys(obj: dict, required: set[str], optional: set[str] = frozenset(), prefix: str = "",
+               strict: bool = True) -> None:
+    missing = sorted(required - set(obj))
+    if missing:
+        raise InputError(f"missing required field(s): {', '.join(_path(prefix, m) for m in missing)}",
+                         _path(prefix, missing[0]))
+    extra = sorted(set(obj) - required - optional)
+    if strict and extra:
+        raise InputError(f"unknown field(s): {', '.join(_path(prefix, e) for e in extra)} (allowed: "
+                         f"{', '.join(sorted(required | optional))})", _path(prefix, extra[0]))
+
+
+def _get(obj: dict, name: str, default):
+    v = obj.get(name, MISSING)
+    if v is None and default is not MISSING:
+        v = MISSING  # an explicit null on an optional field means "the default"
+    if v is MISSING:
+        if default is MISSING:
+            raise InputError(f"missing required field: {name}", name)
+        return MISSING
+    return v
+
+
+def get_int(obj: dict, name: str, *, prefix: str = "", default=MISSING, lo: int | None = None,
+            hi: int | None = None, what: str = "") -> int:
+    f = _path(prefix, name)
+    v = _get(obj, name, default)
+    if v is MISSING:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InputError(f"{f} must be an integer, got {v!r}", f)
+    if lo is not None and v < lo:
+        raise InputError(f"{f} must be >= {lo}{what}, got {v}", f)
+    if hi is not None and v > hi:
+        raise InputError(f"{f} must be <= {hi}{what}, got {v}", f)
+    return v
+
+
+def get_number(obj: dict, name: str, *, prefix: str = "", default=MISSING, lo: float | None = None,
+               hi: float | None = None, lo_open: bool = False) -> float:
+    f = _path(prefix, name)
+    v = _get(obj, name, default)
+    if v is MISSING:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise InputError(f"{f} must be a finite number, got {v!r}", f)
+    v = float(v)
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise InputError(f"{f} must be {'>' if lo_open else '>='} {lo}, got {v}", f)
+    if hi is not None and v > hi:
+        raise InputError(f"{f} must be <= {hi}, got {v}", f)
+    return v
+
+
+def get_str(obj: dict, name: str, *, prefix: str = "", default=MISSING, nonempty: bool = True) -> str:
+    f = _path(prefix, name)
+    v = _get(obj, name, default)
+    if v is MISSING:
+        return default
+    if not isinstance(v, str):
+        raise InputError(f"{f} must be a string, got {v!r}", f)
+    if nonempty and not v:
+        raise InputError(f"{f} must not be empty", f)
+    return v
+
+
+def get_bool(obj: dict, name: str, *, prefix: str = "", default=MISSING) -> bool:
+    f = _path(prefix, name)
+    v = _get(obj, name, default)
+    if v is MISSING:
+        return default
+    if not isinstance(v, bool):
+        raise InputError(f"{f} must be true or false, got {v!r}", f)
+    return v
+
+
+def get_url(obj: dict, name: str = "url") -> str | None:
+    u = get_str(obj, name, default=None)
+    if u is not None and not u.startswith(("http://", "https://")):
+        raise InputError(f"{name} must be an http(s) URL, got {u!r}", name)
+    return u
+
+
+def get_nonces(obj: dict, name: str, max_len: int, *, prefix: str = "") -> list[int]:
+    """A non-empty list of distinct non-negative integers."""
+    f = _path(prefix, name)
+    v = _get(obj, name, MISSING)
+    if not isinstance(v, list):
+        raise InputError(f"{f} must be a list of integers", f)
+    if not v:
+        raise InputError(f"{f} must not be empty", f)
+    if len(v) > max_len:
+        raise InputError(f"{f} has {len(v)} nonces, more than the limit of {max_len}", f, status=413)
+    for n in v:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise InputError(f"{f} must hold integers only, got {n!r}", f)
+        if n < 0:
+            raise InputError(f"{f} must hold non-negative integers, got {n}", f)
+        if n > MAX_NONCE:
+            raise InputError(f"{f}: {n} is over the int64 range", f)
+    if len(set(v)) != len(v):
+        dup = next(n for i, n in enumerate(v) if n in v[:i])
+        raise InputError(f"{f} holds {dup} more than once", f)
+    return v
+
+
+def get_batch_size(obj: dict, cfg: ServerConfig, default=MISSING) -> int:
+    return get_int(obj, "batch_size", default=default, lo=1, hi=cfg.max_batch_size)
+
+
+def get_limits(obj: dict, cfg: ServerConfig) -> Limits:
+    return Limits(max_nonces=get_int(obj, "max_nonces", default=None, lo=1),
+                  max_duration=get_number(obj, "max_duration", default=cfg.default_max_duration, lo=0,
+                                          lo_open=True, hi=cfg.max_duration_limit))
+
+
+def get_header(obj: dict) -> tuple[str, int, str]:
+    """(block_hash, block_height, public_key)"""
+    return get_str(obj, "block_hash"), get_int(obj, "block_height", lo=0), get_str(obj, "public_key")
+
+
+def get_node(obj: dict, *, groups: bool = True) -> tuple[int, int, int, int]:
+    """(node_id, node_count, group_id, n_groups), with node_id < node_count and group_id < n_groups."""
+    node_count = get_int(obj, "node_count", lo=1)
+    node_id = get_int(obj, "node_id", lo=0, hi=node_count - 1, what=" (node_count - 1)")
+    n_groups = get_int(obj, "n_groups", default=1, lo=1) if groups else 1
+    group_id = get_int(obj, "group_id", default=0, lo=0, hi=n_groups - 1, what=" (n_groups - 1)") if groups else 0
+    return node_id, node_count, group_id, n_groups
+
+
+# --------------------------------------------------------------------------------------------------
+# params
+
+
+def protocol_of(params) -> str:
+    """{"model", "seq_len", "k_dim"} is v2; {"dim", ...} is v1."""
+    if not isinstance(params, dict):
+        raise InputError("params must be a JSON object", "params")
+    if "model" in params:
+        return "v2"
+    if "dim" in params:
+        return "v1"
+    raise InputError("params must be PoC v1 ({\"dim\", \"n_layers\", ...}) or PoC v2 "
+                     "({\"model\", \"seq_len\", \"k_dim\"})", "params")
+
+
+def parse_v2_params(params, served: ServedModel | None) -> tuple[int, int]:
+    """(seq_len, k_dim) checked against the served model; 409 when params.model is not served here."""
+    if not isinstance(params, dict):
+        raise InputError("params must be a JSON object", "params")
+    check_keys(params, {"model", "seq_len"}, {"k_dim"}, prefix="params")
+    model = get_str(params, "model", prefix="params")
+    seq_len = get_int(params, "seq_len", prefix="params", lo=1)
+    k_dim = get_int(params, "k_dim", prefix="params", default=v2.DEFAULT_K_DIM, lo=1)
+    if served is None or model not in served.names:
+        raise ParamsMismatch({"model": model, "seq_len": seq_len, "k_dim": k_dim}, served)
+    if seq_len > served.max_seq_len:
+        raise InputError(f"params.seq_len must be <= {served.max_seq_len} (the model's max_position_embeddings), "
+                         f"got {seq_len}", "params.seq_len")
+    if k_dim > served.hidden:
+        raise InputError(f"params.k_dim must be in [1, {served.hidden}] (the model's hidden size), got {k_dim}",
+                         "params.k_dim")
+    return seq_len, k_dim
+
+
+def parse_v1_params(params) -> v1.V1Params:
+    return v1.V1Params.from_json(params, "params")
+
+
+def get_dtype(obj: dict) -> str:
+    d = get_str(obj, "dtype", default="float16")
+    if d not in V1_DTYPES:
+        raise InputError(f"dtype must be one of {', '.join(V1_DTYPES)}, got {d!r}", "dtype")
+    return d
+
+
+def stride_nonces(start: int, node_id: int, node_count: int, group_id: int, n_groups: int) -> Iterator[int]:
+    """The node's nonces (pow's layout: node_id + group_id*node_count + k*node_count*n_groups) from `start` on.
+
+    start_nonce does not shift the lattice: it skips the node's nonces below it, so nodes stay disjoint
+    whatever start each one is given, and a job resumes exactly at the `next_nonce` a previous one reported.
+    """
+    base = node_id + group_id * node_count
+    stride = node_count * n_groups
+    k = max(0, -(-(start - base) // stride))  # ceil((start - base) / stride)
+    n = base + k * stride
+    while True:
+        yield n
+        n += stride
+
+
+# --------------------------------------------------------------------------------------------------
+# root routes
+
+
+def parse_v1_generate(body: dict, cfg: ServerConfig) -> V1Job:
+    check_keys(body, {"block_hash", "block_height", "public_key", "r_target", "batch_size", "start_nonce", "params"},
+               {"max_nonces", "max_duration", "dtype"})
+    bh, height, pk = get_header(body)
+    params = parse_v1_params(body["params"])
+    r_target = get_number(body, "r_target", lo=0, lo_open=True)
+    start = get_int(body, "start_nonce", lo=0, hi=MAX_NONCE)
+    return V1Job(block_hash=bh, public_key=pk, block_height=height, params=params, r_target=r_target,
+                 nonces=v1.worker_nonces(start, 0, 1), batch_size=get_batch_size(body, cfg), dtype=get_dtype(body),
+                 limits=get_limits(body, cfg))
+
+
+@dataclass
+class V2Stream:
+    job: V2Job
+    node_id: int
+
+
+def parse_v2_generate(body: dict, cfg: ServerConfig, served: ServedModel | None) -> V2Stream:
+    check_keys(body, {"block_hash", "block_height", "public_key", "node_id", "node_count", "batch_size", "params"},
+               {"start_nonce", "poc_stronger_rng", "group_id", "n_groups", "max_nonces", "max_duration"})
+    seq_len, k_dim = parse_v2_params(body["params"], served)
+    bh, height, pk = get_header(body)
+    node_id, node_count, group_id, n_groups = get_node(body)
+    start = get_int(body, "start_nonce", default=0, lo=0, hi=MAX_NONCE)
+    job = V2Job(block_hash=bh, public_key=pk, block_height=height, seq_len=seq_len, k_dim=k_dim,
+                nonces=stride_nonces(start, node_id, node_count, group_id, n_groups),
+                batch_size=get_batch_size(body, cfg), stronger_rng=get_bool(body, "poc_stronger_rng", default=False),
+                limits=get_limits(body, cfg))
+    return V2Stream(job, node_id)
+
+
+@dataclass
+class V1Validate:
+    batch: v1.ProofBatch
+    params: v1.V1Params
+    r_target: float
+    fraud_threshold: float
+    dtype: str
+
+
+def parse_proof_batch(body: dict, cfg: ServerConfig) -> v1.ProofBatch:
+    bh, height, pk = get_header(body)
+    nonces = get_nonces(body, "nonces", cfg.max_request_nonces)
+    dist = body.get("dist")
+    if not isinstance(dist, list) or len(dist) != len(nonces):
+        raise InputError(f"dist must be a list of {len(nonces)} numbers (one per nonce)", "dist")
+    for d in dist:
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d):
+            raise InputError(f"dist must hold finite numbers, got {d!r}", "dist")
+    node_id = get_int(body, "node_id")
+    return v1.ProofBatch(public_key=pk, block_hash=bh, block_height=height, nonces=nonces,
+                         dist=[float(d) for d in dist], node_id=node_id)
+
+
+def parse_v1_validate(body: dict, cfg: ServerConfig) -> V1Validate:
+    check_keys(body, {"public_key", "block_hash", "block_height", "nonces", "dist", "node_id", "params", "r_target",
+                      "fraud_threshold"}, {"dtype"})
+    params = parse_v1_params(body["params"])
+    batch = parse_proof_batch(body, cfg)
+    return V1Validate(batch, params, get_number(body, "r_target", lo=0, lo_open=True),
+                      get_number(body, "fraud_threshold", lo=0, lo_open=True, hi=1.0), get_dtype(body))
+
+
+# --------------------------------------------------------------------------------------------------
+# /api/v1/pow (v2: spec-v2 §e; v1: spec-v1 §4.5)
+
+
+@dataclass
+class PowV2Init:
+    block_hash: str
+    block_height: int
+    public_key: str
+    node_id: int
+    node_count: int
+    group_id: int
+    n_groups: int
+    batch_size: int
+    seq_len: int
+    k_dim: int
+    url: str | None
+    stronger_rng: bool
+
+    def job(self) -> V2Job:
+        return V2Job(block_hash=self.block_hash, public_key=self.public_key, block_height=self.block_height,
+                     seq_len=self.seq_len, k_dim=self.k_dim,
+                     nonces=stride_nonces(0, self.node_id, self.node_count, self.group_id, self.n_groups),
+                     batch_size=self.batch_size, stronger_rng=self.stronger_rng,
+                     limits=Limits(max_nonces=None, max_duration=None))  # until /stop
+
+    def status_config(self) -> dict:
+        return {"block_hash": self.block_hash, "block_height": self.block_height, "public_key": self.public_key,
+                "node_id": self.node_id, "node_count": self.node_count, "group_id": self.group_id,
+                "n_groups": self.n_groups, "seq_len": self.seq_len, "k_dim": self.k_dim}
+
+
+def parse_pow_v2_init(body: dict, cfg: ServerConfig, served: ServedModel | None) -> PowV2Init:
+    check_keys(body, {"block_hash", "block_height", "public_key", "node_id", "node_count", "params"}, strict=False)
+    seq_len, k_dim = parse_v2_params(body["params"], served)
+    bh, height, pk = get_header(body)
+    node_id, node_count, group_id, n_groups = get_node(body)
+    return PowV2Init(bh, height, pk, node_id, node_count, group_id, n_groups,
+                     get_batch_size(body, cfg, default=v2.DEFAULT_BATCH_SIZE), seq_len, k_dim, get_url(body),
+                     get_bool(body, "poc_stronger_rng", default=False))
+
+
+@dataclass
+class PowV2Generate:
+    block_hash: str
+    block_height: int
+    public_key: str
+    node_id: int
+    node_count: int
+    nonces: list[int]
+    seq_len: int
+    k_dim: int
+    batch_size: int
+    wait: bool
+    url: str | None
+    stronger_rng: bool
+    received: dict[int, str] | None = None  # validation.artifacts by nonce
+    stat: v2.StatTest = field(default_factory=v2.StatTest)
+
+    def job(self) -> V2Job:
+        return V2Job(block_hash=self.block_hash, public_key=self.public_key, block_height=self.block_height,
+                     seq_len=self.seq_len, k_dim=self.k_dim, nonces=iter(self.nonces), batch_size=self.batch_size,
+                     stronger_rng=self.stronger_rng, limits=Limits(max_nonces=None, max_duration=None))
+
+
+def parse_pow_v2_generate(body: dict, cfg: ServerConfig, served: ServedModel | None) -> PowV2Generate:
+    check_keys(body, {"block_hash", "block_height", "public_key", "node_id", "node_count", "nonces", "params"},
+               strict=False)
+    seq_len, k_dim = parse_v2_params(body["params"], served)
+    bh, height, pk = get_header(body)
+    node_id = get_int(body, "node_id", lo=0)
+    node_count = get_int(body, "node_count", lo=1)
+    nonces = get_nonces(body, "nonces", cfg.max_request_nonces)
+    req = PowV2Generate(bh, height, pk, node_id, node_count, nonces, seq_len, k_dim,
+                        get_batch_size(body, cfg, default=v2.DEFAULT_BATCH_SIZE), get_bool(body, "wait", default=False),
+                        get_url(body), get_bool(body, "poc_stronger_rng", default=False))
+    val = body.get("validation")
+    if val is not None:
+        req.received = _parse_validation(val, nonces)
+    st = body.get("stat_test")
+    if st is not None:
+        if not isinstance(st, dict):
+            raise InputError("stat_test must be a JSON object", "stat_test")
+        check_keys(st, set(), {"dist_threshold", "p_mismatch", "fraud_threshold"}, prefix="stat_test")
+        d = v2.StatTest()
+        req.stat = v2.StatTest(
+            dist_threshold=get_number(st, "dist_threshold", prefix="stat_test", default=d.dist_threshold, lo=0,
+                                      lo_open=True),
+            p_mismatch=get_number(st, "p_mismatch", prefix="stat_test", default=d.p_mismatch, lo=0, lo_open=True,
+                                  hi=1.0),
+            fraud_threshold=get_number(st, "fraud_threshold", prefix="stat_test", default=d.fraud_threshold, lo=0,
+                                       lo_open=True, hi=1.0))
+    return req
+
+
+def _parse_validation(val, nonces: list[int]) -> dict[int, str]:
+    """validation.artifacts: one {nonce, vector_b64} per requested nonce. A vector that does not decode is a
+    mismatch (scored later), not a 400; a nonce set that differs from `nonces`, or repeats, is a 400."""
+    f = "validation.artifacts"
+    if not isinstance(val, dict) or not isinstance(val.get("artifacts"), list):
+        raise InputError("validation must be {\"artifacts\": [{\"nonce\", \"vector_b64\"}, ...]}", f)
+    received: dict[int, str] = {}
+    for a in val["artifacts"]:
+        if not isinstance(a, dict) or "nonce" not in a:
+            raise InputError(f"{f} items must be objects with nonce and vector_b64", f)
+        n, b = a["nonce"], a.get("vector_b64", "")
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise InputError(f"{f}: nonce must be an integer, got {n!r}", f)
+        if b is not None and not isinstance(b, str):
+            raise InputError(f"{f}: vector_b64 must be a string, got {b!r}", f)
+        if n in received:
+            raise InputError(f"{f} holds nonce {n} more than once", f)
+        received[n] = b or ""
+    if set(received) != set(nonces):
+        raise InputError("validation.artifacts nonces must match nonces field", f)
+    return received
+
+
+@dataclass
+class PowV1Init:
+    node_id: int
+    node_count: int
+    block_hash: str
+    block_height: int
+    public_key: str
+    batch_size: int
+    r_target: float
+    fraud_threshold: float
+    params: v1.V1Params
+    url: str | None
+
+    def job(self) -> V1Job:
+        return V1Job(block_hash=self.block_hash, public_key=self.public_key, block_height=self.block_height,
+                     params=self.params, r_target=self.r_target,
+                     nonces=stride_nonces(0, self.node_id, self.node_count, 0, 1), batch_size=self.batch_size,
+                     limits=Limits(max_nonces=None, max_duration=None))  # until /stop or /phase/validate
+
+    def status_config(self) -> dict:
+        return {"block_hash": self.block_hash, "block_height": self.block_height, "public_key": self.public_key,
+                "node_id": self.node_id, "node_count": self.node_count, "r_target": self.r_target,
+                "fraud_threshold": self.fraud_threshold, "params": self.params.to_json()}
+
+
+def parse_pow_v1_init(body: dict, cfg: ServerConfig, need_node: bool) -> PowV1Init:
+    """The pow init body; node_id/node_count may be -1 (unset) except where generation needs them."""
+    check_keys(body, {"block_hash", "block_height", "public_key", "params"}, strict=False)
+    params = parse_v1_params(body["params"])
+    bh, height, pk = get_header(body)
+    node_count = get_int(body, "node_count", default=-1, lo=-1)
+    node_id = get_int(body, "node_id", default=-1, lo=-1)
+    if need_node or node_id != -1 or node_count != -1:
+        if node_count < 1:
+            raise InputError(f"node_count must be >= 1, got {node_count}", "node_count")
+        if not 0 <= node_id < node_count:
+            raise InputError(f"node_id must be in [0, {node_count - 1}], got {node_id}", "node_id")
+    return PowV1Init(node_id, node_count, bh, height, pk,
+                     get_batch_size(body, cfg, default=100),  # gonka's chain default
+                     get_number(body, "r_target", default=v1.DEFAULT_R_TARGET, lo=0, lo_open=True),
+                     get_number(body, "fraud_threshold", default=v1.DEFAULT_FRAUD_THRESHOLD, lo=0, lo_open=True,
+                                hi=1.0),
+                     params, get_url(body))

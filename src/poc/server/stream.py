@@ -1,0 +1,299 @@
+"""The bridge between the engine's worker thread and the event loop, and the NDJSON writer.
+
+A job runs as `Engine.run(job, emit, stop)` on a worker thread. `emit(BatchResult)` hands each batch to the
+loop with `loop.call_soon_threadsafe(queue.put_nowait, ...)`; the thread's completion is queued behind every
+emit, so draining the queue after it loses no batch. Setting `stop` (client gone, /stop, SIGTERM) ends the job
+after the batch in flight. `DeviceGate` is the server's single "who holds the device" flag: a second GPU job is
+refused (409) before its response starts, and the claim is released only when the worker thread has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Callable
+
+from aiohttp import web
+
+from poc.engine.jobs import BatchResult, JobSummary, V1Job
+from poc.server.logs import describe_parts
+
+if TYPE_CHECKING:
+    from poc.engine.engine import Engine
+    from poc.server.metrics import Metrics
+
+log = logging.getLogger("poc.server")
+
+_DONE = object()
+
+
+# --------------------------------------------------------------------------------------------------
+# the device gate
+
+
+class Claim:
+    """One holder of the device; `release()` is idempotent."""
+
+    def __init__(self, gate: "DeviceGate", owner: str):
+        self.gate, self.owner, self.released = gate, owner, False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.gate._release(self)
+
+
+class DeviceGate:
+    """At most one job on the device. Lives on the event loop: check-and-claim is atomic there."""
+
+    def __init__(self):
+        self.holder: Claim | None = None
+        self._freed = asyncio.Event()
+
+    @property
+    def busy(self) -> bool:
+        return self.holder is not None
+
+    def try_claim(self, owner: str) -> Claim | None:
+        if self.holder is not None:
+            return None
+        self.holder = Claim(self, owner)
+        return self.holder
+
+    async def claim(self, owner: str) -> Claim:
+        """Wait for the device (the background queue does this; requests get a 409 instead)."""
+        while True:
+            c = self.try_claim(owner)
+            if c is not None:
+                return c
+            self._freed.clear()
+            await self._freed.wait()
+
+    def _release(self, claim: Claim) -> None:
+        if self.holder is claim:
+            self.holder = None
+            self._freed.set()
+
+
+# --------------------------------------------------------------------------------------------------
+# one job on a worker thread
+
+
+@dataclass
+class JobStats:
+    protocol: str
+    label: str
+    computed: int = 0
+    valid: int = 0  # v1: dist < r_target; v2: artifacts (finite vectors)
+    dropped: int = 0  # v2: nonces whose vector was NaN/Inf (reported, not counted as valid)
+    batches: int = 0
+    last_nonce: int | None = None  # the largest nonce computed
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def rate(self) -> float:
+        e = self.elapsed
+        return self.computed / e if e > 0 else 0.0
+
+    def as_json(self) -> dict:
+        d = {"computed": self.computed}
+        if self.protocol == "v1":
+            d["valid"] = self.valid
+        else:
+            d["dropped"] = self.dropped
+        d.update(batches=self.batches, elapsed=round(self.elapsed, 3), nonces_per_second=round(self.rate, 3))
+        return d
+
+
+class JobRunner:
+    """Runs one engine job on a worker thread; `events()` yields ("batch", BatchResult), ("progress", stats)
+    and finally ("done", JobSummary) on the loop. Leaving `events()` early stops the job."""
+
+    def __init__(self, engine: "Engine", job, claim: Claim, *, label: str, metrics: "Metrics",
+                 registry: set["JobRunner"], progress_interval: float = 2.0, rate_log_interval: float = 5.0):
+        self.engine, self.job, self.claim, self.metrics, self.registry = engine, job, claim, metrics, registry
+        self.stats = JobStats(job.protocol, label)
+        self.progress_interval, self.rate_log_interval = progress_interval, rate_log_interval
+        self.stop_event = threading.Event()
+        self.stop_reason: str | None = None
+        self.started = False
+        self.future: asyncio.Future | None = None
+        self.summary: JobSummary | None = None
+
+    def stop(self, reason: str = "stopped") -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        self.stop_event.set()
+
+    def close(self) -> None:
+        """Stop the job; if it never started, give the device back now."""
+        self.stop("stopped")
+        if not self.started:
+            self.claim.release()
+
+    def _run(self, emit: Callable[[BatchResult], None]) -> JobSummary:
+        try:
+            return self.engine.run(self.job, emit, self.stop_event)
+        except Exception as e:  # one line to the client and the log; never a traceback
+            if "CUDA error" in str(e) or type(e).__name__ == "AcceleratorError":
+                self.engine.broken_reason = f"{type(e).__name__}: {e}"
+                self.engine.state = "broken"
+            s = self.stats
+            return JobSummary(reason="error", batches=s.batches, computed=s.computed, elapsed=s.elapsed,
+                              error=str(e), error_type=type(e).__name__)
+
+    def _count(self, b: BatchResult) -> None:
+        s = self.stats
+        s.batches += 1
+        s.computed += len(b.nonces)
+        if b.nonces:
+            s.last_nonce = max(b.nonces) if s.last_nonce is None else max(s.last_nonce, max(b.nonces))
+        if isinstance(self.job, V1Job):
+            valid = int((b.dist < self.job.r_target).sum()) if b.dist is not None else 0
+        else:
+            valid = len(b.artifacts or [])
+            s.dropped += len(b.dropped)
+        s.valid += valid
+        self.metrics.batch(s.protocol, len(b.nonces), valid, s.rate)
+
+    def _rate_line(self) -> None:
+        s = self.stats
+        log.info("rate: %.1f nonces/s, computed %d, valid %d (%s)", s.rate, s.computed, s.valid, s.label)
+
+    async def events(self) -> AsyncIterator[tuple[str, object]]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def emit(b: BatchResult) -> None:  # on the worker thread
+            loop.call_soon_threadsafe(q.put_nowait, b)
+
+        def thread_done(f: asyncio.Future) -> None:
+            # runs on the loop after every emit the thread scheduled before returning, whether or not anyone
+            # still listens (a cancelled handler): the job is accounted for and the device released here
+            summary: JobSummary = f.result()  # _run never raises
+            if summary.reason == "stopped" and self.stop_reason:
+                summary.reason = self.stop_reason
+            self.summary = summary
+            self.registry.discard(self)
+            self._finish(summary)
+            self.claim.release()
+            q.put_nowait(_DONE)
+
+        self.started = True
+        self.registry.add(self)
+        self.future = loop.run_in_executor(None, self._run, emit)
+        self.future.add_done_callback(thread_done)
+        s = self.stats
+        log.info("job started: %s", s.label)
+        next_progress = time.monotonic() + self.progress_interval
+        next_rate = time.monotonic() + self.rate_log_interval
+        try:
+            while True:
+                now = time.monotonic()
+                try:
+                    item = await asyncio.wait_for(q.get(), max(0.0, min(next_progress, next_rate) - now))
+                except asyncio.TimeoutError:
+                    item = None
+                if item is _DONE:
+                    yield "done", self.summary
+                    return
+                if isinstance(item, BatchResult):
+                    self._count(item)
+                    yield "batch", item
+                now = time.monotonic()
+                if now >= next_rate:
+                    self._rate_line()
+                    next_rate = now + self.rate_log_interval
+                if now >= next_progress:
+                    next_progress = now + self.progress_interval
+                    yield "progress", s.as_json()
+        finally:
+            self.stop_event.set()  # a consumer that left early (client gone, task cancelled) stops the job
+
+    def _finish(self, summary: JobSummary) -> None:
+        s = self.stats
+        self.metrics.job_done(s.protocol, summary.reason)
+        if summary.reason == "error":
+            self.metrics.error("job")
+            log.warning("job failed %s: %s after %d nonces", s.label,
+                        describe_parts(summary.error_type, summary.error), s.computed)
+        else:
+            log.info("job done: %s, reason %s, computed %d, valid %d in %.1f s (%.1f nonces/s)", s.label,
+                     summary.reason, s.computed, s.valid, s.elapsed, s.rate)
+
+
+def done_line(summary: JobSummary, stats: JobStats) -> dict:
+    """The final line; `next_nonce` (past the largest nonce computed) as start_nonce resumes the job."""
+    d = {"status": "done", "reason": summary.reason}
+    d.update(stats.as_json())
+    if stats.last_nonce is not None:
+        d["next_nonce"] = stats.last_nonce + 1
+    return d
+
+
+# --------------------------------------------------------------------------------------------------
+# NDJSON
+
+
+def dumps(obj) -> bytes:
+    """One NDJSON line; floats keep Python repr (round-trip exact), non-finite ones become null."""
+    try:
+        return json.dumps(obj, allow_nan=False).encode() + b"\n"
+    except ValueError:
+        return json.dumps(_finite(obj)).encode() + b"\n"
+
+
+def _finite(o):
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_finite(v) for v in o]
+    return o
+
+
+class NdjsonWriter:
+    """A chunked application/x-ndjson response written line by line; notices a client that went away."""
+
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache",
+                                                "X-Accel-Buffering": "no"})
+        self.gone = False
+
+    async def open(self) -> None:
+        await self.resp.prepare(self.request)
+
+    def client_gone(self) -> bool:
+        t = self.request.transport
+        if t is None or t.is_closing():
+            self.gone = True
+        return self.gone
+
+    async def write(self, obj) -> bool:
+        """False when the client is gone (nothing more will reach it)."""
+        if self.client_gone():
+            return False
+        try:
+            await self.resp.write(dumps(obj))
+            return True
+        except (ConnectionError, RuntimeError):  # reset by peer, or "Cannot write to closing transport"
+            self.gone = True
+            return False
+
+    async def close(self) -> None:
+        if not self.client_gone():
+            try:
+                await self.resp.write_eof()
+            except (ConnectionError, RuntimeError):
+                self.gone = True

@@ -1,0 +1,206 @@
+"""The Vast-style routes at the root: GET|POST /health, POST /generate (NDJSON), POST /validate, GET /metrics.
+
+/generate speaks PoC v1 (spec-v1 §4.1: the batch line keys and order, `dist < r_target`) or PoC v2 (artifacts),
+chosen by `params`. Unlike the reference it streams each batch as it is done, stops when the client goes, counts
+every computed nonce (F9), uses the request's batch_size (F10), and adds progress and final "done" lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import numpy as np
+from aiohttp import web
+
+from poc.engine.jobs import BatchResult, JobSummary, Limits, V1Job
+from poc.errors import InputError
+from poc.protocol import v1, v2
+from poc.server import schemas
+from poc.server.app import (check_v1_memory, check_v2_memory, claim_device, config_key, engine_key, gate_key,
+                            metrics_key, model_label, new_runner, require_ready, runners_key, served_model)
+from poc.server.metrics import CONTENT_TYPE
+from poc.server.stream import JobRunner, NdjsonWriter, done_line
+
+log = logging.getLogger("poc.server")
+
+VALIDATE_BATCH_SIZE = 100  # gonka's chain default batch size
+
+
+def setup(app: web.Application) -> None:
+    app.router.add_get("/health", health)
+    app.router.add_post("/health", health)  # the PyWorker's benchmark posts here
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/validate", validate)
+    app.router.add_get("/metrics", metrics)
+
+
+async def health(request: web.Request) -> web.Response:
+    """loading | ready | busy | broken, plus the model, the device and the running job; 503 unless ready/busy."""
+    app = request.app
+    engine = app[engine_key]
+    state = engine.state
+    if state == "ready" and app[gate_key].busy:
+        state = "busy"
+    runners = list(app[runners_key])
+    body = {"status": state, "model": model_label(app), "device": str(engine.device),
+            "cuda_broken": engine.state == "broken" and engine.device.type == "cuda",
+            "job": ({"label": runners[0].stats.label, **runners[0].stats.as_json()} if runners else None)}
+    if engine.state == "broken":
+        body["reason"] = engine.broken_reason
+    return web.json_response(body, status=200 if state in ("ready", "busy") else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    engine = request.app[engine_key]
+    data = request.app[metrics_key].render(engine.state, engine.load_seconds)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE})
+
+
+# --------------------------------------------------------------------------------------------------
+# /generate
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    cfg = app[config_key]
+    body = schemas.unwrap(await schemas.read_json(request, cfg.max_body_bytes))
+    if "params" not in body:
+        raise InputError("missing required field: params", "params")
+    proto = schemas.protocol_of(body["params"])
+    require_ready(app)
+    if proto == "v1":
+        job = schemas.parse_v1_generate(body, cfg)
+        check_v1_memory(app, job.params, job.batch_size, job.dtype)
+        lines = V1Lines(job)
+        label = f"v1 /generate dim={job.params.dim} layers={job.params.n_layers} batch={job.batch_size}"
+    else:
+        st = schemas.parse_v2_generate(body, cfg, served_model(app))
+        job = st.job
+        check_v2_memory(app, job.batch_size, job.seq_len)
+        lines = V2Lines(job, st.node_id)
+        label = f"v2 /generate seq_len={job.seq_len} k_dim={job.k_dim} batch={job.batch_size}"
+    claim = claim_device(app, "/generate")  # 409 here, before the 200 goes out
+    runner = new_runner(app, job, claim, label)
+    try:
+        return await stream_job(request, runner, lines.line)
+    finally:
+        runner.close()
+
+
+async def stream_job(request: web.Request, runner: JobRunner, make_line) -> web.StreamResponse:
+    """Write one line per batch that has something to say, progress lines, and the final line."""
+    w = NdjsonWriter(request)
+    await w.open()
+    try:
+        await _pump(w, runner, make_line)
+    except asyncio.CancelledError:  # the client went away and the server cancels its handlers
+        runner.stop("disconnect")
+        raise
+    await w.close()
+    return w.resp
+
+
+async def _pump(w: NdjsonWriter, runner: JobRunner, make_line) -> None:
+    async with contextlib.aclosing(runner.events()) as events:
+        async for kind, item in events:
+            if kind == "batch":
+                line = make_line(item, runner)
+                if line is not None:
+                    await w.write(line)
+            elif kind == "progress":
+                await w.write({"status": "progress", **item})
+            else:
+                summary: JobSummary = item
+                if summary.reason == "error":
+                    await w.write({"error": summary.error, "error_type": summary.error_type})
+                await w.write(done_line(summary, runner.stats))
+            if w.client_gone():  # checked after every batch, even when it wrote nothing
+                runner.stop("disconnect")
+
+
+class V1Lines:
+    """spec-v1 §4.1 batch lines: only batches with a nonce under r_target, keys in the reference's order."""
+
+    def __init__(self, job: V1Job):
+        self.job, self.emitted = job, 0
+
+    def line(self, b: BatchResult, runner: JobRunner) -> dict | None:
+        keep = np.flatnonzero(b.dist < self.job.r_target)
+        if keep.size == 0:
+            return None
+        self.emitted += 1
+        s, j = runner.stats, self.job
+        return {"worker_id": 0, "public_key": j.public_key, "block_hash": j.block_hash, "block_height": j.block_height,
+                "nonces": [b.nonces[i] for i in keep], "dist": [float(b.dist[i]) for i in keep], "node_id": 0,
+                "batch_number": self.emitted, "batch_computed": len(b.nonces), "batch_valid": int(keep.size),
+                "total_computed": s.computed, "total_valid": s.valid, "elapsed_seconds": int(b.elapsed),
+                "next_nonce": max(b.nonces) + 1, "aggregated_batch_number": self.emitted,
+                "aggregated_total_computed": s.computed, "aggregated_total_valid": s.valid, "n_workers": 1}
+
+
+class V2Lines:
+    def __init__(self, job, node_id: int):
+        self.job, self.node_id = job, node_id
+        self.encoding = v2.encoding(job.k_dim)
+
+    def line(self, b: BatchResult, runner: JobRunner) -> dict:
+        j = self.job
+        d = {"public_key": j.public_key, "block_hash": j.block_hash, "block_height": j.block_height,
+             "node_id": self.node_id, "batch_number": b.index, "artifacts": b.artifacts, "encoding": self.encoding}
+        if b.dropped:
+            d["dropped_nonces"] = b.dropped  # NaN/Inf vectors: reported, not counted as valid (spec-v2 §f 7)
+        return d
+
+
+# --------------------------------------------------------------------------------------------------
+# /validate (PoC v1)
+
+
+async def validate(request: web.Request) -> web.Response:
+    """Recompute a submitted v1 ProofBatch and answer the ValidatedBatch fields."""
+    app = request.app
+    cfg = app[config_key]
+    body = schemas.unwrap(await schemas.read_json(request, cfg.max_body_bytes))
+    req = schemas.parse_v1_validate(body, cfg)
+    require_ready(app)
+    bs = min(len(req.batch.nonces), VALIDATE_BATCH_SIZE)
+    check_v1_memory(app, req.params, bs, req.dtype)
+    claim = claim_device(app, "/validate")
+    vb = await validate_v1(app, req.batch, req.params, req.r_target, req.fraud_threshold, req.dtype, claim)
+    return web.json_response(vb.to_json())
+
+
+async def validate_v1(app: web.Application, batch: v1.ProofBatch, params: v1.V1Params, r_target: float,
+                      fraud_threshold: float, dtype: str, claim, on_runner=None) -> v1.ValidatedBatch:
+    job = V1Job(block_hash=batch.block_hash, public_key=batch.public_key, block_height=batch.block_height,
+                params=params, r_target=r_target, nonces=iter(batch.nonces),
+                batch_size=min(len(batch.nonces), VALIDATE_BATCH_SIZE), dtype=dtype,
+                limits=Limits(max_nonces=None, max_duration=None))
+    runner = new_runner(app, job, claim, f"v1 validation of {len(batch.nonces)} nonces")
+    if on_runner is not None:
+        on_runner(runner)  # lets /stop reach it
+    results, _summary = await collect(runner)
+    dist = np.concatenate([b.dist for b in results]) if results else np.empty(0)
+    return v1.validate_batch(batch, [float(d) for d in dist], r_target, fraud_threshold)
+
+
+async def collect(runner: JobRunner) -> tuple[list[BatchResult], JobSummary]:
+    """Run a job to its end; InputError(503/500) unless every nonce was computed."""
+    results: list[BatchResult] = []
+    summary = None
+    try:
+        async with contextlib.aclosing(runner.events()) as events:
+            async for kind, item in events:
+                if kind == "batch":
+                    results.append(item)
+                elif kind == "done":
+                    summary = item
+    finally:
+        runner.close()
+    if summary.reason == "error":
+        raise InputError(f"computation failed ({summary.error_type}): {summary.error}", None, status=500)
+    if summary.reason != "exhausted":
+        raise InputError(f"computation {summary.reason} before it finished", None, status=503)
+    return results, summary
