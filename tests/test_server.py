@@ -1,0 +1,419 @@
+"""The model server in-process (pytest-aiohttp): every root route, streaming, disconnect, busy, bad input.
+
+A CPU engine; v1 with golden set A (dim 64, 2 layers, vocab 256, seq_len 8), v2 with the tiny qwen3 checkpoint.
+The /api/v1/pow routes are in test_server_pow.py, the subprocess tests in test_server_e2e.py.
+"""
+
+import asyncio
+import json
+import logging
+import time
+
+import numpy as np
+import pytest
+
+from poc.engine import memory
+from poc.errors import InputError
+from poc.protocol import v1, v2
+from poc.server.app import create_app, engine_key
+from poc.server.config import ServerConfig, parse_args
+from poc.server.logs import OneLineFormatter, defuse
+from poc.server.schemas import stride_nonces
+
+from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2, v2_checkpoint
+
+BH, PK = G1["block_hash"], G1["public_key"]
+SET_A = G1["sets"]["A_gqa_plain_rope"]
+PARAMS_A = SET_A["params"]
+QWEN3 = str(v2_checkpoint("qwen3"))
+V1_KEYS = ["worker_id", "public_key", "block_hash", "block_height", "nonces", "dist", "node_id", "batch_number",
+           "batch_computed", "batch_valid", "total_computed", "total_valid", "elapsed_seconds", "next_nonce",
+           "aggregated_batch_number", "aggregated_total_computed", "aggregated_total_valid", "n_workers"]
+
+
+def server_config(**kw) -> ServerConfig:
+    base = dict(device="cpu", dtype="float32", progress_interval=0.2, rate_log_interval=0.5, callback_interval=0.2,
+                callback_backoff=0.05, max_body_bytes=256 << 10, shutdown_flush_seconds=1.0)
+    base.update(kw)
+    return ServerConfig(**base)
+
+
+async def wait_status(client, want=("ready",), timeout=10.0) -> dict:
+    t0 = time.monotonic()
+    while True:
+        r = await client.get("/health")
+        h = await r.json()
+        if h["status"] in want:
+            return h
+        assert time.monotonic() - t0 < timeout, h
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def client(aiohttp_client):
+    """An app serving v2 for the tiny qwen3 checkpoint, and v1."""
+    c = await aiohttp_client(create_app(server_config(model=QWEN3)))
+    await wait_status(c)
+    return c
+
+
+def v1_request(**kw) -> dict:
+    req = {"block_hash": BH, "block_height": 12345, "public_key": PK, "r_target": 2.0, "batch_size": 5,
+           "start_nonce": 0, "params": dict(PARAMS_A), "max_nonces": 16}
+    req.update(kw)
+    return req
+
+
+def v2_request(**kw) -> dict:
+    p = G2["parameters"]
+    req = {"block_hash": p["block_hash"], "block_height": 7, "public_key": p["public_key"], "node_id": 0,
+           "node_count": 1, "batch_size": 3, "max_nonces": 8,
+           "params": {"model": "qwen3", "seq_len": p["seq_len"], "k_dim": p["k_dim"]}}
+    req.update(kw)
+    return req
+
+
+async def read_lines(resp) -> list[tuple[float, dict]]:
+    out = []
+    async for raw in resp.content:
+        out.append((time.monotonic(), json.loads(raw)))
+    return out
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{") and line.split(" ")[0] == name:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# /health, /metrics
+
+
+async def test_health_and_metrics(client):
+    r = await client.get("/health")
+    assert r.status == 200
+    h = await r.json()
+    assert h == {"status": "ready", "model": "qwen3", "device": "cpu", "cuda_broken": False, "job": None}
+    assert (await client.post("/health")).status == 200  # the PyWorker benchmark posts
+    r = await client.get("/metrics")
+    assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+    text = await r.text()
+    assert 'poc_engine_state{poc_engine_state="ready"} 1.0' in text
+    assert "poc_model_load_seconds" in text
+
+
+# --------------------------------------------------------------------------------------------------
+# /generate v1
+
+
+async def test_v1_stream_golden_distances_and_line_format(client):
+    """float32 distances equal the golden set; every batch line has the reference's keys in its order."""
+    r = await client.post("/generate", json=v1_request(dtype="float32"))
+    assert r.status == 200 and r.headers["Content-Type"] == "application/x-ndjson"
+    lines = [d for _, d in await read_lines(r)]
+    batches = [d for d in lines if "worker_id" in d]
+    assert [list(d) for d in batches] == [V1_KEYS] * 4  # 16 nonces in batches of 5: 5, 5, 5, 1
+    assert [d["batch_computed"] for d in batches] == [5, 5, 5, 1]
+    nonces = [n for d in batches for n in d["nonces"]]
+    dist = [x for d in batches for x in d["dist"]]
+    assert nonces == list(range(16))
+    np.testing.assert_allclose(dist, SET_A["runs"]["float32"]["dist"], rtol=0, atol=1e-6)
+    last = batches[-1]
+    assert last["batch_number"] == last["aggregated_batch_number"] == 4
+    assert last["total_computed"] == last["aggregated_total_computed"] == 16
+    assert last["next_nonce"] == 16 and last["n_workers"] == 1 and last["node_id"] == 0
+    assert lines[-1] == {**lines[-1], "status": "done", "reason": "max_nonces", "computed": 16, "valid": 16,
+                         "batches": 4, "next_nonce": 16}
+
+
+async def test_v1_only_hits_are_lines_but_totals_count_everything(client):
+    """Lines carry only dist < r_target (default fp16 compute); totals count every computed nonce (F9)."""
+    run = SET_A["runs"]["float16"]
+    r_target = G1["r_target_used_for_filter"]
+    r = await client.post("/generate", json=v1_request(r_target=r_target, batch_size=4))
+    lines = [d for _, d in await read_lines(r)]
+    batches = [d for d in lines if "worker_id" in d]
+    assert [n for d in batches for n in d["nonces"]] == run["nonces_below_r_target"]
+    assert all(x < r_target for d in batches for x in d["dist"])
+    assert all(d["batch_computed"] == 4 for d in batches)
+    assert batches[-1]["total_computed"] == max(run["nonces_below_r_target"]) // 4 * 4 + 4
+    done = lines[-1]
+    assert done["status"] == "done" and done["computed"] == 16
+    assert done["valid"] == len(run["nonces_below_r_target"])
+
+
+async def test_stream_arrives_incrementally_with_progress(client):
+    """Lines reach the client while the job runs (not buffered to the end), with progress lines between."""
+    r = await client.post("/generate", json=v1_request(batch_size=1, max_nonces=None, max_duration=1.5))
+    t0 = time.monotonic()
+    got = await read_lines(r)
+    kinds = [("batch" if "worker_id" in d else d.get("status")) for _, d in got]
+    assert kinds[-1] == "done" and got[-1][1]["reason"] == "max_duration"
+    assert "progress" in kinds
+    batch_times = [t - t0 for (t, d) in got if "worker_id" in d]
+    end = got[-1][0] - t0
+    assert len(batch_times) > 10
+    assert batch_times[0] < end - 1.0  # the first line came long before the job ended
+    assert np.median(np.diff(batch_times)) < 0.5  # and the rest trickled in
+    prog = [d for _, d in got if d.get("status") == "progress"]
+    assert {"computed", "valid", "batches", "elapsed", "nonces_per_second"} <= set(prog[-1])
+    assert prog[-1]["computed"] > 0
+
+
+async def test_pyworker_envelope(client):
+    r = await client.post("/generate", json={"auth_data": {"reqnum": 1}, "payload": v1_request(max_nonces=5)})
+    lines = [d for _, d in await read_lines(r)]
+    assert lines[-1]["computed"] == 5
+
+
+# --------------------------------------------------------------------------------------------------
+# /generate v2
+
+
+async def test_v2_stream_golden_artifacts(client):
+    r = await client.post("/generate", json=v2_request())
+    assert r.status == 200
+    lines = [d for _, d in await read_lines(r)]
+    batches = [d for d in lines if "artifacts" in d]
+    assert [list(d) for d in batches] == [["public_key", "block_hash", "block_height", "node_id", "batch_number",
+                                           "artifacts", "encoding"]] * 3
+    assert batches[0]["encoding"] == {"dtype": "f16", "k_dim": 12, "endian": "le"}
+    arts = [a for d in batches for a in d["artifacts"]]
+    want = G2["models"]["qwen3"]["artifacts"]
+    assert [a["nonce"] for a in arts] == [w["nonce"] for w in want]
+    for a, w in zip(arts, want):
+        assert np.linalg.norm(v2.decode(a["vector_b64"]) - np.array(w["vector_f32_from_f16"])) < 1e-3
+    assert lines[-1]["status"] == "done" and lines[-1]["computed"] == 8 and lines[-1]["dropped"] == 0
+
+
+async def test_v2_node_layout_and_start_nonce(client):
+    """node 1 of 3 computes 1, 4, 7, ...; start_nonce skips the node's nonces below it."""
+    r = await client.post("/generate", json=v2_request(node_id=1, node_count=3, start_nonce=5, max_nonces=3))
+    lines = [d for _, d in await read_lines(r)]
+    assert [a["nonce"] for d in lines if "artifacts" in d for a in d["artifacts"]] == [7, 10, 13]
+    assert lines[-1]["next_nonce"] == 14
+    it = stride_nonces(0, 1, 2, 1, 2)  # base 1 + 1*2 = 3, stride 4
+    assert [next(it) for _ in range(3)] == [3, 7, 11]
+
+
+# --------------------------------------------------------------------------------------------------
+# stop conditions
+
+
+async def test_disconnect_stops_the_job(client):
+    r = await client.post("/generate", json=v1_request(batch_size=1, max_nonces=None, max_duration=60))
+    first = json.loads(await r.content.readline())
+    assert "worker_id" in first
+    r.close()  # the client goes away mid-stream
+    t0 = time.monotonic()
+    await wait_status(client, ("ready",), timeout=5)
+    assert time.monotonic() - t0 < 2.0
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, 'poc_jobs_total{protocol="v1",reason="disconnect"}') == 1.0, [l for l in text.splitlines() if "jobs" in l]
+    computed = metric(text, 'poc_nonces_computed_total{protocol="v1"}')
+    await asyncio.sleep(0.3)
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, 'poc_nonces_computed_total{protocol="v1"}') == computed  # nothing runs any more
+
+
+async def test_second_job_gets_409_at_once(client):
+    r = await client.post("/generate", json=v1_request(batch_size=1, max_nonces=None, max_duration=30))
+    assert "worker_id" in json.loads(await r.content.readline())
+    h = await wait_status(client, ("busy",))
+    assert h["job"]["computed"] > 0
+    t0 = time.monotonic()
+    for path, body in [("/generate", v1_request()), ("/generate", v2_request()),
+                       ("/validate", validate_request(SET_A["runs"]["float16"]))]:
+        r2 = await client.post(path, json=body)
+        assert r2.status == 409, path
+        assert await r2.json() == {"error": "busy: a job is already running", "field": None}
+    assert time.monotonic() - t0 < 1.0
+    r.close()
+    await wait_status(client)
+
+
+async def test_engine_failure_mid_job_is_one_line(client, caplog):
+    """An engine exception: an error line then done(reason=error); the log has no crash markers; still healthy."""
+    engine = client.server.app[engine_key]
+    real = engine.v1_compute
+
+    def broken(*a, **kw):
+        raise RuntimeError("boom: simulated device failure")
+
+    engine.v1_compute = broken
+    with caplog.at_level(logging.INFO):
+        r = await client.post("/generate", json=v1_request())
+        lines = [d for _, d in await read_lines(r)]
+    engine.v1_compute = real
+    assert lines[-2] == {"error": "boom: simulated device failure", "error_type": "RuntimeError"}
+    assert lines[-1]["status"] == "done" and lines[-1]["reason"] == "error"
+    fmt = OneLineFormatter()
+    text = "\n".join(fmt.format(rec) for rec in caplog.records)
+    assert "job failed" in text and "(RuntimeError) boom" in text
+    assert "Traceback" not in text and "Error:" not in text
+    assert (await wait_status(client))["status"] == "ready"
+
+
+# --------------------------------------------------------------------------------------------------
+# /validate (v1)
+
+
+def validate_request(run, **kw) -> dict:
+    keep = [i for i, n in enumerate(run["nonces"]) if n in run["nonces_below_r_target"]]
+    req = {"public_key": PK, "block_hash": BH, "block_height": 12345, "nonces": [run["nonces"][i] for i in keep],
+           "dist": [run["dist"][i] for i in keep], "node_id": 0, "params": dict(PARAMS_A),
+           "r_target": G1["r_target_used_for_filter"], "fraud_threshold": 1e-7}
+    req.update(kw)
+    return req
+
+
+async def test_v1_validate(client):
+    run = SET_A["runs"]["float16"]
+    r = await client.post("/validate", json=validate_request(run))
+    assert r.status == 200
+    vb = await r.json()
+    assert list(vb) == ["public_key", "block_hash", "block_height", "nonces", "dist", "node_id", "received_dist",
+                        "r_target", "fraud_threshold", "n_invalid", "probability_honest", "fraud_detected"]
+    assert vb["n_invalid"] == 0 and vb["fraud_detected"] is False and vb["probability_honest"] == 1.0
+    # claim every nonce is under r_target: the ones that are not count as invalid
+    r = await client.post("/validate", json=validate_request(run, nonces=run["nonces"], dist=[1.0] * 16))
+    vb = await r.json()
+    assert vb["n_invalid"] == 16 - len(run["nonces_below_r_target"])
+    assert vb["fraud_detected"] is True
+
+
+# --------------------------------------------------------------------------------------------------
+# bad input: 400/409/413/422 with {"error", "field"}, then a healthy /health
+
+
+def _v1(**kw):
+    return v1_request(**kw)
+
+
+def _v1p(**kw):
+    return v1_request(params={**PARAMS_A, **kw})
+
+
+def _v2p(**kw):
+    return v2_request(params={"model": "qwen3", "seq_len": 16, **kw})
+
+
+def _drop(d: dict, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
+
+
+def _pow_gen(**kw):
+    return {**_drop(v2_request(), "max_nonces"), "nonces": [0, 1, 2], "wait": True, **kw}
+
+
+HUGE_V1 = {**PARAMS_A, "dim": 8192, "n_layers": 512, "n_heads": 64, "n_kv_heads": 64, "vocab_size": 32000,
+           "ffn_dim_multiplier": 4.0, "multiple_of": 256}
+
+BAD = [
+    ("/generate", b"{not json", 400, None),
+    ("/generate", b"[1, 2]", 400, None),
+    ("/generate", b'{"r_target": NaN}', 400, None),
+    ("/generate", _drop(_v1(), "params"), 400, "params"),
+    ("/generate", _drop(_v1(), "r_target"), 400, "r_target"),
+    ("/generate", _v1(surprise=1), 400, "surprise"),
+    ("/generate", _v1(block_height="12"), 400, "block_height"),
+    ("/generate", _v1(batch_size=0), 400, "batch_size"),
+    ("/generate", _v1(batch_size=-3), 400, "batch_size"),
+    ("/generate", _v1(batch_size=10**6), 400, "batch_size"),
+    ("/generate", _v1(batch_size=2.5), 400, "batch_size"),
+    ("/generate", _v1(start_nonce=-1), 400, "start_nonce"),
+    ("/generate", _v1(r_target="1.4"), 400, "r_target"),
+    ("/generate", _v1(dtype="int8"), 400, "dtype"),
+    ("/generate", _v1(max_duration=0), 400, "max_duration"),
+    ("/generate", _v1(max_nonces=0), 400, "max_nonces"),
+    ("/generate", _v1(params=_drop(PARAMS_A, "seq_len")), 400, "params.seq_len"),
+    ("/generate", _v1p(extra_key=1), 400, "params.extra_key"),
+    ("/generate", _v1p(seq_len=0), 400, "params.seq_len"),
+    ("/generate", _v1p(dim="64"), 400, "params.dim"),
+    ("/generate", _v1(params=HUGE_V1), 422, "params"),
+    ("/generate", _v1(params={"foo": 1}), 400, "params"),
+    ("/generate", _v2p(seq_len=0), 400, "params.seq_len"),
+    ("/generate", _v2p(seq_len=5000), 400, "params.seq_len"),
+    ("/generate", _v2p(k_dim=0), 400, "params.k_dim"),
+    ("/generate", _v2p(k_dim=65), 400, "params.k_dim"),
+    ("/generate", _v2p(extra=1), 400, "params.extra"),
+    ("/generate", v2_request(params={"model": "other", "seq_len": 16}), 409, "params.model"),
+    ("/generate", v2_request(node_id=2, node_count=2), 400, "node_id"),
+    ("/generate", v2_request(batch_size=0), 400, "batch_size"),
+    ("/generate", v2_request(batch_size=4096, params={"model": "qwen3", "seq_len": 4096}), 422, "params.seq_len"),
+    ("/validate", validate_request(SET_A["runs"]["float16"], nonces=[-1, 2]), 400, "nonces"),
+    ("/validate", validate_request(SET_A["runs"]["float16"], nonces=[2, 2]), 400, "nonces"),
+    ("/validate", validate_request(SET_A["runs"]["float16"], dist=[1.0]), 400, "dist"),
+    ("/validate", _drop(validate_request(SET_A["runs"]["float16"]), "fraud_threshold"), 400, "fraud_threshold"),
+    ("/api/v1/pow/generate", _pow_gen(nonces=[0, -1]), 400, "nonces"),
+    ("/api/v1/pow/generate", _pow_gen(nonces=[3, 3]), 400, "nonces"),
+    ("/api/v1/pow/generate", _pow_gen(nonces=[]), 400, "nonces"),
+    ("/api/v1/pow/generate", _pow_gen(batch_size=0), 400, "batch_size"),
+    ("/api/v1/pow/generate", _pow_gen(params={"model": "qwen3", "seq_len": 16, "k_dim": 100}), 400, "params.k_dim"),
+    ("/api/v1/pow/generate", _pow_gen(validation={"artifacts": [{"nonce": 0, "vector_b64": ""}]}), 400,
+     "validation.artifacts"),
+    ("/api/v1/pow/generate", _pow_gen(stat_test={"p_mismatch": 2}), 400, "stat_test.p_mismatch"),
+    ("/api/v1/pow/init/generate", {**_drop(v2_request(), "max_nonces"), "batch_size": 0}, 400, "batch_size"),
+    ("/api/v1/pow/init/generate", {**_drop(v2_request(), "max_nonces"), "node_count": 0}, 400, "node_count"),
+    ("/api/v1/pow/init/generate", {**_drop(v1_request(), "max_nonces"), "node_id": -1, "node_count": -1}, 400,
+     "node_count"),
+    ("/generate", {"x": "y" * (300 << 10)}, 413, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,field", BAD, ids=[f"{i}-{b[0]}-{b[3]}" for i, b in enumerate(BAD)])
+async def test_bad_input_is_refused_and_server_stays_healthy(client, path, body, status, field):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = await client.post(path, data=data, headers={"Content-Type": "application/json"})
+    assert r.status == status, await r.text()
+    err = await r.json()
+    assert err["field"] == field and err["error"]
+    h = await client.get("/health")
+    assert h.status == 200 and (await h.json())["status"] == "ready"
+
+
+async def test_unknown_route_and_method_are_json(client):
+    r = await client.get("/nope")
+    assert r.status == 404 and (await r.json())["field"] is None
+    r = await client.get("/generate")
+    assert r.status == 405 and "POST" in r.headers["Allow"]
+
+
+# --------------------------------------------------------------------------------------------------
+# units: config, memory estimate, log formatting
+
+
+def test_config_flags_and_env():
+    c = parse_args([], {})
+    assert (c.host, c.port, c.model, c.dtype, c.device) == ("127.0.0.1", 18000, None, "auto", None)
+    c = parse_args(["--port", "19000"], {"POC_PORT": "1", "POC_MODEL": "/m", "POC_DEVICE": "cpu", "POC_DTYPE": "float16"})
+    assert (c.port, c.model, c.device, c.dtype) == (19000, "/m", "cpu", "float16")
+    for argv in (["--port", "x"], ["--dtype", "int4"], ["--bogus"]):
+        with pytest.raises(InputError):
+            parse_args(argv, {})
+
+
+def test_memory_estimate():
+    p = v1.V1Params.from_json(PARAMS_A)
+    assert memory.v1_total_params(p) == p.total_params
+    e = memory.v1_estimate(p, 5, "float16")
+    assert e.weights == (p.total_params - 256 * 64) * 2 and e.pool == 4 * v1.pool_size(p.total_params)
+    assert e.activations == memory.activation_bytes(5, 8, 64, p.ffn_dim, 4)
+    memory.check_fits(e, memory.torch.device("cpu"))  # tiny: fits
+    with pytest.raises(InputError) as ei:
+        memory.check_fits(memory.Estimate(weights=1 << 60), memory.torch.device("cpu"))
+    assert ei.value.status == 422 and "GiB" in ei.value.message
+
+
+def test_log_lines_never_carry_crash_markers():
+    fmt = OneLineFormatter()
+    try:
+        raise ValueError("bad thing")
+    except ValueError:
+        import sys
+        rec = logging.LogRecord("poc.server", logging.WARNING, __file__, 1, "handled %s", ("Error: x",), sys.exc_info())
+    s = fmt.format(rec)
+    assert "\n" not in s and "Traceback" not in s and "Error:" not in s and "(ValueError) bad thing" in s
+    assert defuse("torch.OutOfMemoryError: CUDA out of memory") == "torch.OutOfMemory - CUDA out of memory"

@@ -1,0 +1,240 @@
+"""/api/v1/pow/* in-process: v2 (spec-v2 §e, with §f 7-12 fixed) and v1 (spec-v1 §4.5), callbacks included.
+
+Callbacks go to a small aiohttp app on 127.0.0.1 that records what it receives.
+"""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from poc.clients.callbacks import CallbackSender
+from poc.protocol import v2
+from poc.server.app import create_app
+
+from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2
+from .test_server import PARAMS_A, QWEN3, server_config, wait_status
+
+P2 = G2["parameters"]
+GOLDEN = G2["models"]["qwen3"]["artifacts"]
+POW = "/api/v1/pow"
+
+
+class Sink:
+    """A callback receiver: records POST /generated and /validated (body and Idempotency-Key)."""
+
+    def __init__(self, fail_first: int = 0):
+        self.got: dict[str, list] = {"generated": [], "validated": []}
+        self.keys: list[str] = []
+        self.fail_first = fail_first
+        self.app = web.Application()
+        self.app.router.add_post("/cb/{kind}", self.handle)
+
+    async def handle(self, request):
+        if self.fail_first > 0:
+            self.fail_first -= 1
+            return web.json_response({"error": "try later"}, status=500)
+        self.got[request.match_info["kind"]].append(await request.json())
+        self.keys.append(request.headers.get("Idempotency-Key"))
+        return web.json_response({"ok": True})
+
+    async def wait(self, kind: str, n: int = 1, timeout: float = 10.0) -> list:
+        t0 = time.monotonic()
+        while len(self.got[kind]) < n:
+            assert time.monotonic() - t0 < timeout, self.got
+            await asyncio.sleep(0.02)
+        return self.got[kind]
+
+
+@pytest.fixture
+async def sink(aiohttp_server):
+    s = Sink()
+    srv = await aiohttp_server(s.app)
+    s.url = str(srv.make_url("/cb"))
+    return s
+
+
+@pytest.fixture
+async def client(aiohttp_client):
+    c = await aiohttp_client(create_app(server_config(model=QWEN3, max_queued_nonces=40)))
+    await wait_status(c)
+    return c
+
+
+def gen_body(nonces, **kw) -> dict:
+    b = {"block_hash": P2["block_hash"], "block_height": 3, "public_key": P2["public_key"], "node_id": 0,
+         "node_count": 1, "nonces": list(nonces), "batch_size": 3,
+         "params": {"model": "qwen3", "seq_len": P2["seq_len"], "k_dim": P2["k_dim"]}}
+    b.update(kw)
+    return b
+
+
+def golden_validation(corrupt=()) -> dict:
+    arts = []
+    for a in GOLDEN:
+        b64 = a["vector_b64"]
+        if a["nonce"] in corrupt:
+            b64 = v2.encode(-v2.decode(b64))  # the opposite direction: L2 = 2
+        arts.append({"nonce": a["nonce"], "vector_b64": b64})
+    return {"artifacts": arts}
+
+
+async def poll_result(client, rid: str, timeout: float = 20.0) -> dict:
+    t0 = time.monotonic()
+    while True:
+        r = await client.get(f"{POW}/generate/{rid}")
+        d = await r.json()
+        if d["status"] not in ("queued", "running"):
+            return d
+        assert time.monotonic() - t0 < timeout, d
+        await asyncio.sleep(0.05)
+
+
+# --------------------------------------------------------------------------------------------------
+# v2
+
+
+async def test_generate_wait_golden_and_validation(client):
+    r = await client.post(f"{POW}/generate", json=gen_body(P2["nonces"], wait=True))
+    assert r.status == 200
+    d = await r.json()
+    assert d["status"] == "completed" and d["encoding"] == {"dtype": "f16", "k_dim": 12, "endian": "le"}
+    assert [a["nonce"] for a in d["artifacts"]] == P2["nonces"]
+    for a, w in zip(d["artifacts"], GOLDEN):
+        assert np.linalg.norm(v2.decode(a["vector_b64"]) - np.array(w["vector_f32_from_f16"])) < 1e-3
+    assert "dropped_nonces" not in d
+    # the golden artifacts validate clean
+    r = await client.post(f"{POW}/generate", json=gen_body(P2["nonces"], wait=True, validation=golden_validation()))
+    d = await r.json()
+    assert (d["n_total"], d["n_mismatch"], d["fraud_detected"]) == (8, 0, False)
+    # one flipped vector and one that does not decode: both mismatches, not a 400/500 (spec-v2 §f 8)
+    val = golden_validation(corrupt={3})
+    val["artifacts"][5]["vector_b64"] = "not base64!"
+    r = await client.post(f"{POW}/generate", json=gen_body(P2["nonces"], wait=True, validation=val,
+                                                            stat_test={"dist_threshold": 0.02, "p_mismatch": 0.001,
+                                                                       "fraud_threshold": 0.01}))
+    d = await r.json()
+    assert r.status == 200 and d["n_mismatch"] == 2 and sorted(d["mismatch_nonces"]) == [3, 5]
+    assert d["fraud_detected"] is True
+
+
+async def test_queue_fifo_results_callbacks_and_stop_keeps_results(client, sink):
+    r1 = await client.post(f"{POW}/generate", json=gen_body(range(6), url=sink.url))
+    r2 = await client.post(f"{POW}/generate", json=gen_body(P2["nonces"], url=sink.url,
+                                                             validation=golden_validation()))
+    a, b = await r1.json(), await r2.json()
+    assert a["status"] == b["status"] == "queued" and a["queued_count"] == 6
+    ra = await poll_result(client, a["request_id"])
+    rb = await poll_result(client, b["request_id"])
+    assert ra["status"] == "completed" and [x["nonce"] for x in ra["artifacts"]] == list(range(6))
+    assert rb["status"] == "completed" and rb["n_mismatch"] == 0 and rb["fraud_detected"] is False
+    gen = (await sink.wait("generated"))[0]
+    assert gen["request_id"] == a["request_id"] and gen["artifacts"] == ra["artifacts"]
+    assert {"block_hash", "block_height", "public_key", "node_id", "encoding"} <= set(gen)
+    val = (await sink.wait("validated"))[0]
+    assert val["request_id"] == b["request_id"] and val["n_mismatch"] == 0
+    assert set(sink.keys) == {a["request_id"], b["request_id"]}
+    # the queue is bounded (max_queued_nonces=40 here): 429, not unbounded memory
+    r = await client.post(f"{POW}/generate", json=gen_body(range(41)))
+    assert r.status == 429 and (await r.json())["field"] == "nonces"
+    # /stop cancels what is queued or running but keeps completed results readable (spec-v2 §f 12)
+    r = await client.post(f"{POW}/generate", json=gen_body(range(100, 130), batch_size=1))
+    c = await r.json()
+    r = await client.post(f"{POW}/stop")
+    assert await r.json() == {"status": "OK", "pow_status": {"status": "STOPPED"}}
+    assert (await poll_result(client, c["request_id"]))["status"] == "cancelled"
+    assert (await poll_result(client, a["request_id"]))["status"] == "completed"
+    r = await client.get(f"{POW}/generate/no-such-id")
+    assert r.status == 404 and (await r.json())["field"] == "request_id"
+    await wait_status(client)
+
+
+async def test_init_generate_status_busy_and_stop_delivers_everything(client, sink):
+    body = {k: v for k, v in gen_body([]).items() if k != "nonces"}
+    body.update(batch_size=4, url=sink.url)
+    r = await client.post(f"{POW}/init/generate", json=body)
+    assert await r.json() == {"status": "OK", "pow_status": {"status": "GENERATING"}}
+    await sink.wait("generated", 2)
+    st = await (await client.get(f"{POW}/status")).json()
+    assert st["status"] == "GENERATING" and st["config"]["node_count"] == 1 and st["config"]["k_dim"] == 12
+    assert st["stats"]["total_processed"] > 0
+    # everything else that wants the device gets 409 at once (no blocking wait: spec-v2 §f 11)
+    t0 = time.monotonic()
+    r = await client.post(f"{POW}/init/generate", json=body)
+    assert r.status == 409 and "Already generating" in (await r.json())["error"]
+    r = await client.post(f"{POW}/generate", json=gen_body([0, 1], wait=True))
+    assert r.status == 409
+    r = await client.post("/generate", json={**{k: v for k, v in body.items() if k != "url"}, "max_nonces": 4})
+    assert r.status == 409
+    assert time.monotonic() - t0 < 1.0
+    r = await client.post(f"{POW}/stop")
+    assert (await r.json())["pow_status"]["status"] == "STOPPED"
+    st = await (await client.get(f"{POW}/status")).json()
+    assert st["status"] == "IDLE"
+    # /stop flushed the buffer: every computed nonce was delivered, once, in order
+    await wait_status(client)
+    sender = client.server.app[__import__("poc.server.app", fromlist=["sender_key"]).sender_key]
+    assert await sender.flush(5) == 0
+    nonces = [a["nonce"] for p in sink.got["generated"] for a in p["artifacts"]]
+    assert nonces == list(range(len(nonces)))
+    text = await (await client.get("/metrics")).text()
+    assert f'poc_nonces_computed_total{{protocol="v2"}} {float(len(nonces))}' in text
+
+
+# --------------------------------------------------------------------------------------------------
+# v1
+
+
+async def test_v1_pow_flow(client, sink):
+    r = await client.post(f"{POW}/phase/generate")
+    assert r.status == 409  # not initialized
+    init = {"node_id": 0, "node_count": 1, "block_hash": G1["block_hash"], "block_height": 5,
+            "public_key": G1["public_key"], "batch_size": 8, "r_target": 2.0, "fraud_threshold": 1e-7,
+            "params": dict(PARAMS_A), "url": sink.url}
+    r = await client.post(f"{POW}/init/generate", json=init)
+    assert await r.json() == {"status": "OK", "pow_status": {"status": "GENERATING"}}
+    got = await sink.wait("generated", 1)
+    assert list(got[0]) == ["public_key", "block_hash", "block_height", "nonces", "dist", "node_id"]
+    st = await (await client.get(f"{POW}/status")).json()
+    assert st["status"] == "GENERATING" and st["is_model_initialized"] is True
+    r = await client.post(f"{POW}/phase/validate")
+    assert (await r.json())["pow_status"]["status"] == "VALIDATING"
+    assert (await (await client.get(f"{POW}/status")).json())["status"] == "VALIDATING"
+    batch = {**got[0], "nonces": got[0]["nonces"][:16], "dist": got[0]["dist"][:16]}  # a validator's sample
+    r = await client.post(f"{POW}/validate", json={**batch, "block_hash": "other"})
+    assert r.status == 400 and (await r.json())["field"] == "block_hash"
+    r = await client.post(f"{POW}/validate", json=batch)
+    assert r.status == 200, await r.text()
+    rid = (await r.json())["request_id"]
+    res = await poll_result(client, rid)
+    assert res["status"] == "completed" and res["n_invalid"] == 0 and res["fraud_detected"] is False
+    vb = (await sink.wait("validated"))[0]
+    assert vb["nonces"] == batch["nonces"] and vb["received_dist"] == batch["dist"] and vb["n_invalid"] == 0
+    np.testing.assert_allclose(vb["dist"], batch["dist"], rtol=0, atol=0)  # same dtype, same device
+    r = await client.post(f"{POW}/stop")
+    assert (await r.json())["pow_status"]["status"] == "STOPPED"
+    assert (await (await client.get(f"{POW}/status")).json())["status"] == "IDLE"
+
+
+# --------------------------------------------------------------------------------------------------
+# the callback sender
+
+
+async def test_callback_sender_retries_with_the_same_key(aiohttp_server):
+    s = Sink(fail_first=2)
+    srv = await aiohttp_server(s.app)
+    sender = CallbackSender(timeout=2, backoff_base=0.05)
+    await sender.start()
+    try:
+        assert sender.submit("generated", str(srv.make_url("/cb")), {"x": 1}, "id-1")
+        assert await sender.flush(5) == 0
+        assert s.got["generated"] == [{"x": 1}] and s.keys == ["id-1"]
+        full = CallbackSender(max_pending=1, backoff_base=10)
+        await full.start()
+        assert full.submit("validated", "http://127.0.0.1:9/", {}, "a")  # nothing listens there
+        assert not full.submit("validated", "http://127.0.0.1:9/", {}, "b")  # bounded: refused, not silent
+        await full.close(timeout=0.1)
+    finally:
+        await sender.close(1)
