@@ -80,6 +80,14 @@ async def read_lines(resp) -> list[tuple[float, dict]]:
     return out
 
 
+async def first_batch_line(resp) -> dict:
+    """The first line that is not a progress line (on a loaded machine a progress line can come first)."""
+    while True:
+        d = json.loads(await resp.content.readline())
+        if d.get("status") != "progress":
+            return d
+
+
 def metric(text: str, name: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{") and line.split(" ")[0] == name:
@@ -144,11 +152,15 @@ async def test_v1_only_hits_are_lines_but_totals_count_everything(client):
     assert done["valid"] == len(run["nonces_below_r_target"])
 
 
-async def test_stream_arrives_incrementally_with_progress(client):
-    """Lines reach the client while the job runs (not buffered to the end), with progress lines between."""
-    r = await client.post("/generate", json=v1_request(batch_size=1, max_nonces=None, max_duration=1.5))
-    t0 = time.monotonic()
-    got = await read_lines(r)
+async def test_stream_arrives_incrementally_with_progress(client, caplog):
+    """Lines reach the client while the job runs (not buffered to the end), with progress lines between;
+    the log gets rate lines meanwhile."""
+    with caplog.at_level(logging.INFO, logger="poc.server"):
+        r = await client.post("/generate", json=v1_request(batch_size=1, max_nonces=None, max_duration=2.0))
+        t0 = time.monotonic()
+        got = await read_lines(r)
+    assert any(rec.getMessage().startswith("rate: ") and "nonces/s, computed" in rec.getMessage()
+               for rec in caplog.records)
     kinds = [("batch" if "worker_id" in d else d.get("status")) for _, d in got]
     assert kinds[-1] == "done" and got[-1][1]["reason"] == "max_duration"
     assert "progress" in kinds
@@ -204,7 +216,7 @@ async def test_v2_node_layout_and_start_nonce(client):
 
 async def test_disconnect_stops_the_job(client):
     r = await client.post("/generate", json=v1_request(batch_size=1, max_nonces=None, max_duration=60))
-    first = json.loads(await r.content.readline())
+    first = await first_batch_line(r)
     assert "worker_id" in first
     r.close()  # the client goes away mid-stream
     t0 = time.monotonic()
@@ -220,7 +232,7 @@ async def test_disconnect_stops_the_job(client):
 
 async def test_second_job_gets_409_at_once(client):
     r = await client.post("/generate", json=v1_request(batch_size=1, max_nonces=None, max_duration=30))
-    assert "worker_id" in json.loads(await r.content.readline())
+    assert "worker_id" in await first_batch_line(r)
     h = await wait_status(client, ("busy",))
     assert h["job"]["computed"] > 0
     t0 = time.monotonic()

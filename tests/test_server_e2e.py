@@ -23,7 +23,7 @@ import pytest
 from poc.protocol import v2
 
 from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2, v2_checkpoint
-from .test_server import PARAMS_A, SET_A, metric, v1_request, validate_request
+from .test_server import PARAMS_A, SET_A, first_batch_line, metric, v1_request, validate_request
 
 ROOT = Path(__file__).resolve().parent.parent
 P2 = G2["parameters"]
@@ -176,7 +176,7 @@ async def test_client_disconnect_stops_the_job(server):
     body = v1_request(batch_size=1, max_nonces=None, max_duration=60)
     async with aiohttp.ClientSession() as http:
         r = await http.post(server.url + "/generate", json=body)
-        assert "worker_id" in json.loads(await r.content.readline())
+        assert "worker_id" in await first_batch_line(r)
         r.close()  # drop the connection mid-stream
         t0 = time.monotonic()
         while True:

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from poc.clients.callbacks import CallbackSender
 from poc.protocol import v2
-from poc.server.app import create_app
+from poc.server.app import create_app, sender_key
 
 from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2
 from .test_server import PARAMS_A, QWEN3, server_config, wait_status
@@ -175,7 +175,7 @@ async def test_init_generate_status_busy_and_stop_delivers_everything(client, si
     assert st["status"] == "IDLE"
     # /stop flushed the buffer: every computed nonce was delivered, once, in order
     await wait_status(client)
-    sender = client.server.app[__import__("poc.server.app", fromlist=["sender_key"]).sender_key]
+    sender = client.server.app[sender_key]
     assert await sender.flush(5) == 0
     nonces = [a["nonce"] for p in sink.got["generated"] for a in p["artifacts"]]
     assert nonces == list(range(len(nonces)))

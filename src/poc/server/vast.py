@@ -20,6 +20,7 @@ from poc.protocol import v1, v2
 from poc.server import schemas
 from poc.server.app import (check_v1_memory, check_v2_memory, claim_device, config_key, engine_key, gate_key,
                             metrics_key, model_label, new_runner, require_ready, runners_key, served_model)
+from poc.server.logs import describe
 from poc.server.metrics import CONTENT_TYPE
 from poc.server.stream import JobRunner, NdjsonWriter, done_line
 
@@ -98,6 +99,10 @@ async def stream_job(request: web.Request, runner: JobRunner, make_line) -> web.
     except asyncio.CancelledError:  # the client went away and the server cancels its handlers
         runner.stop("disconnect")
         raise
+    except Exception as e:  # after the 200 went out, a failure can only be one more line
+        runner.stop("error")
+        log.warning("stream failed %s", describe(e))
+        await w.write({"error": str(e), "error_type": type(e).__name__})
     await w.close()
     return w.resp
 
