@@ -429,3 +429,15 @@ def test_log_lines_never_carry_crash_markers():
     s = fmt.format(rec)
     assert "\n" not in s and "Traceback" not in s and "Error:" not in s and "(ValueError) bad thing" in s
     assert defuse("torch.OutOfMemoryError: CUDA out of memory") == "torch.OutOfMemory - CUDA out of memory"
+
+
+async def test_v1_only_server_refuses_v2(aiohttp_client):
+    c = await aiohttp_client(create_app(server_config()))
+    h = await wait_status(c)
+    assert h["model"] is None
+    r = await c.post("/generate", json=v2_request())
+    assert r.status == 409
+    err = await r.json()
+    assert err["error"] == "params mismatch" and err["deployed"]["model"] == [] and err["field"] == "params.model"
+    r = await c.post("/generate", json=v1_request(max_nonces=3))
+    assert [d for _, d in await read_lines(r)][-1]["computed"] == 3
