@@ -29,6 +29,7 @@ DTYPES = {
 }
 INDEX_FILE = "model.safetensors.index.json"
 CHUNK_BYTES = 8 << 20  # staging block for dtype conversion and device copies: the only transient on top
+COLUMN_BYTES = 1 << 20  # staging block for column slices: small, since the rank holds only its share
 
 
 @dataclass(frozen=True)
@@ -127,15 +128,20 @@ def _fill(f, buf: memoryview, ref: TensorRef) -> None:
 
 
 def iter_state_dict(refs: dict[str, TensorRef], names: Iterable[str], dtype: torch.dtype | None = None,
-                    device: torch.device | str = "cpu") -> Iterator[tuple[str, Tensor]]:
+                    device: torch.device | str = "cpu",
+                    shard: dict[str, tuple[int, int, int]] | None = None) -> Iterator[tuple[str, Tensor]]:
     """Yield (name, tensor) one at a time, each in a fresh buffer of `dtype` (default: the file's) on `device`.
 
     Plain positioned reads, not mmap: safetensors' mmap keeps every page it touched resident until the file is
     closed (a whole shard of extra RSS). A tensor already in the target dtype on the CPU is read straight into
     place; anything else goes through one staging block of CHUNK_BYTES, so nothing but that block is transient.
+
+    shard: name -> (dim, start, stop) reads only that slice (a tensor-parallel rank's part): rows (dim 0) are one
+    contiguous read; columns (dim 1) are read in row blocks through a small staging block (COLUMN_BYTES) keeping
+    only the columns, so the transient does not grow with the model.
     """
     device = torch.device(device)
-    staging = None
+    staging = col_staging = None
     f, f_path = None, None
     try:
         for name in sorted(names, key=lambda n: (str(refs[n].file), refs[n].offset)):  # sequential reads
@@ -145,8 +151,16 @@ def iter_state_dict(refs: dict[str, TensorRef], names: Iterable[str], dtype: tor
                     f.close()
                 f, f_path = open(ref.file, "rb", buffering=0), ref.file
             src_dtype = FILE_DTYPES[ref.dtype]
-            out = torch.empty(ref.shape, dtype=dtype or src_dtype, device=device)
-            f.seek(ref.offset)
+            part = shard.get(name) if shard else None
+            out = torch.empty(_sliced_shape(ref, part), dtype=dtype or src_dtype, device=device)
+            if part is not None and part[0] == 1:
+                if col_staging is None:
+                    col_staging = torch.empty(COLUMN_BYTES, dtype=torch.uint8, pin_memory=device.type == "cuda")
+                _read_columns(f, ref, out, part[1], part[2], col_staging)
+                yield name, out
+                continue
+            row_bytes = ref.nbytes // ref.shape[0] if ref.shape else 0
+            f.seek(ref.offset + (part[1] * row_bytes if part is not None else 0))
             if out.dtype == src_dtype and device.type == "cpu":
                 _fill(f, memoryview(out.view(-1).view(torch.uint8).numpy()), ref)
             else:
@@ -162,6 +176,43 @@ def iter_state_dict(refs: dict[str, TensorRef], names: Iterable[str], dtype: tor
     finally:
         if f is not None:
             f.close()
+
+
+def _sliced_shape(ref: TensorRef, part: tuple[int, int, int] | None) -> tuple[int, ...]:
+    if part is None:
+        return ref.shape
+    dim, start, stop = part
+    if dim not in (0, 1) or dim >= len(ref.shape) or not 0 <= start < stop <= ref.shape[dim]:
+        raise ValueError(f"cannot read slice {part} of {ref.key} with shape {list(ref.shape)}")
+    shape = list(ref.shape)
+    shape[dim] = stop - start
+    return tuple(shape)
+
+
+def _read_columns(f, ref: TensorRef, out: Tensor, start: int, stop: int, staging: Tensor) -> None:
+    """Columns start:stop of a 2-D tensor into out, a block of whole rows at a time (or a row's span, for rows
+    longer than the staging block); the file is read sequentially."""
+    src_dtype = FILE_DTYPES[ref.dtype]
+    n_rows, n_cols = ref.shape
+    size = src_dtype.itemsize
+    row_bytes = n_cols * size
+    if row_bytes <= staging.numel():
+        per = staging.numel() // row_bytes
+        f.seek(ref.offset)
+        for r in range(0, n_rows, per):
+            n = min(per, n_rows - r)
+            block = staging[: n * row_bytes]
+            _fill(f, memoryview(block.numpy()), ref)
+            out[r:r + n].copy_(block.view(src_dtype).view(n, n_cols)[:, start:stop])
+    else:  # rows longer than the block: each row's span, a block at a time
+        per = staging.numel() // size
+        for r in range(n_rows):
+            f.seek(ref.offset + r * row_bytes + start * size)
+            for c in range(0, stop - start, per):
+                n = min(per, stop - start - c)
+                block = staging[: n * size]
+                _fill(f, memoryview(block.numpy()), ref)
+                out[r, c:c + n].copy_(block.view(src_dtype))
 
 
 def expected_keys(model: Transformer) -> list[str]:
