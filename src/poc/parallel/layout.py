@@ -1,0 +1,137 @@
+"""Which rank is which: replicas x pipeline stages x tensor-parallel ranks, the stage layer ranges, nonce streams.
+
+rank = replica * (pp * tp) + stage * tp + tp_rank, so a replica's ranks are consecutive (one NVLink island on a
+GPU box) and a stage's tp ranks are neighbours. Pure Python: the server process imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from poc.errors import InputError
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        bad = [f"{k}={getattr(self, k)}" for k in ("world", "tp", "pp")
+               if not (isinstance(getattr(self, k), int) and getattr(self, k) >= 1)]
+        if bad:
+            raise InputError(f"world size, tp and pp must be positive integers: {', '.join(bad)}", "tp")
+        if self.world % (self.tp * self.pp):
+            raise InputError(
+                f"{self.world} devices cannot be split into groups of tp={self.tp} x pp={self.pp} = "
+                f"{self.tp * self.pp} (world % (tp*pp) = {self.world % (self.tp * self.pp)})", "tp")
+
+    @property
+    def replicas(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def group_size(self) -> int:
+        """Ranks per replica."""
+        return self.tp * self.pp
+
+    def rank(self, replica: int, stage: int, tp_rank: int) -> int:
+        return replica * self.group_size + stage * self.tp + tp_rank
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(replica, stage, tp_rank) of a global rank."""
+        replica, rest = divmod(rank, self.group_size)
+        stage, tp_rank = divmod(rest, self.tp)
+        return replica, stage, tp_rank
+
+    def leader(self, replica: int) -> int:
+        """The rank that takes a replica's jobs and broadcasts them: first stage, tp rank 0."""
+        return self.rank(replica, 0, 0)
+
+    def reporter(self, replica: int) -> int:
+        """The rank that sends a replica's results: last stage, tp rank 0."""
+        return self.rank(replica, self.pp - 1, 0)
+
+    def replica_groups(self) -> list[list[int]]:
+        return [list(range(r * self.group_size, (r + 1) * self.group_size)) for r in range(self.replicas)]
+
+    def tp_groups(self) -> list[list[int]]:
+        return [[self.rank(r, s, t) for t in range(self.tp)] for r in range(self.replicas) for s in range(self.pp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [[self.rank(r, s, t) for s in range(self.pp)] for r in range(self.replicas) for t in range(self.tp)]
+
+    def check_model(self, n_heads: int, n_kv_heads: int, ffn_dim: int, n_layers: int,
+                    what: str = "the model") -> None:
+        """Refuse a model that does not split evenly, naming every number."""
+        problems = [f"{name}={n} is not divisible by tp={self.tp}"
+                    for name, n in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("ffn_dim", ffn_dim))
+                    if n % self.tp]
+        if n_layers < self.pp:
+            problems.append(f"n_layers={n_layers} is fewer than pp={self.pp} stages")
+        if problems:
+            raise InputError(f"{what} cannot be split over tp={self.tp} x pp={self.pp}: "
+                             + "; ".join(problems), "tp")
+
+    def check_config(self, cfg, what: str = "the model") -> None:
+        self.check_model(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.n_layers, what)
+
+
+def stage_layers(n_layers: int, n_stages: int) -> list[range]:
+    """Balanced consecutive layer ranges, one per stage; the first stages take one extra layer when uneven
+    (the last stage also runs the final norm and the post-processing)."""
+    if n_stages < 1 or n_layers < n_stages:
+        raise InputError(f"n_layers={n_layers} cannot be split into {n_stages} pipeline stages", "pp")
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        n = base + (s < extra)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+@dataclass(frozen=True)
+class NonceStream:
+    """first, first + step, first + 2·step, ... up to `end` inclusive (None: endless), as picklable data.
+
+    Every layout the protocols use is one: v1 /generate worker_nonces(start, w, W) = (start + w, W);
+    pow's node_id + group_id·node_count + x·(n_groups·node_count) = (node_id + group_id·node_count,
+    n_groups·node_count); /pooled range_nonces(a, b, g, G) = (a + g, G, end=b)."""
+
+    first: int
+    step: int = 1
+    end: int | None = None
+
+    def __post_init__(self):
+        if self.step < 1:
+            raise InputError(f"a nonce stream needs step >= 1, got {self.step}", "nonces")
+
+    def __iter__(self) -> Iterator[int]:
+        n = self.first
+        while self.end is None or n <= self.end:
+            yield n
+            n += self.step
+
+    def split(self, n_parts: int) -> list["NonceStream"]:
+        """Part r of R takes every R-th element from the r-th on: disjoint, and together the whole stream.
+
+        In pow's terms part r is group group_id + r·n_groups of n_groups·R (not group_id·R + r, which leaves the
+        node's lattice when n_groups > 1)."""
+        return [NonceStream(self.first + r * self.step, self.step * n_parts, self.end) for r in range(n_parts)]
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """What the engine tells every rank process after it connects (plain data: the server process builds it)."""
+
+    layout: Layout
+    backend: str  # "nccl" or "gloo"
+    device_type: str  # "cuda" or "cpu"
+    store_port: int  # rank 0's TCPStore (0 for rank 0 itself: it binds a free port and reports it)
+    timeout_s: float = 300.0  # collectives; a timed-out collective raises and breaks the engine
+    threads: int = 1  # torch CPU threads per rank
+    log_level: str = "INFO"
+    store_host: str = "127.0.0.1"

@@ -1,0 +1,79 @@
+"""This rank's model: build on meta, keep the stage's layers, shard for tensor parallel, then fill only those slices.
+
+A checkpoint rank reads its rows / columns straight from the safetensors files (weights.iter_state_dict with a
+shard plan), so its peak host memory is about its shard. A v1 rank draws the weight pool on its device (the
+pool is a fraction of the model) and places only its own slice of each parameter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from poc.errors import InputError
+from poc.model.config import ModelConfig
+from poc.model.random_init import hf_name, interleaved_to_half, pool_tensor, v1_config
+from poc.model.transformer import Transformer
+from poc.model.weights import check_checkpoint, expected_keys, index_checkpoint, iter_state_dict, resolve_dtype
+from poc.parallel.pp import keep_stage
+from poc.parallel.tp import apply_tp
+from poc.protocol import v1
+
+
+def load_shard(path: str | Path, dtype, device, stage: int = 0, n_stages: int = 1, tp_rank: int = 0,
+               tp_size: int = 1, tp_group=None) -> tuple[Transformer, ModelConfig]:
+    """A headless checkpoint model holding only this rank's stage layers and tensor-parallel slices, in eval mode."""
+    path = Path(path)
+    if not path.is_dir():
+        raise InputError(f"model directory {path} does not exist", "model")
+    cfg = ModelConfig.from_hf(path)
+    dtype = resolve_dtype(dtype, cfg)
+    with torch.device("meta"):
+        model = Transformer(cfg, with_head=False)
+    refs = index_checkpoint(path)
+    check_checkpoint(refs, model, expected_keys(model))  # the whole model against the file headers: reads nothing
+    keep_stage(model, stage, n_stages)
+    plan = apply_tp(model, tp_rank, tp_size, tp_group)
+    names = expected_keys(model)
+    sd = dict(iter_state_dict(refs, names, dtype, device, shard=plan))
+    model.load_state_dict(sd, assign=True, strict=False)
+    del sd
+    left = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]
+    if left:
+        raise InputError(f"checkpoint did not fill {', '.join(left)}", "model")
+    model.init_rope(torch.device(device))
+    model.requires_grad_(False)
+    return model.eval(), cfg
+
+
+def build_v1_shard(p: v1.V1Params, block_hash: str, dtype: torch.dtype, device, stage: int = 0,
+                   n_stages: int = 1, tp_rank: int = 0, tp_size: int = 1, tp_group=None) -> Transformer:
+    """v1's random model (random_init.build_v1_model) as this rank's shard: same values, only its slices."""
+    device = torch.device(device)
+    cfg = v1_config(p)
+    with torch.device("meta"):
+        model = Transformer(cfg, with_head=True)
+    model.embed_tokens = None  # in the pool's total, never used
+    keep_stage(model, stage, n_stages)
+    plan = apply_tp(model, tp_rank, tp_size, tp_group)
+    want = set(model.state_dict(keep_vars=True))
+    pool = pool_tensor(block_hash, v1.pool_size(p.total_params), device)
+    sd = {}
+    for ref, shape in v1.param_shapes(p):
+        name = hf_name(ref)
+        if name is None or name not in want:
+            continue
+        w = v1.place(pool, ref, shape, block_hash)  # float32, this one parameter in full (transient)
+        if ref.endswith(("wq.weight", "wk.weight")):  # a permutation inside each head: slice after it
+            w = interleaved_to_half(w, p.n_heads if ref.endswith("wq.weight") else p.n_kv_heads)
+        if name in plan:
+            dim, start, stop = plan[name]
+            w = w.narrow(dim, start, stop - start)
+        sd[name] = w.to(dtype, copy=True).contiguous()  # fp32 pool -> dtype, as the reference
+        del w
+    del pool
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.init_rope(device, p.seq_len)
+    model.requires_grad_(False)
+    return model.eval()
