@@ -1,0 +1,510 @@
+"""DistEngine: the Engine interface over replicas x pp x tp rank processes, and make_engine().
+
+The server process never joins the process group. It starts `python -m poc.parallel.ranks` once per rank (a
+fresh interpreter: a spawned child would re-import the server's __main__, aiohttp and all), talks to them over
+authenticated local sockets, hands each replica's leader the job and then its batches of nonces, and merges the
+replicas' results into emit() in arrival order. Nonces are dealt from the job's one iterator, a batch at a time,
+to whichever replica has room: the replicas' streams are disjoint and together exactly the job's stream (the
+pow lattice, /pooled ranges, explicit lists alike), max_nonces stays exact, and a faster replica takes more.
+
+A rank that dies, fails or times out breaks the engine: the running job raises RankFailure (the server writes it
+as the stream's error line), the other ranks are killed, /health reads state == "broken", and restart() (or a new
+engine) starts clean ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import queue
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, Listener, wait
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from poc.engine.compute import DTYPES, resolve_device
+from poc.engine.engine import Busy, Engine
+from poc.engine.jobs import BatchResult, JobSummary, Limits, V1Job, V2Job, take
+from poc.errors import InputError
+from poc.model.config import ModelConfig
+from poc.parallel.layout import Layout, RankConfig
+from poc.protocol import v1
+
+log = logging.getLogger("poc.parallel")
+
+DEPTH = 2  # batches handed to a replica ahead of its results (the leader launches i+1 while i is collected)
+SRC = str(Path(__file__).resolve().parents[2])  # the directory holding the poc package, for the ranks' sys.path
+
+
+class RankFailure(RuntimeError):
+    """A rank died, failed or timed out: the engine is broken until restart()."""
+
+
+@dataclass
+class V2Info:
+    """What the server reads of a loaded checkpoint (the same attributes as engine.compute.V2Compute)."""
+
+    cfg: ModelConfig
+    name: str
+    dtype: torch.dtype
+
+
+class _Ranks:
+    """One generation of rank processes and their connections."""
+
+    def __init__(self, world: int):
+        self.procs: list[subprocess.Popen] = []
+        self.conns: dict[int, Connection] = {}
+        self.inbox: queue.Queue = queue.Queue()
+        self.closing = False
+        self.locks = [threading.Lock() for _ in range(world)]
+        self.reader: threading.Thread | None = None
+
+    def send(self, rank: int, msg) -> None:
+        with self.locks[rank]:
+            self.conns[rank].send(msg)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+
+    def close_conns(self) -> None:
+        for c in self.conns.values():
+            with contextlib.suppress(OSError):
+                c.close()
+
+
+class DistEngine:
+    """Same public interface as poc.engine.engine.Engine; the work runs in layout.world rank processes."""
+
+    def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto", tp: int = 1,
+                 pp: int = 1, world: int | None = None, timeout: float = 300.0, start_timeout: float = 180.0,
+                 log_level: str | None = None):
+        self.device = resolve_device(device)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", 0)  # the engine spans devices 0..world-1; this names the first
+        self.layout = Layout(world or tp * pp, tp, pp)
+        if self.device.type == "cuda" and self.layout.world > torch.cuda.device_count():
+            raise InputError(f"{self.layout.world} ranks need {self.layout.world} GPUs; "
+                             f"{torch.cuda.device_count()} are visible", "devices")
+        self.model_dir, self.dtype_flag = model_dir, dtype
+        self.timeout, self.start_timeout = timeout, start_timeout
+        self.log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        self.v2: V2Info | None = None
+        self._v1 = None  # the server's memory check reads this on Engine; ranks hold their own v1 models
+        self.state = "loading" if model_dir else "ready"
+        self.broken_reason: str | None = None
+        self.load_seconds: float | None = None
+        self.compile = False
+        self._lock = threading.Lock()
+        self._ranks: _Ranks | None = None
+        self._job_ids = itertools.count(1)
+
+    # ------------------------------------------------------------------------------------ processes
+
+    @property
+    def pids(self) -> list[int]:
+        """The rank processes' pids, by rank."""
+        return [p.pid for p in self._ranks.procs] if self._ranks else []
+
+    def start(self) -> None:
+        """Start the rank processes and wait until every one has joined the process group."""
+        if self._ranks is not None:
+            return
+        L = self.layout
+        g = _Ranks(L.world)
+        key = secrets.token_bytes(32)
+        listener = Listener(("127.0.0.1", 0), authkey=key)
+        cuda = self.device.type == "cuda"
+        threads = 1 if cuda else max(1, (os.cpu_count() or 1) // L.world)
+        env = dict(os.environ, POC_RANK_KEY=key.hex(), OMP_NUM_THREADS=str(threads),
+                   PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
+        addr = f"127.0.0.1:{listener.address[1]}"
+        log.info("starting %d rank processes: %d replica(s) x pp=%d x tp=%d on %s", L.world, L.replicas, L.pp,
+                 L.tp, "cuda" if cuda else "cpu")
+        try:
+            g.procs = [subprocess.Popen([sys.executable, "-m", "poc.parallel.ranks", addr, str(r)], env=env,
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL) for r in range(L.world)]
+            deadline = time.monotonic() + self.start_timeout
+            conns = self._accept(listener, g, deadline)
+            for c in conns:
+                msg = self._recv(c, g, deadline)
+                g.conns[msg[1]] = c
+            cfg = RankConfig(layout=L, backend="nccl" if cuda else "gloo", device_type=self.device.type,
+                             store_port=0, timeout_s=self.timeout, threads=threads, log_level=self.log_level)
+            g.send(0, cfg)
+            msg = self._recv(g.conns[0], g, deadline)
+            if msg[0] != "store":
+                raise RankFailure(f"rank 0 did not start: {msg}")
+            for r in range(1, L.world):
+                g.send(r, dataclasses.replace(cfg, store_port=msg[1]))
+            for r in range(L.world):
+                msg = self._recv(g.conns[r], g, deadline)
+                if msg[0] != "ready":
+                    raise RankFailure(f"rank {r} did not start: {msg[2] if msg[0] == 'error' else msg}")
+        except BaseException:
+            g.closing = True
+            g.kill()
+            g.close_conns()
+            raise
+        finally:
+            listener.close()
+        g.reader = threading.Thread(target=self._read, args=(g,), name="poc-ranks-reader", daemon=True)
+        g.reader.start()
+        self._ranks = g
+
+    def _accept(self, listener: Listener, g: _Ranks, deadline: float) -> list[Connection]:
+        conns: list[Connection] = []
+
+        def accept():
+            with contextlib.suppress(OSError, EOFError):
+                while len(conns) < len(g.procs):
+                    conns.append(listener.accept())
+
+        t = threading.Thread(target=accept, name="poc-ranks-accept", daemon=True)
+        t.start()
+        while len(conns) < len(g.procs):
+            self._check_procs(g, deadline, "connect")
+            time.sleep(0.02)
+        t.join()
+        return conns
+
+    def _check_procs(self, g: _Ranks, deadline: float, what: str) -> None:
+        for r, p in enumerate(g.procs):
+            if p.poll() is not None:
+                raise RankFailure(f"rank {r} exited with code {p.returncode} before it could {what}")
+        if time.monotonic() > deadline:
+            raise RankFailure(f"the rank processes did not {what} within {self.start_timeout:.0f} s")
+
+    def _recv(self, c: Connection, g: _Ranks, deadline: float):
+        while not c.poll(0.05):
+            self._check_procs(g, deadline, "start")
+        try:
+            return c.recv()
+        except (EOFError, OSError):
+            self._check_procs(g, time.monotonic() + 5, "start")
+            raise RankFailure("a rank closed its connection while starting") from None
+
+    def _read(self, g: _Ranks) -> None:
+        """Move every rank's messages into the inbox; a closed connection or an error report breaks the engine."""
+        live = {c: r for r, c in g.conns.items()}
+        while live and not g.closing:
+            for c in wait(list(live), timeout=0.5):
+                r = live[c]
+                try:
+                    msg = c.recv()
+                except (EOFError, OSError):
+                    del live[c]
+                    if not g.closing:
+                        code = None
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            code = g.procs[r].wait(timeout=2)
+                        self._fail(g, f"rank {r} (pid {g.procs[r].pid}) exited"
+                                      + (f" with code {code}" if code is not None else ""))
+                    continue
+                if msg[0] == "error":
+                    self._fail(g, f"rank {msg[1]} failed: {msg[2]}")
+                else:
+                    g.inbox.put(msg)
+
+    def _fail(self, g: _Ranks, reason: str) -> None:
+        """Mark the engine broken, wake the running job, and stop every other rank (no hang on a dead peer)."""
+        if g.closing or g is not self._ranks:
+            return
+        g.closing = True
+        log.error("engine broken: %s; stopping the other ranks", reason)
+        g.kill()  # first: when the job sees the failure, no rank is left running
+        self.broken_reason = reason
+        self.state = "broken"
+        g.inbox.put(("failed", reason))
+
+    def restart(self) -> None:
+        """Kill every rank, start fresh ones and reload the checkpoint: a broken engine comes back clean."""
+        self._shutdown(graceful=False)
+        self.broken_reason = None
+        self.state = "loading"
+        self.load()
+
+    def close(self) -> None:
+        self._shutdown(graceful=True)
+
+    def _shutdown(self, graceful: bool) -> None:
+        g, self._ranks = self._ranks, None
+        if g is None:
+            return
+        g.closing = True
+        g.inbox.put(("failed", "the engine was closed"))  # a job still waiting ends now
+        if graceful:
+            for r in range(self.layout.replicas):
+                with contextlib.suppress(OSError, KeyError):
+                    g.send(self.layout.leader(r), ("exit",))
+            end = time.monotonic() + 10
+            for p in g.procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=max(0.1, end - time.monotonic()))
+        g.kill()
+        g.close_conns()
+        if g.reader is not None:
+            g.reader.join(timeout=5)
+
+    # ------------------------------------------------------------------------------------ models
+
+    def load(self) -> None:
+        """Start the ranks and load the checkpoint given at start (each rank reads its own slices)."""
+        t0 = time.perf_counter()
+        if self.model_dir:  # refuse an uneven split here, before any process starts
+            self.layout.check_config(ModelConfig.from_hf(self.model_dir), f"model {Path(self.model_dir).name}")
+        self.start()
+        if self.model_dir:
+            dtype = self.v2_dtype_arg()
+            g = self._ranks
+            for r in range(self.layout.replicas):
+                g.send(self.layout.leader(r), ("load", self.model_dir, dtype))
+            infos = self._wait_all(g, "loaded", self.layout.world, limit=3600.0)
+            cfg = ModelConfig.from_hf(self.model_dir)
+            self.v2 = V2Info(cfg, Path(self.model_dir).name, DTYPES[infos[0]["dtype"]])
+        self.load_seconds = time.perf_counter() - t0
+        self.state = "ready"
+
+    v2_dtype_arg = Engine.v2_dtype_arg
+
+    def _wait_all(self, g: _Ranks, kind: str, n: int, limit: float) -> list:
+        out, last = [], time.monotonic()
+        while len(out) < n:
+            msg = self._next(g, 0.5)
+            if msg is None:
+                self._watchdog(g, last, limit)
+            elif msg[0] == kind:
+                out.append(msg[2])
+                last = time.monotonic()
+        return out
+
+    def _next(self, g: _Ranks, timeout: float):
+        """The next message from the ranks, None after `timeout` s; RankFailure if the engine broke."""
+        if self.broken_reason:
+            raise RankFailure(self.broken_reason)
+        try:
+            msg = g.inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if msg[0] == "failed":
+            raise RankFailure(msg[1])
+        return msg
+
+    def _watchdog(self, g: _Ranks, last: float, limit: float) -> None:
+        """Break the engine when the ranks have said nothing for `limit` s (a hang the ranks did not catch)."""
+        if time.monotonic() - last > limit:
+            self._fail(g, f"no word from the ranks for {limit:.0f} s")
+            raise RankFailure(self.broken_reason)
+
+    def _ready_ranks(self) -> _Ranks:
+        if self.broken_reason:
+            raise RankFailure(f"the engine is broken ({self.broken_reason}): restart it")
+        if self._ranks is None:
+            self.start()
+        return self._ranks
+
+    def require_v2(self) -> V2Info:
+        if self.v2 is None:
+            raise InputError("no PoC v2 model is loaded: start the server with --model DIR", "params.model")
+        return self.v2
+
+    def check_v1(self, params: v1.V1Params) -> None:
+        """Refuse v1 params whose model does not split over this layout, naming the numbers."""
+        from poc.model.random_init import v1_config
+
+        self.layout.check_config(v1_config(params), "the v1 model of these params")
+
+    # ------------------------------------------------------------------------------------ jobs
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Hold the devices for one job; Busy at once if another holds them."""
+        if not self._lock.acquire(blocking=False):
+            raise Busy("a job is already running")
+        prev = self.state
+        self.state = "busy"
+        try:
+            yield
+        finally:
+            self.state = "broken" if self.broken_reason else prev
+            self._lock.release()
+
+    def run(self, job: V1Job | V2Job, emit: Callable[[BatchResult], None], stop: threading.Event) -> JobSummary:
+        with self.exclusive():
+            return self._run(job, lambda seq, b, payload: emit(b), stop)
+
+    def _run(self, job, on_result, stop: threading.Event, opts: dict | None = None) -> JobSummary:
+        """Deal batches of the job's nonces to the replicas, DEPTH ahead; stop/limits end the dealing, and every
+        batch a replica launched is still reported (the leaders drop batches not yet launched on a stop)."""
+        t0 = time.perf_counter()
+        if isinstance(job, V1Job):
+            self.check_v1(job.params)
+        else:
+            self.require_v2()
+        g = self._ready_ranks()
+        L, jid, lim = self.layout, next(self._job_ids), job.limits
+        spec = dataclasses.replace(job, nonces=None)  # the iterator stays here: batches go out as lists
+        for r in range(L.replicas):
+            g.send(L.leader(r), ("job", jid, spec, opts or {}))
+        taken = computed = batches = 0
+        seqs = itertools.count(1)
+        ended, done = [False] * L.replicas, [False] * L.replicas
+        reason = None
+        t_start, last = time.perf_counter(), time.monotonic()
+
+        def end_all(why: str, drop: bool) -> None:
+            nonlocal reason
+            reason = reason or why
+            for r in range(L.replicas):
+                if not ended[r]:
+                    ended[r] = True
+                    g.send(L.leader(r), ("end", jid, drop))
+
+        def deal(r: int) -> None:
+            nonlocal taken
+            if ended[r]:
+                return
+            if stop.is_set():
+                return end_all("stopped", True)
+            if lim.max_duration is not None and time.perf_counter() - t_start >= lim.max_duration:
+                return end_all("max_duration", True)
+            n = job.batch_size if lim.max_nonces is None else min(job.batch_size, lim.max_nonces - taken)
+            nonces = take(job.nonces, n) if n > 0 else []
+            if not nonces:
+                return end_all("exhausted", False)
+            taken += len(nonces)
+            g.send(L.leader(r), ("batch", jid, next(seqs), nonces))
+
+        def finish_on_error() -> None:
+            """Something failed here (emit, the nonce iterator): end the job on the ranks so they stay in step."""
+            end_all("error", True)
+            wait_until = time.monotonic() + self.timeout
+            while not all(done) and time.monotonic() < wait_until:
+                msg = self._next(g, 0.1)
+                if msg is not None and msg[0] == "done" and msg[1] == jid:
+                    done[msg[2]] = True
+
+        try:
+            for _ in range(DEPTH):
+                for r in range(L.replicas):
+                    deal(r)
+            while not all(done):
+                msg = self._next(g, 0.1)
+                if msg is None:
+                    if stop.is_set() and not all(ended):
+                        end_all("stopped", True)
+                    self._watchdog(g, last, self.timeout + 60)
+                    continue
+                last = time.monotonic()
+                if msg[1] != jid:
+                    continue  # a late message of an earlier job
+                if msg[0] == "result":
+                    _, _, r, seq, payload, secs = msg
+                    payload["replica"] = r
+                    nonces = payload.pop("nonces")
+                    computed += len(nonces)
+                    batches += 1
+                    b = BatchResult(index=batches, nonces=nonces, elapsed=time.perf_counter() - t_start,
+                                    batch_seconds=secs, dist=payload.get("dist"),
+                                    artifacts=payload.get("artifacts"), dropped=payload.get("dropped", []))
+                    on_result(seq, b, payload)
+                    deal(r)
+                elif msg[0] == "done":
+                    done[msg[2]] = True
+        except RankFailure:
+            raise
+        except BaseException:
+            with contextlib.suppress(Exception):
+                finish_on_error()
+            raise
+        if reason == "exhausted" and lim.max_nonces is not None and computed >= lim.max_nonces:
+            reason = "max_nonces"
+        return JobSummary(reason=reason or "exhausted", batches=batches, computed=computed,
+                          elapsed=time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------------------------ one-shot helpers
+
+    def _collect(self, job, opts: dict | None = None) -> list[tuple[BatchResult, dict]]:
+        """Every batch of a finite job, in the nonces' order."""
+        out: dict[int, tuple[BatchResult, dict]] = {}
+        with self.exclusive():
+            self._run(job, lambda seq, b, payload: out.__setitem__(seq, (b, payload)), threading.Event(), opts)
+        return [out[k] for k in sorted(out)]
+
+    def v1_distances(self, params: v1.V1Params, block_hash: str, public_key: str, nonces: Sequence[int],
+                     dtype: str = "float16", batch_size: int = 64) -> np.ndarray:
+        """Distances for explicit nonces (validation, the CLI)."""
+        job = V1Job(block_hash, public_key, 0, params, 0.0, iter(list(nonces)), batch_size, dtype,
+                    Limits(max_nonces=None, max_duration=None))
+        parts = [b.dist for b, _ in self._collect(job)]
+        return np.concatenate(parts) if parts else np.empty(0)
+
+    def v2_artifacts(self, block_hash: str, public_key: str, nonces: Sequence[int], seq_len: int, k_dim: int,
+                     stronger_rng: bool = False, batch_size: int = 32) -> tuple[list[dict], list[int]]:
+        arts, dropped = [], []
+        for b, _ in self._collect(self._v2_job(block_hash, public_key, nonces, seq_len, k_dim, stronger_rng,
+                                               batch_size)):
+            arts += b.artifacts
+            dropped += b.dropped
+        return arts, dropped
+
+    def v2_vectors(self, block_hash: str, public_key: str, nonces: Sequence[int], seq_len: int, k_dim: int,
+                   stronger_rng: bool = False, batch_size: int = 32) -> np.ndarray:
+        """(N, k) float32 unit vectors before the fp16 encoding (for comparing numerics)."""
+        job = self._v2_job(block_hash, public_key, nonces, seq_len, k_dim, stronger_rng, batch_size)
+        parts = [p["vectors"] for _, p in self._collect(job, {"vectors": True})]
+        return np.concatenate(parts) if parts else np.empty((0, k_dim), np.float32)
+
+    def _v2_job(self, block_hash, public_key, nonces, seq_len, k_dim, stronger_rng, batch_size) -> V2Job:
+        cfg = self.require_v2().cfg
+        if not 1 <= k_dim <= cfg.dim:
+            raise InputError(f"k_dim must be in [1, {cfg.dim}] (the model's hidden size), got {k_dim}", "k_dim")
+        return V2Job(block_hash, public_key, 0, seq_len, k_dim, iter(list(nonces)), batch_size, stronger_rng,
+                     Limits(max_nonces=None, max_duration=None))
+
+
+def world_for(device: torch.device, tp: int, pp: int, replicas: int | None = None, devices: int | None = None) -> int:
+    """How many ranks: on CUDA every usable GPU (or `devices` of them, or `replicas` groups), whole groups of
+    tp x pp only; on CPU tp x pp x replicas (default 1) processes."""
+    group = tp * pp
+    if device.type != "cuda":
+        return group * (replicas or 1)
+    have = torch.cuda.device_count()
+    n = devices or have
+    if n > have:
+        raise InputError(f"--devices {n} but only {have} GPUs are visible", "devices")
+    if replicas:
+        n = min(n, replicas * group)
+    if n < group:
+        raise InputError(f"tp={tp} x pp={pp} needs {group} GPUs; {n} are usable", "tp")
+    if n % group:
+        log.warning("%d GPUs do not split into groups of tp x pp = %d: using %d", n, group, n - n % group)
+    return n - n % group
+
+
+def make_engine(device: str | None = None, model_dir: str | None = None, dtype: str = "auto", tp: int = 1,
+                pp: int = 1, replicas: int | None = None, devices: int | None = None, **kw) -> Engine | DistEngine:
+    """An Engine in this process when one device does everything, else a DistEngine over world ranks."""
+    dev = resolve_device(device)
+    world = world_for(dev, tp, pp, replicas, devices)
+    if world == 1:
+        compile_ = kw.pop("compile", False)
+        return Engine(device=device, model_dir=model_dir, dtype=dtype, compile=compile_)
+    kw.pop("compile", None)
+    return DistEngine(device=device, model_dir=model_dir, dtype=dtype, tp=tp, pp=pp, world=world, **kw)

@@ -1,0 +1,319 @@
+"""The rank process: one per device; every rank runs the same loop (SPMD), as under torchrun.
+
+    python -m poc.parallel.ranks HOST:PORT RANK      (DistEngine starts these; the auth key comes in $POC_RANK_KEY)
+
+A rank connects back to the engine, joins the process group (NCCL on CUDA, gloo on CPU) and waits for commands.
+Only each replica's leader (first stage, tp rank 0) reads commands; it broadcasts each one to its replica's
+ranks over a CPU (gloo) group: a job (a few seeds and a shape), then per batch the nonces or the end, so all
+ranks of a replica stop at the same batch. Every rank derives its inputs from the seeds; the first stage builds
+the embeddings, the last stage post-processes and its tp rank 0 sends the small results back. No aiohttp here.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from multiprocessing.connection import Client, Connection
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from poc.engine.compute import DTYPES, Handle
+from poc.engine.jobs import V1Job, V2Job
+from poc.parallel import pp
+from poc.parallel.layout import RankConfig
+from poc.parallel.shard import build_v1_shard, load_shard
+from poc.protocol import v1, v2
+
+log = logging.getLogger("poc.ranks")
+
+HEARTBEAT_S = 5.0  # an idle leader broadcasts this often, so waiting ranks never hit the collective timeout
+
+
+class _OnlyRank0(logging.Filter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.rank == 0
+
+
+def _setup_logging(rank: int, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"))
+    handler.addFilter(_OnlyRank0(rank))  # the engine reports other ranks' errors itself
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def _die_with_parent() -> None:
+    """Exit when the engine's process dies, however it dies (no orphan holds a GPU). Not PR_SET_PDEATHSIG: that
+    fires when the *thread* that started us ends, and the engine may start ranks from a short-lived thread."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="poc-parent-watch", daemon=True).start()
+
+
+class Rank:
+    def __init__(self, rank: int, cfg: RankConfig, conn: Connection):
+        self.rank, self.cfg, self.conn = rank, cfg, conn
+        L = self.layout = cfg.layout
+        self.replica, self.stage, self.tp_rank = L.coords(rank)
+        self.leader = L.leader(self.replica)
+        self.is_first, self.is_last = self.stage == 0, self.stage == L.pp - 1
+        self.is_reporter = rank == L.reporter(self.replica)
+        if cfg.device_type == "cuda":
+            self.device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(cfg.threads)
+        self.pending: collections.deque = collections.deque()  # the leader's commands read ahead
+        self.v2 = None  # (model, cfg, dtype, name)
+        self.v1 = None  # (key, model, target)
+        self._refl: tuple[str, torch.Tensor] | None = None
+        self._keys: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------------ setup
+
+    def init_groups(self, store) -> None:
+        L, timeout = self.layout, timedelta(seconds=self.cfg.timeout_s)
+        dist.init_process_group(self.cfg.backend, store=store, rank=self.rank, world_size=L.world, timeout=timeout)
+        # every rank creates every group, in the same order (new_group's contract)
+        self.ctrl = self.tp_group = None
+        for ranks in L.replica_groups():
+            g = dist.new_group(ranks, timeout=timeout, backend="gloo")  # commands travel on the CPU
+            if self.rank in ranks:
+                self.ctrl = g
+        if L.tp > 1:
+            for ranks in L.tp_groups():
+                g = dist.new_group(ranks, timeout=timeout)
+                if self.rank in ranks:
+                    self.tp_group = g
+        # pipeline sends/receives are point-to-point on the world group, between the same tp rank of two stages
+        self.prev = L.rank(self.replica, self.stage - 1, self.tp_rank) if not self.is_first else None
+        self.next = L.rank(self.replica, self.stage + 1, self.tp_rank) if not self.is_last else None
+
+    def send(self, msg) -> None:
+        self.conn.send(msg)
+
+    # ------------------------------------------------------------------------------------ commands
+
+    def next_command(self):
+        """The leader reads a command (or an idle heartbeat) and broadcasts it; the other ranks receive it."""
+        if self.layout.group_size == 1:
+            return self._read_command()
+        obj = [self._read_command() if self.rank == self.leader else None]
+        dist.broadcast_object_list(obj, src=self.leader, group=self.ctrl, device=torch.device("cpu"))
+        return obj[0]
+
+    def _read_command(self):
+        while self.conn.poll(0):  # read ahead: an "end" that drops work cancels the batches queued before it
+            self.pending.append(self.conn.recv())
+        if not self.pending:
+            if not self.conn.poll(HEARTBEAT_S):
+                return ("idle",)
+            self.pending.append(self.conn.recv())
+        ends = [m for m in self.pending if m[0] == "end" and m[2]]
+        if ends:
+            jid = ends[0][1]
+            kept = [m for m in self.pending if not (m[0] == "batch" and m[1] == jid)]
+            self.pending = collections.deque(kept)
+        return self.pending.popleft()
+
+    def serve(self) -> None:
+        while True:
+            cmd = self.next_command()
+            kind = cmd[0]
+            if kind == "idle":
+                continue
+            if kind == "exit":
+                return
+            if kind == "load":
+                self.load(*cmd[1:])
+            elif kind == "job":
+                self.run_job(*cmd[1:])
+            else:
+                raise RuntimeError(f"unknown command {kind!r}")
+
+    # ------------------------------------------------------------------------------------ models
+
+    def load(self, model_dir: str, dtype) -> None:
+        t0 = time.perf_counter()
+        self.v2 = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        L = self.layout
+        model, mcfg = load_shard(model_dir, dtype, self.device, self.stage, L.pp, self.tp_rank, L.tp, self.tp_group)
+        model.fuse()
+        mdtype = next(model.parameters()).dtype
+        self.v2 = (model, mcfg, mdtype)
+        self._refl = None
+        n_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        log.info("loaded %s: stage %d/%d tp %d/%d, %.1f MB on this rank in %.1f s", model_dir, self.stage, L.pp,
+                 self.tp_rank, L.tp, n_bytes / 1e6, time.perf_counter() - t0)
+        self.send(("loaded", self.rank, {"bytes": n_bytes, "seconds": time.perf_counter() - t0,
+                                         "dtype": str(mdtype).removeprefix("torch.")}))
+
+    def v1_model(self, job: V1Job):
+        key = (job.params, job.block_hash, job.dtype)
+        if self.v1 is None or self.v1[0] != key:
+            self.v1 = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            L, t0 = self.layout, time.perf_counter()
+            model = build_v1_shard(job.params, job.block_hash, DTYPES[job.dtype], self.device, self.stage, L.pp,
+                                   self.tp_rank, L.tp, self.tp_group).fuse()
+            tgt = torch.from_numpy(v1.target(job.block_hash, job.params.vocab_size)).to(self.device)
+            self.v1 = (key, model, tgt)
+            log.info("v1 model built: dim=%d layers=%d dtype=%s in %.1f s", job.params.dim, job.params.n_layers,
+                     job.dtype, time.perf_counter() - t0)
+        return self.v1[1], self.v1[2]
+
+    # ------------------------------------------------------------------------------------ jobs
+
+    def run_job(self, job_id: int, job, opts: dict) -> None:
+        """Batches until the leader broadcasts the end; the launch of batch i+1 overlaps the collect of batch i."""
+        inflight = None
+        while True:
+            cmd = self.next_command()
+            if cmd[0] == "idle":
+                continue
+            if cmd[1] != job_id:
+                raise RuntimeError(f"command {cmd[0]!r} of job {cmd[1]} inside job {job_id}")
+            launched = None
+            if cmd[0] == "batch":
+                _, _, seq, nonces = cmd
+                with torch.inference_mode():
+                    t0 = time.perf_counter()
+                    out = self.launch_v1(job, nonces) if isinstance(job, V1Job) else self.launch_v2(job, nonces)
+                    launched = (seq, nonces, out, t0)
+            if inflight is not None:
+                self.report(job_id, job, opts, *inflight)
+            inflight = launched
+            if cmd[0] == "end":
+                break
+        if self.is_reporter:
+            self.send(("done", job_id, self.replica))
+
+    def _stage_input(self, nonces, make_x, seq_len: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.is_first:
+            return make_x()
+        return pp.recv((len(nonces), seq_len, dim), dtype, self.device, self.prev)
+
+    def launch_v2(self, job: V2Job, nonces: list[int]):
+        model, cfg, dtype = self.v2
+        S, D = job.seq_len, cfg.dim
+
+        def make_x():
+            seeds = v2.input_seeds(job.block_hash, job.public_key, nonces, job.stronger_rng).to(self.device)
+            return v2.inputs_from_seeds(seeds, S, D, self.keys(S * D)).to(dtype)
+
+        x = self._stage_input(nonces, make_x, S, D, dtype)
+        h = model(x, reflections=self.reflections(job.block_hash, cfg, dtype), last_only=True)
+        if not self.is_last:
+            pp.send(h, self.next)
+            return None
+        if not self.is_reporter:
+            return None
+        pl = v2.plan(job.block_hash, job.public_key, nonces, D, job.k_dim, "cpu")
+        pl = v2.PostProcessPlan(pl.pick.to(self.device), pl.haar.to(self.device))
+        return Handle(None, v2.project(h, pl), self.device)
+
+    def launch_v1(self, job: V1Job, nonces: list[int]):
+        model, tgt = self.v1_model(job)
+        p = job.params
+        dtype = next(model.parameters()).dtype
+
+        def make_x():  # float16 first, as the reference
+            x16 = torch.from_numpy(v1.input_embeddings(job.block_hash, job.public_key, nonces, p.seq_len, p.dim))
+            return x16.to(self.device).to(dtype)
+
+        x = self._stage_input(nonces, make_x, p.seq_len, p.dim, dtype)
+        out = model(x, last_only=True, logits=self.is_last)
+        if not self.is_last:
+            pp.send(out, self.next)
+            return None
+        if not self.is_reporter:
+            return None
+        perms = torch.from_numpy(v1.permutations(job.block_hash, job.public_key, nonces, p.vocab_size))
+        g = torch.gather(out.float(), 1, perms.to(self.device))
+        u = g / torch.linalg.vector_norm(g, dim=1, keepdim=True)  # float32, as the reference
+        return Handle(None, torch.linalg.vector_norm(u.double() - tgt[None, :], dim=1), self.device)
+
+    def report(self, job_id: int, job, opts: dict, seq: int, nonces: list[int], out, t0: float) -> None:
+        if out is None:
+            return
+        res = out.wait()
+        if isinstance(job, V1Job):
+            payload = {"nonces": nonces, "dist": res.numpy().copy()}
+        else:
+            arts, dropped = v2.artifacts(nonces, res)
+            payload = {"nonces": nonces, "artifacts": arts, "dropped": dropped}
+            if opts.get("vectors"):
+                payload["vectors"] = res.float().numpy().copy()
+        self.send(("result", job_id, self.replica, seq, payload, time.perf_counter() - t0))
+
+    def reflections(self, block_hash: str, cfg, dtype) -> torch.Tensor:
+        if self._refl is None or self._refl[0] != block_hash:
+            self._refl = (block_hash, v2.layer_vectors(block_hash, cfg.n_layers, cfg.dim, self.device).to(dtype))
+        return self._refl[1]
+
+    def keys(self, n: int) -> torch.Tensor:
+        if self._keys is None or self._keys.numel() < n:
+            self._keys = v2.hash_keys(n, self.device)
+        return self._keys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    host, port = argv[0].rsplit(":", 1)
+    rank = int(argv[1])
+    _die_with_parent()
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop("POC_RANK_KEY")))
+    conn.send(("hello", rank, os.getpid()))
+    cfg: RankConfig = conn.recv()
+    _setup_logging(rank, cfg.log_level)
+    try:
+        if rank == 0:  # the rendezvous store lives here, on a port the OS picked (no free-port race)
+            store = dist.TCPStore(cfg.store_host, 0, cfg.layout.world, is_master=True,
+                                  timeout=timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
+            conn.send(("store", store.port))
+        else:
+            store = dist.TCPStore(cfg.store_host, cfg.store_port, cfg.layout.world, is_master=False,
+                                  timeout=timedelta(seconds=cfg.timeout_s))
+        r = Rank(rank, cfg, conn)
+        r.init_groups(store)
+        conn.send(("ready", rank))
+        r.serve()
+    except (EOFError, ConnectionError, BrokenPipeError):
+        return 1  # the engine went away: nothing to report to
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the engine as one line
+        try:
+            conn.send(("error", rank, (f"{type(e).__name__}: {e}".strip().splitlines() or ["?"])[0][:500]))
+        except (OSError, EOFError):
+            pass
+        return 1
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    sys.exit(main())
