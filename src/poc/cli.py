@@ -3,6 +3,9 @@
     python -m poc v1 --params '{"dim": 64, ...}' --block-hash H --public-key K --nonces 0-15 [--dtype float16] [--device cpu]
     python -m poc v2 --model DIR --block-hash H --public-key K --nonces 0,3,9 --seq-len 16 [--k-dim 12] [--stronger-rng]
 
+Both take [--tp N] [--pp M] [--replicas R] (env POC_TP, POC_PP, POC_REPLICAS): more than one device runs in
+rank processes (poc.parallel); on CUDA every visible GPU is used unless --replicas caps it.
+
 One JSON line per nonce on stdout. Bad input: one line on stderr and exit code 2.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 
@@ -57,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--nonces", required=True, help="a-b (inclusive) or a,b,c")
         p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
         p.add_argument("--batch-size", type=int, default=32)
+        p.add_argument("--tp", type=int, default=os.environ.get("POC_TP", "1"), help="tensor-parallel ranks")
+        p.add_argument("--pp", type=int, default=os.environ.get("POC_PP", "1"), help="pipeline stages")
+        p.add_argument("--replicas", type=int, default=os.environ.get("POC_REPLICAS") or None,
+                       help="independent tp x pp groups (default: 1 on CPU, every GPU on CUDA)")
         if name == "v1":
             p.add_argument("--params", required=True, help="the params JSON object (every key required)")
             p.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"],
@@ -76,7 +84,12 @@ def run(argv: list[str]) -> int:
     nonces = parse_nonces(args.nonces)
     if args.batch_size <= 0:
         raise InputError(f"--batch-size must be positive, got {args.batch_size}", "batch_size")
-    from poc.engine.engine import Engine  # torch import after argument checks: fast errors
+    for flag in ("tp", "pp", "replicas"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            raise InputError(f"--{flag} must be positive, got {getattr(args, flag)}", flag)
+    from poc.parallel.engine import make_engine  # torch import after argument checks: fast errors
+
+    par = dict(tp=args.tp, pp=args.pp, replicas=args.replicas)
 
     if args.protocol == "v1":
         from poc.protocol.v1 import V1Params
@@ -86,20 +99,27 @@ def run(argv: list[str]) -> int:
         except json.JSONDecodeError as e:
             raise InputError(f"--params is not valid JSON: {e}", "params") from None
         params = V1Params.from_json(obj)
-        engine = Engine(device=args.device)
-        dists = engine.v1_distances(params, args.block_hash, args.public_key, nonces, args.dtype, args.batch_size)
+        engine = make_engine(args.device, **par)
+        try:
+            dists = engine.v1_distances(params, args.block_hash, args.public_key, nonces, args.dtype, args.batch_size)
+        finally:
+            engine.close()
         for n, d in zip(nonces, dists):
             print(json.dumps({"nonce": n, "dist": float(d)}), flush=False)
     else:
         if args.seq_len <= 0:
             raise InputError(f"--seq-len must be positive, got {args.seq_len}", "seq_len")
-        engine = Engine(device=args.device, model_dir=args.model, dtype=args.dtype)
-        engine.load()
-        hidden = engine.v2.cfg.dim
-        if not 1 <= args.k_dim <= hidden:
-            raise InputError(f"--k-dim must be in [1, {hidden}] (the model's hidden size), got {args.k_dim}", "k_dim")
-        arts, dropped = engine.v2_artifacts(args.block_hash, args.public_key, nonces, args.seq_len, args.k_dim,
-                                            args.stronger_rng, args.batch_size)
+        engine = make_engine(args.device, model_dir=args.model, dtype=args.dtype, **par)
+        try:
+            engine.load()
+            hidden = engine.v2.cfg.dim
+            if not 1 <= args.k_dim <= hidden:
+                raise InputError(f"--k-dim must be in [1, {hidden}] (the model's hidden size), got {args.k_dim}",
+                                 "k_dim")
+            arts, dropped = engine.v2_artifacts(args.block_hash, args.public_key, nonces, args.seq_len, args.k_dim,
+                                                args.stronger_rng, args.batch_size)
+        finally:
+            engine.close()
         by_nonce = {a["nonce"]: a["vector_b64"] for a in arts}
         for n in nonces:
             if n in by_nonce:
