@@ -144,12 +144,15 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
     dtype = DTYPES[w["dtype"]]
     rows = []
     engine = Engine("cuda", compile=compile)
+    if w["protocol"] == "v1":
+        engine.load()  # starts the input processes, as the server does at start
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     if w["protocol"] == "v1":
         p = w["params"]
-        engine.v1_compute(p, BH, w["dtype"])
+        c = engine.v1_compute(p, BH, w["dtype"])
         torch.cuda.synchronize()
+        print(json.dumps({"workload": name, "v1_build_phases_s": c.model.build_timing}), flush=True)
         cfg, seq_len, head = v1_config(p), p.seq_len, True
     else:
         cfg = replace(PRESETS[w["model"]])
@@ -200,6 +203,55 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
     return rows
 
 
+def check_accuracy(n_v2: int = 1000, n_v1: int = 256) -> dict:
+    """The optimised (compiled) path against the plain eager path in the same dtype, on the same weights:
+    v2 artifacts (W3 shape, bf16) as decoded-vector L2, v1 distances (testnet params, fp16) as |delta|."""
+    import copy
+
+    import numpy as np
+
+    from poc.protocol import v2
+
+    dev = torch.device("cuda")
+    out = {}
+    cfg = PRESETS["qwen3-0.6b"]
+    model = random_v2_model(cfg, torch.bfloat16, dev)
+    runs = {}
+    m32 = copy.deepcopy(model).float()
+    for name, comp, bs in [("eager", V2Compute(model, cfg, torch.bfloat16, dev, "eager"), 250),
+                           ("eager_b100", V2Compute(model, cfg, torch.bfloat16, dev, "eager"), 100),
+                           ("compiled", V2Compute(model, cfg, torch.bfloat16, dev, "compiled", compile=True), 250),
+                           ("eager_fp32", V2Compute(m32, cfg, torch.float32, dev, "fp32"), 250),
+                           ("compiled_fp32", V2Compute(m32, cfg, torch.float32, dev, "fp32c", compile=True), 250)]:
+        arts = {}
+        for i in range(0, n_v2, bs):
+            prep = comp.prepare(BH, PK, list(range(i, min(n_v2, i + bs))), 64, 12)
+            arts.update({a["nonce"]: a["vector_b64"] for a in comp.run(prep)[0]})
+        runs[name] = arts
+
+    def l2(a, b):
+        d = [float(np.linalg.norm(v2.decode(a[n]) - v2.decode(b[n]))) for n in a]
+        return {"mean": float(np.mean(d)), "max": float(np.max(d)), "n": len(d)}
+
+    out["v2_compiled_vs_eager_bf16"] = l2(runs["compiled"], runs["eager"])
+    out["v2_eager_bf16_vs_fp32"] = l2(runs["eager"], runs["eager_fp32"])
+    out["v2_eager_bf16_batch250_vs_batch100"] = l2(runs["eager"], runs["eager_b100"])  # GEMM tiling alone
+    out["v2_compiled_vs_eager_fp32"] = l2(runs["compiled_fp32"], runs["eager_fp32"])
+    del model, m32, runs
+    torch.cuda.empty_cache()
+    p = v1.PARAMS_V1
+    dists = {}
+    for name, comp in [("eager", False), ("compiled", True)]:
+        e = Engine("cuda", compile=comp)
+        dists[name] = e.v1_distances(p, BH, PK, list(range(n_v1)), "float16", batch_size=64)
+        e.close()
+        del e
+        torch.cuda.empty_cache()
+    out["v1_compiled_vs_eager_fp16_max_abs_ddist"] = float(np.abs(dists["compiled"] - dists["eager"]).max())
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def plot(results: dict, path: Path) -> None:
     try:
         import matplotlib
@@ -238,12 +290,16 @@ def main(argv=None) -> None:
     ap.add_argument("--warm", type=int, default=2, help="batches before timing")
     ap.add_argument("--timed", type=int, default=6, help="timed batches")
     ap.add_argument("--out", default="benchmarks/bench.json")
+    ap.add_argument("--check", action="store_true", help="only compare the compiled path with eager")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("poc.bench needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.check:
+        out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "accuracy": check_accuracy()}, indent=1))
+        return
     ceil = {"bfloat16": matmul_ceiling(torch.bfloat16), "float16": matmul_ceiling(torch.float16)}
     print(f"matmul ceiling: bf16 {ceil['bfloat16']:.0f} TFLOP/s, fp16 {ceil['float16']:.0f} TFLOP/s", flush=True)
     rows = []

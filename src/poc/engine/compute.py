@@ -56,10 +56,24 @@ class Handle:
 
 
 def maybe_compile(fn, enabled: bool):
-    """torch.compile at fixed shapes when asked (CUDA); the eager function otherwise."""
+    """torch.compile at fixed shapes when asked (CUDA); the eager function otherwise.
+
+    Inductor keeps fused intermediates in fp32 where eager rounds them to bf16/fp16; emulating those casts
+    keeps the compiled results next to the eager ones (and to other implementations)."""
     if not enabled:
         return fn
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config, "emulate_precision_casts"):
+        inductor_config.emulate_precision_casts = True
     return torch.compile(fn, dynamic=False)
+
+
+def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Repeat the last row up to n rows (a short batch keeps the compiled shape; the extra rows are dropped)."""
+    if t.shape[0] >= n:
+        return t
+    return torch.cat([t, t[-1:].expand(n - t.shape[0], *t.shape[1:])])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -77,14 +91,16 @@ class V1Compute:
     """The v1 random model for one (params, block_hash, dtype), plus its target vector."""
 
     def __init__(self, params: v1.V1Params, block_hash: str, dtype: torch.dtype, device: torch.device,
-                 compile: bool = False, input_workers: int = 0):
+                 compile: bool = False, input_workers: int = 0, executor=None):
         self.params, self.block_hash, self.dtype, self.device = params, block_hash, dtype, device
         self.input_workers = input_workers  # > 0: inputs drawn by that many processes (V1InputPool)
         self._pool = None
+        self._executor = executor  # shared worker processes (the engine's), or None: the pool makes its own
         t0 = time.perf_counter()
         self.model = build_v1_model(params, block_hash, dtype, device).fuse()
         self.target = torch.from_numpy(v1.target(block_hash, params.vocab_size)).to(device)  # float64
         self._fn = maybe_compile(self._batch, compile)
+        self.compiled = compile
         _sync(device)
         self.build_seconds = time.perf_counter() - t0
 
@@ -97,7 +113,8 @@ class V1Compute:
             if self._pool is None or self._pool.batch < len(nonces):
                 from poc.engine.v1inputs import V1InputPool
                 self.close()
-                self._pool = V1InputPool(len(nonces), p.seq_len, p.dim, p.vocab_size, self.input_workers)
+                self._pool = V1InputPool(len(nonces), p.seq_len, p.dim, p.vocab_size, self.input_workers,
+                                         executor=self._executor)
             x, perms = self._pool.fill(self.block_hash, public_key, list(nonces))
             return V1Prepared(list(nonces), torch.from_numpy(x), torch.from_numpy(perms))
         x = torch.from_numpy(v1.input_embeddings(self.block_hash, public_key, nonces, p.seq_len, p.dim))
@@ -113,10 +130,13 @@ class V1Compute:
         return torch.linalg.vector_norm(u.double() - self.target[None, :], dim=1)
 
     @torch.inference_mode()
-    def launch(self, prep: V1Prepared) -> Handle:
+    def launch(self, prep: V1Prepared, pad_to: int | None = None) -> Handle:
         x = prep.x.to(self.device, non_blocking=True)
         perms = prep.perms.to(self.device, non_blocking=True)
-        return Handle(prep, self._fn(x, perms), self.device)
+        n = len(prep.nonces)
+        if self.compiled and pad_to and n < pad_to:
+            x, perms = _pad_rows(x, pad_to), _pad_rows(perms, pad_to)
+        return Handle(prep, self._fn(x, perms)[:n], self.device)
 
     def collect(self, h: Handle) -> dict:
         return {"dist": h.wait().numpy().copy()}
@@ -153,6 +173,7 @@ class V2Compute:
         self._vectors: tuple[str, torch.Tensor] | None = None
         self._keys: torch.Tensor | None = None
         self._fn = maybe_compile(self._batch, compile)
+        self.compiled = compile
 
     def reflections(self, block_hash: str) -> torch.Tensor:
         if self._vectors is None or self._vectors[0] != block_hash:
@@ -175,13 +196,16 @@ class V2Compute:
         return v2.project(h, v2.PostProcessPlan(pick, haar))
 
     @torch.inference_mode()
-    def launch(self, prep: V2Prepared) -> Handle:
+    def launch(self, prep: V2Prepared, pad_to: int | None = None) -> Handle:
         dev = self.device
         if self.model.rope_cos.shape[0] < prep.seq_len or self.model.rope_cos.device != dev:
             self.model.init_rope(dev, max(prep.seq_len, self.cfg.max_seq_len))  # outside any compiled graph
         seeds, pick, haar = (t.to(dev, non_blocking=True) for t in (prep.seeds, prep.pick, prep.haar))
+        n = len(prep.nonces)
+        if self.compiled and pad_to and n < pad_to:
+            seeds, pick, haar = (_pad_rows(t, pad_to) for t in (seeds, pick, haar))
         out = self._fn(seeds, self.keys(prep.seq_len), pick, haar, self.reflections(prep.block_hash), prep.seq_len)
-        return Handle(prep, out, dev)
+        return Handle(prep, out[:n], dev)
 
     def keys(self, seq_len: int) -> torch.Tensor:
         n = seq_len * self.cfg.dim

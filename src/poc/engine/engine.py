@@ -39,6 +39,7 @@ class Engine:
         if v1_input_workers is None:  # on a GPU box the numpy RNG needs many cores to keep up
             v1_input_workers = max(1, min(16, (os.cpu_count() or 2) - 2)) if self.device.type == "cuda" else 0
         self.v1_input_workers = v1_input_workers
+        self._executor = None  # the v1 input processes, started by load()
         self.model_dir = model_dir
         self.dtype_flag = dtype
         self.v2: V2Compute | None = None
@@ -52,8 +53,12 @@ class Engine:
     # ---------------------------------------------------------------------------------------- models
 
     def load(self) -> None:
-        """Warm up torch (its first model build costs ~2 s, once) and load the v2 checkpoint given at start."""
+        """Warm up torch (its first model build costs ~2 s, once), start the v1 input processes, and load the v2
+        checkpoint given at start."""
         self._warmup()
+        if self.v1_input_workers > 0 and self._executor is None:
+            from poc.engine.v1inputs import make_executor
+            self._executor = make_executor(self.v1_input_workers)
         if not self.model_dir:
             self.state = "ready"
             return
@@ -91,7 +96,8 @@ class Engine:
             self._v1 = None  # free the old model before building the next
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            c = V1Compute(params, block_hash, DTYPES[dtype], self.device, self.compile, self.v1_input_workers)
+            c = V1Compute(params, block_hash, DTYPES[dtype], self.device, self.compile, self.v1_input_workers,
+                          self._executor)
             log.info("v1 model built: dim=%d layers=%d dtype=%s in %.1f s", params.dim, params.n_layers, dtype,
                      c.build_seconds)
             self._v1 = c
@@ -162,7 +168,7 @@ class Engine:
                 else:
                     prep = fut.result()
                     fut = submit_next()
-                    handle = (comp.launch(prep), time.perf_counter())
+                    handle = (comp.launch(prep, pad_to=job.batch_size), time.perf_counter())
                 if handle is None:  # stopping: drop the prepared-but-not-launched batch, finish the in-flight one
                     fut.cancel()
                     fut = None
@@ -206,3 +212,6 @@ class Engine:
         self._prep_pool.shutdown(wait=False, cancel_futures=True)
         if self._v1 is not None:
             self._v1.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None

@@ -34,10 +34,23 @@ def _fill(shm_name: str, shape_x: tuple, shape_p: tuple, off_p: int, rows: list[
         shm.close()
 
 
+def make_executor(workers: int) -> ProcessPoolExecutor:
+    """Worker processes, started now (spawn: the parent may hold CUDA and threads, which fork would copy into a
+    broken state), so the first job does not wait for interpreters to boot."""
+    ex = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+    wait([ex.submit(_ping) for _ in range(workers)])
+    return ex
+
+
+def _ping() -> int:
+    return os.getpid()
+
+
 class V1InputPool:
     """`workers` processes and `slots` shared buffers of (batch, S, D) fp16 + (batch, V) int64."""
 
-    def __init__(self, batch: int, seq_len: int, dim: int, vocab: int, workers: int | None = None, slots: int = 3):
+    def __init__(self, batch: int, seq_len: int, dim: int, vocab: int, workers: int | None = None, slots: int = 3,
+                 executor: ProcessPoolExecutor | None = None):
         self.batch, self.shape_x, self.shape_p = batch, (batch, seq_len, dim), (batch, vocab)
         nx = batch * seq_len * dim * 2
         self.off_p = (nx + 63) // 64 * 64
@@ -45,8 +58,8 @@ class V1InputPool:
         self.slots = [shared_memory.SharedMemory(create=True, size=size) for _ in range(slots)]
         self.next_slot = 0
         self.workers = workers or max(1, min(32, (os.cpu_count() or 2) - 2))
-        # spawn: the parent may hold CUDA and threads, which fork would copy into a broken state
-        self.pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
+        self._own = executor is None
+        self.pool = executor or make_executor(self.workers)
 
     def fill(self, block_hash: str, public_key: str, nonces: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Views (len(nonces), S, D) fp16 and (len(nonces), V) int64 of the next slot, filled."""
@@ -66,7 +79,8 @@ class V1InputPool:
         return x, p
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self._own:
+            self.pool.shutdown(wait=True, cancel_futures=True)
         for s in self.slots:
             s.close()
             s.unlink()

@@ -105,6 +105,9 @@ def build_v1_model(p: v1.V1Params, block_hash: str, dtype: torch.dtype, device="
     cfg = v1_config(p)
     t0 = time.perf_counter()
     pool = pool_tensor(block_hash, v1.pool_size(p.total_params), device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t_pool = time.perf_counter()
     with torch.device("meta"):
         model = Transformer(cfg, with_head=True)
     model.embed_tokens = None  # tok_embeddings is in the pool's total but never used: don't hold it
@@ -121,5 +124,9 @@ def build_v1_model(p: v1.V1Params, block_hash: str, dtype: torch.dtype, device="
     model.load_state_dict(sd, strict=True, assign=True)
     model.init_rope(device, p.seq_len)
     model.eval()
-    model.build_seconds = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t1 = time.perf_counter()
+    model.build_timing = {"pool": round(t_pool - t0, 3), "place": round(t1 - t_pool, 3)}
+    model.build_seconds = t1 - t0
     return model

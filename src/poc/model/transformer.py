@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
         # normalise in fp32, round to the input dtype, then scale in the model dtype (HF and the v1 reference agree)
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.to(x.dtype) * self.weight
+        return _mul(y.to(x.dtype), self.weight)
 
 
 def rope_freqs(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> Tensor:
@@ -65,9 +65,25 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x.float() * cos + rotate_half(x).float() * sin).to(x.dtype)
 
 
+# Half-precision elementwise ops are written as fp32 math with an explicit rounding wherever eager PyTorch rounds
+# (it computes each bf16/fp16 op in fp32 and rounds its output). Eager results are bit-for-bit unchanged, and
+# torch.compile, which keeps fused intermediates in fp32 unless a cast says otherwise, rounds at the same places.
+
+
+def _mul(a: Tensor, b: Tensor) -> Tensor:
+    return (a.float() * b.float()).to(a.dtype)
+
+
+def _add(a: Tensor, b: Tensor) -> Tensor:
+    return (a.float() + b.float()).to(a.dtype)
+
+
 def reflect(x: Tensor, v: Tensor) -> Tensor:
-    """Householder reflection x - 2 (x.v) v along the last dim, in x's dtype (v a unit vector of that dtype)."""
-    return x - 2 * (x * v).sum(-1, keepdim=True) * v
+    """Householder reflection x - 2 (x.v) v along the last dim, in x's dtype (v a unit vector of that dtype),
+    rounding as the reference's plain tensor ops do: x*v, the sum, 2*dot*v and the difference."""
+    dt = x.dtype
+    dot = _mul(x, v).float().sum(-1, keepdim=True).to(dt)
+    return (x.float() - _mul(_mul(dot, torch.full_like(dot, 2.0)), v).float()).to(dt)
 
 
 class Attention(nn.Module):
@@ -161,8 +177,9 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_proj is not None:
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(g) * u)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            g, u = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(_mul(F.silu(g.float()).to(g.dtype), u))
 
 
 class Block(nn.Module):
@@ -178,7 +195,7 @@ class Block(nn.Module):
 
         last_only: compute only the last position (B, 1, D) (keys and values still see every position)."""
         res = x[:, -1:] if last_only else x
-        r = res + self.self_attn(self.input_layernorm(x), cos, sin, last_only)
+        r = _add(res, self.self_attn(self.input_layernorm(x), cos, sin, last_only))
         a = self.mlp(self.post_attention_layernorm(r))
         return a, r
 
@@ -246,7 +263,7 @@ class Transformer(nn.Module):
                 # both halves, in the model dtype, as the fork's hook does to vLLM's (hidden, residual) pair
                 v = reflections[int(key)]
                 a, r = reflect(a, v), reflect(r, v)
-            h = a + r
+            h = _add(a, r)
         if self.norm is None:
             return h
         if last_only:

@@ -209,50 +209,58 @@ class Rank:
         if self.is_reporter:
             self.send(("done", job_id, self.replica))
 
-    def _stage_input(self, nonces, make_x, seq_len: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host -> device without a sync (pinned, non-blocking), so batch i+1's host work overlaps batch i."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _stage_input(self, host_x, B: int, S: int, D: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first stage's inputs (from host_x()), or the previous stage's (B, S, D) output."""
         if self.is_first:
-            return make_x()
-        return pp.recv((len(nonces), seq_len, dim), dtype, self.device, self.prev)
+            return host_x()
+        return pp.recv((B, S, D), dtype, self.device, self.prev)
+
+    def _finish(self, out: torch.Tensor):
+        """Hand a stage's output on; on the last stage, the reporter's output becomes a Handle."""
+        if not self.is_last:
+            pp.send(out, self.next)
+            return None
+        return Handle(None, out, self.device) if self.is_reporter else None
 
     def launch_v2(self, job: V2Job, nonces: list[int]):
+        """Queue one batch: host work first (seeds, the post-processing plan), then only device work."""
         model, cfg, dtype = self.v2
         S, D = job.seq_len, cfg.dim
+        post = self.is_last and self.is_reporter
+        seeds = v2.input_seeds(job.block_hash, job.public_key, nonces, job.stronger_rng) if self.is_first else None
+        pl = v2.plan(job.block_hash, job.public_key, nonces, D, job.k_dim, "cpu") if post else None
 
-        def make_x():
-            seeds = v2.input_seeds(job.block_hash, job.public_key, nonces, job.stronger_rng).to(self.device)
-            return v2.inputs_from_seeds(seeds, S, D, self.keys(S * D)).to(dtype)
+        def host_x():
+            return v2.inputs_from_seeds(self._to_device(seeds), S, D, self.keys(S * D)).to(dtype)
 
-        x = self._stage_input(nonces, make_x, S, D, dtype)
+        x = self._stage_input(host_x, len(nonces), S, D, dtype)
         h = model(x, reflections=self.reflections(job.block_hash, cfg, dtype), last_only=True)
-        if not self.is_last:
-            pp.send(h, self.next)
-            return None
-        if not self.is_reporter:
-            return None
-        pl = v2.plan(job.block_hash, job.public_key, nonces, D, job.k_dim, "cpu")
-        pl = v2.PostProcessPlan(pl.pick.to(self.device), pl.haar.to(self.device))
-        return Handle(None, v2.project(h, pl), self.device)
+        if post:
+            h = v2.project(h, v2.PostProcessPlan(self._to_device(pl.pick), self._to_device(pl.haar)))
+        return self._finish(h)
 
     def launch_v1(self, job: V1Job, nonces: list[int]):
         model, tgt = self.v1_model(job)
         p = job.params
         dtype = next(model.parameters()).dtype
-
-        def make_x():  # float16 first, as the reference
-            x16 = torch.from_numpy(v1.input_embeddings(job.block_hash, job.public_key, nonces, p.seq_len, p.dim))
-            return x16.to(self.device).to(dtype)
-
-        x = self._stage_input(nonces, make_x, p.seq_len, p.dim, dtype)
+        post = self.is_last and self.is_reporter
+        # float16 first, as the reference
+        x16 = (torch.from_numpy(v1.input_embeddings(job.block_hash, job.public_key, nonces, p.seq_len, p.dim))
+               if self.is_first else None)
+        perms = torch.from_numpy(v1.permutations(job.block_hash, job.public_key, nonces, p.vocab_size)) if post else None
+        x = self._stage_input(lambda: self._to_device(x16).to(dtype), len(nonces), p.seq_len, p.dim, dtype)
         out = model(x, last_only=True, logits=self.is_last)
-        if not self.is_last:
-            pp.send(out, self.next)
-            return None
-        if not self.is_reporter:
-            return None
-        perms = torch.from_numpy(v1.permutations(job.block_hash, job.public_key, nonces, p.vocab_size))
-        g = torch.gather(out.float(), 1, perms.to(self.device))
-        u = g / torch.linalg.vector_norm(g, dim=1, keepdim=True)  # float32, as the reference
-        return Handle(None, torch.linalg.vector_norm(u.double() - tgt[None, :], dim=1), self.device)
+        if post:
+            g = torch.gather(out.float(), 1, self._to_device(perms))
+            u = g / torch.linalg.vector_norm(g, dim=1, keepdim=True)  # float32, as the reference
+            out = torch.linalg.vector_norm(u.double() - tgt[None, :], dim=1)
+        return self._finish(out)
 
     def report(self, job_id: int, job, opts: dict, seq: int, nonces: list[int], out, t0: float) -> None:
         if out is None:

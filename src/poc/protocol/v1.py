@@ -15,7 +15,6 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from poc.errors import InputError
-from poc.protocol.stats import fraud_test
 
 # gonka chain defaults (spec-v1 §1.1)
 DEFAULT_R_TARGET = 1.4013564660458173
@@ -351,6 +350,8 @@ def validate_batch(batch: ProofBatch, recomputed: list[float], r_target: float, 
     the submitted dist itself is not < r_target: the reference asserts on that and crashes (spec-v1 F18);
     we score it instead.
     """
+    from poc.protocol.stats import fraud_test  # scipy: kept out of the input worker processes' imports
+
     n_invalid = sum(1 for d, rd in zip(recomputed, batch.dist) if d > r_target or not rd < r_target)
     p, fraud = fraud_test(n_invalid, len(batch.nonces), PROBABILITY_MISMATCH, fraud_threshold)
     return ValidatedBatch(public_key=batch.public_key, block_hash=batch.block_hash, block_height=batch.block_height,
