@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from poc.model.random_init import build_v1_model
+from poc.model.transformer import Transformer
 from poc.protocol import v1, v2
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -59,7 +60,7 @@ def maybe_compile(fn, enabled: bool):
     """torch.compile at fixed shapes when asked (CUDA); the eager function otherwise.
 
     Inductor keeps fused intermediates in fp32 where eager rounds them to bf16/fp16; emulating those casts
-    keeps the compiled results next to the eager ones (and to other implementations)."""
+    (and the model's explicit rounding points) keeps the compiled results next to the eager ones."""
     if not enabled:
         return fn
     import torch._inductor.config as inductor_config
@@ -99,7 +100,8 @@ class V1Compute:
         t0 = time.perf_counter()
         self.model = build_v1_model(params, block_hash, dtype, device).fuse()
         self.target = torch.from_numpy(v1.target(block_hash, params.vocab_size)).to(device)  # float64
-        self._fn = maybe_compile(self._batch, compile)
+        self._step = maybe_compile(Transformer.layer_step, compile)
+        self._post = maybe_compile(self._distances, compile)
         self.compiled = compile
         _sync(device)
         self.build_seconds = time.perf_counter() - t0
@@ -124,7 +126,10 @@ class V1Compute:
         return V1Prepared(list(nonces), x, perms)
 
     def _batch(self, x16: torch.Tensor, perms: torch.Tensor) -> torch.Tensor:
-        logits = self.model(x16.to(self.dtype), last_only=True, logits=True)  # fp16 first, as the reference
+        logits = self.model(x16.to(self.dtype), last_only=True, logits=True, step=self._step)  # fp16 first
+        return self._post(logits, perms)
+
+    def _distances(self, logits: torch.Tensor, perms: torch.Tensor) -> torch.Tensor:
         p = torch.gather(logits.float(), 1, perms)
         u = p / torch.linalg.vector_norm(p, dim=1, keepdim=True)  # float32, as the reference
         return torch.linalg.vector_norm(u.double() - self.target[None, :], dim=1)
@@ -136,7 +141,7 @@ class V1Compute:
         n = len(prep.nonces)
         if self.compiled and pad_to and n < pad_to:
             x, perms = _pad_rows(x, pad_to), _pad_rows(perms, pad_to)
-        return Handle(prep, self._fn(x, perms)[:n], self.device)
+        return Handle(prep, self._batch(x, perms)[:n], self.device)
 
     def collect(self, h: Handle) -> dict:
         return {"dist": h.wait().numpy().copy()}
@@ -172,7 +177,10 @@ class V2Compute:
         self.model, self.cfg, self.dtype, self.device, self.name = model.fuse(), cfg, dtype, device, name
         self._vectors: tuple[str, torch.Tensor] | None = None
         self._keys: torch.Tensor | None = None
-        self._fn = maybe_compile(self._batch, compile)
+        # three compiled pieces, each small: the inputs, one layer (reused by all), the projection
+        self._inputs = maybe_compile(v2.inputs_from_seeds, compile)
+        self._step = maybe_compile(Transformer.layer_step, compile)
+        self._project = maybe_compile(v2.project_tensors, compile)
         self.compiled = compile
 
     def reflections(self, block_hash: str) -> torch.Tensor:
@@ -191,9 +199,9 @@ class V2Compute:
         return V2Prepared(list(nonces), *t, seq_len=seq_len, block_hash=block_hash)
 
     def _batch(self, seeds, keys, pick, haar, refl, seq_len: int) -> torch.Tensor:
-        x = v2.inputs_from_seeds(seeds, seq_len, self.cfg.dim, keys).to(self.dtype)
-        h = self.model(x, reflections=refl, last_only=True)
-        return v2.project(h, v2.PostProcessPlan(pick, haar))
+        x = self._inputs(seeds, seq_len, self.cfg.dim, keys).to(self.dtype)
+        h = self.model(x, reflections=refl, last_only=True, step=self._step)
+        return self._project(h, pick, haar)
 
     @torch.inference_mode()
     def launch(self, prep: V2Prepared, pad_to: int | None = None) -> Handle:
@@ -204,7 +212,7 @@ class V2Compute:
         n = len(prep.nonces)
         if self.compiled and pad_to and n < pad_to:
             seeds, pick, haar = (_pad_rows(t, pad_to) for t in (seeds, pick, haar))
-        out = self._fn(seeds, self.keys(prep.seq_len), pick, haar, self.reflections(prep.block_hash), prep.seq_len)
+        out = self._batch(seeds, self.keys(prep.seq_len), pick, haar, self.reflections(prep.block_hash), prep.seq_len)
         return Handle(prep, out[:n], dev)
 
     def keys(self, seq_len: int) -> torch.Tensor:

@@ -240,11 +240,22 @@ class Transformer(nn.Module):
         self.rope_cos, self.rope_sin = rope_table(
             self.cfg.head_dim, n_pos, self.cfg.rope_theta, self.cfg.rope_scaling, device=device)
 
+    @staticmethod
+    def layer_step(block: Block, h: Tensor, cos: Tensor, sin: Tensor, v: Tensor | None, last: bool) -> Tensor:
+        """One decoder layer and its reflection. The engine compiles this function once and every layer reuses the
+        graph (parameters are graph inputs), so compile time does not grow with depth."""
+        a, r = block(h, cos, sin, last)
+        if v is not None:
+            # both halves, in the model dtype, as the fork's hook does to vLLM's (hidden, residual) pair
+            a, r = reflect(a, v), reflect(r, v)
+        return _add(a, r)
+
     def forward(self, h: Tensor, reflections: Tensor | None = None, last_only: bool = True,
-                logits: bool = False) -> Tensor:
+                logits: bool = False, step=None) -> Tensor:
         """Embeddings (B, S, D) -> final-norm hidden states (B, D) or (B, S, D), or fp32 logits (B, [S,] V).
 
         reflections (n_layers_global, D), unit rows: after layer i both parts of its output are reflected by row i.
+        step: a replacement for layer_step with its signature (the engine passes a compiled one).
         A pipeline stage without `norm` returns the un-normed (B, S, D) output of its last layer.
         """
         B, S, _ = h.shape
@@ -258,12 +269,8 @@ class Transformer(nn.Module):
             # a last-position pass needs only the last query and MLP row in the final layer (exact, and
             # about one layer's FLOPs saved); a pipeline stage without the norm hands on every position
             last = last_only and self.norm is not None and i == len(blocks) - 1
-            a, r = block(h, cos, sin, last)
-            if reflections is not None:
-                # both halves, in the model dtype, as the fork's hook does to vLLM's (hidden, residual) pair
-                v = reflections[int(key)]
-                a, r = reflect(a, v), reflect(r, v)
-            h = _add(a, r)
+            v = reflections[int(key)] if reflections is not None else None
+            h = (step or self.layer_step)(block, h, cos, sin, v, last)
         if self.norm is None:
             return h
         if last_only:

@@ -199,11 +199,16 @@ def plan(block_hash: str, public_key: str, nonces: Sequence[int], hidden: int, k
 
 def project(h: torch.Tensor, p: PostProcessPlan) -> torch.Tensor:
     """(B, H) final-norm last-position states -> (B, k) float32 unit vectors (before fp16 rounding)."""
+    return project_tensors(h, p.pick, p.haar)
+
+
+def project_tensors(h: torch.Tensor, pick: torch.Tensor, haar: torch.Tensor) -> torch.Tensor:
+    """`project` on plain tensors (what the compiled path calls)."""
     h = h.to(torch.float32)
     h = h / (h.norm(dim=1, keepdim=True) + 1e-8)
-    y = torch.gather(h, 1, p.pick)
-    for j in range(p.haar.shape[1]):
-        v = p.haar[:, j]
+    y = torch.gather(h, 1, pick)
+    for j in range(haar.shape[1]):
+        v = haar[:, j]
         y = y - 2 * (y * v).sum(dim=1, keepdim=True) * v
     return y / (y.norm(dim=1, keepdim=True) + 1e-8)
 
