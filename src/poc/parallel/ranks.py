@@ -253,7 +253,8 @@ class Rank:
         # float16 first, as the reference
         x16 = (torch.from_numpy(v1.input_embeddings(job.block_hash, job.public_key, nonces, p.seq_len, p.dim))
                if self.is_first else None)
-        perms = torch.from_numpy(v1.permutations(job.block_hash, job.public_key, nonces, p.vocab_size)) if post else None
+        perms = (torch.from_numpy(v1.permutations(job.block_hash, job.public_key, nonces, p.vocab_size))
+                 if post else None)
         x = self._stage_input(lambda: self._to_device(x16).to(dtype), len(nonces), p.seq_len, p.dim, dtype)
         out = model(x, last_only=True, logits=self.is_last)
         if post:
