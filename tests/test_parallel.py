@@ -1,0 +1,485 @@
+"""Multi-device execution on CPU/gloo: tp=2, pp=2 and 2 replicas against the single-process float32 engine.
+
+The rank processes start once per layout (module fixtures); every parallel check uses batches of >= 2.
+"""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from poc.engine.engine import Busy, Engine
+from poc.engine.jobs import Limits, V1Job, V2Job
+from poc.errors import InputError
+from poc.model.config import ModelConfig
+from poc.model.transformer import Transformer
+from poc.model.weights import index_checkpoint, iter_state_dict
+from poc.parallel.engine import DistEngine, RankFailure, make_engine, world_for
+from poc.parallel.layout import Layout, NonceStream, stage_layers
+from poc.parallel.pp import keep_stage
+from poc.parallel.tp import apply_tp
+from poc.protocol import v1, v2
+
+from .golden import ROOT, V1_GOLDEN as G1, v2_checkpoint
+
+BH, PK = G1["block_hash"], G1["public_key"]
+NONCES = list(range(10))  # batches of 4, 4, 2
+SEQ, K = 16, 12
+V1_SETS = ["A_gqa_plain_rope", "B_mha_scaled_rope"]
+LAYOUTS = {"tp2": dict(tp=2, pp=1, world=2), "pp2": dict(tp=1, pp=2, world=2), "rep2": dict(tp=1, pp=1, world=2)}
+
+
+def v1_params(name: str) -> v1.V1Params:
+    return v1.V1Params.from_json(G1["sets"][name]["params"])
+
+
+# --- the single-process reference ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference():
+    """float32 vectors of the single-process Engine, per checkpoint."""
+    out = {}
+    for name in ("qwen3", "llama"):
+        e = Engine("cpu", model_dir=str(v2_checkpoint(name)), dtype="float32")
+        e.load()
+        out[name] = np.concatenate([e.v2.vectors(e.v2.prepare(BH, PK, NONCES[i:i + 4], SEQ, K)).numpy()
+                                    for i in range(0, len(NONCES), 4)])
+        e.close()
+    return out
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def dist_engine(request):
+    e = DistEngine("cpu", model_dir=str(v2_checkpoint("qwen3")), dtype="float32", timeout=60, **LAYOUTS[request.param])
+    e.load()
+    e.label = request.param
+    yield e
+    e.close()
+
+
+def use_model(e: DistEngine, name: str) -> None:
+    """Load another checkpoint into the running ranks (load() again)."""
+    if e.v2 is None or e.v2.name != name:
+        e.model_dir = str(v2_checkpoint(name))
+        e.load()
+
+
+# --- layout, stages, nonce streams --------------------------------------------------------------------------------
+
+def test_layout_ranks_and_groups():
+    L = Layout(8, tp=2, pp=2)
+    assert L.replicas == 2 and L.group_size == 4
+    assert [L.coords(r) for r in range(8)] == [(r // 4, (r // 2) % 2, r % 2) for r in range(8)]
+    assert all(L.rank(*L.coords(r)) == r for r in range(8))
+    assert (L.leader(1), L.reporter(1)) == (4, 6)
+    assert L.replica_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert L.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert L.pp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def test_uneven_splits_are_refused_naming_the_numbers():
+    with pytest.raises(InputError, match=r"6 devices .* tp=4 x pp=1 = 4"):
+        Layout(6, tp=4)
+    with pytest.raises(InputError) as e:
+        Layout(6, tp=3, pp=2).check_model(n_heads=4, n_kv_heads=2, ffn_dim=128, n_layers=1)
+    msg = e.value.message
+    for part in ("n_heads=4", "n_kv_heads=2", "ffn_dim=128", "tp=3", "n_layers=1", "pp=2"):
+        assert part in msg, (part, msg)
+    Layout(4, tp=2, pp=2).check_config(ModelConfig.from_hf(v2_checkpoint("qwen3")))  # 4 heads, 2 kv, 2 layers
+
+
+def test_stage_layers_are_balanced_and_cover():
+    assert stage_layers(28, 3) == [range(0, 10), range(10, 19), range(19, 28)]
+    assert stage_layers(2, 2) == [range(0, 1), range(1, 2)]
+    for n, s in [(1, 1), (7, 7), (36, 4), (61, 8)]:
+        st = stage_layers(n, s)
+        assert [i for r in st for i in r] == list(range(n))
+        assert max(map(len, st)) - min(map(len, st)) <= 1
+    with pytest.raises(InputError, match="n_layers=2 .* 3"):
+        stage_layers(2, 3)
+
+
+def test_nonce_streams_split_disjoint_and_complete():
+    s = NonceStream(5, 3)
+    parts = s.split(4)
+    head = [n for _, n in zip(range(400), s)]
+    got = sorted(n for p in parts for _, n in zip(range(100), p))
+    assert got == head
+    # pow's lattice: part r is group group_id + r*n_groups of n_groups*R
+    node_id, node_count, group_id, n_groups, R = 2, 5, 1, 3, 2
+    pow_stream = NonceStream(node_id + group_id * node_count, n_groups * node_count)
+    for r, p in enumerate(pow_stream.split(R)):
+        want = v1.node_nonces(node_id, node_count, group_id + r * n_groups, n_groups * R)
+        assert [n for _, n in zip(range(20), p)] == [n for _, n in zip(range(20), want)]
+    # a finite /pooled range
+    rng = NonceStream(10, 2, end=40)
+    assert list(rng) == list(v1.range_nonces(10, 40, 0, 2))
+    assert sorted(n for p in rng.split(3) for n in p) == list(rng)
+
+
+# --- sharding in one process --------------------------------------------------------------------------------------
+
+def test_sliced_loader_reads_rows_and_columns(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    import poc.model.weights as W
+
+    torch.manual_seed(0)
+    full = {"a": torch.randn(37, 24), "b": torch.randn(9, 50), "c": torch.randn(11)}
+    save_file({k: v.to(torch.bfloat16) for k, v in full.items()} | {"f": full["a"]}, str(tmp_path / "m.safetensors"))
+    refs = index_checkpoint(tmp_path)
+    shard = {"a": (1, 5, 17), "b": (0, 3, 8), "c": (0, 2, 9), "f": (1, 0, 12)}
+    for col_bytes in (1 << 20, 200, 16):  # one block; several row blocks; rows longer than the block
+        monkeypatch.setattr(W, "COLUMN_BYTES", col_bytes)
+        got = dict(iter_state_dict(refs, ["a", "b", "c", "f"], torch.float32, "cpu", shard=shard))
+        bf = {k: v.to(torch.bfloat16).float() for k, v in full.items()}
+        assert torch.equal(got["a"], bf["a"][:, 5:17])
+        assert torch.equal(got["b"], bf["b"][3:8])
+        assert torch.equal(got["c"], bf["c"][2:9])
+        assert torch.equal(got["f"], full["a"][:, :12])
+    with pytest.raises(ValueError, match="slice"):
+        list(iter_state_dict(refs, ["c"], shard={"c": (1, 0, 1)}))
+
+
+def _tiny(family: str, **over) -> ModelConfig:
+    """The golden tiny config of `family`, with config.json fields overridden."""
+    return ModelConfig.from_hf(json.loads((v2_checkpoint(family) / "config.json").read_text()) | over)
+
+
+@pytest.mark.parametrize("family,over", [("qwen3", {}), ("llama", {"attention_bias": True}),
+                                         ("llama", {"num_key_value_heads": 4})])
+def test_tp_partial_outputs_sum_to_the_whole(family, over):
+    """apply_tp without a group: each rank's attention/MLP output is a partial sum; the sum is the full output."""
+    cfg = _tiny(family, **over)
+    torch.manual_seed(1)
+    full = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_(0, 0.2)
+    shards = []
+    for r in range(2):
+        m = Transformer(cfg).eval()
+        m.load_state_dict(full.state_dict())
+        plan = apply_tp(m, r, 2, None)
+        shards.append(m.fuse())
+        assert m.layers["0"].self_attn.n_heads == cfg.n_heads // 2 and m.cfg.n_heads == cfg.n_heads
+        assert (m.layers["0"].self_attn.o_proj.bias is not None) == (cfg.o_bias and r == 0)
+        assert plan["layers.1.mlp.down_proj.weight"] == (1, r * cfg.ffn_dim // 2, (r + 1) * cfg.ffn_dim // 2)
+    x = torch.randn(3, 7, cfg.dim)
+    cos, sin = full.rope_cos[:7], full.rope_sin[:7]
+    with torch.no_grad():
+        for last in (False, True):
+            want = full.layers["0"].self_attn(x, cos, sin, last)
+            got = sum(s.layers["0"].self_attn(x, cos, sin, last) for s in shards)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sum(s.layers["1"].mlp(x) for s in shards), full.layers["1"].mlp(x),
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="n_kv_heads=.* tp=3"):
+        apply_tp(Transformer(_tiny("llama", num_attention_heads=6, num_key_value_heads=2)), 0, 3, None)
+
+
+def test_tp_on_meta_leaves_shapes_only():
+    cfg = _tiny("qwen3")
+    with torch.device("meta"):
+        m = Transformer(cfg)
+    apply_tp(m, 1, 2, None)
+    a = m.layers["1"].self_attn
+    assert a.q_proj.weight.shape == (32, 64) and a.k_proj.weight.shape == (16, 64) and a.o_proj.weight.is_meta
+    assert a.o_proj.weight.shape == (64, 32) and m.layers["1"].mlp.down_proj.weight.shape == (64, 64)
+    assert a.q_norm.weight.shape == (16,)  # Qwen3's q/k norms stay whole
+
+
+def test_stages_chain_to_the_full_model():
+    """Stage 0 then stage 1 (reflections by global index) equals the whole model."""
+    from poc.model.weights import load_model
+
+    full, cfg = load_model(v2_checkpoint("qwen3"), dtype=torch.float32, progress=False)
+    stages = []
+    for s in range(2):
+        m, _ = load_model(v2_checkpoint("qwen3"), dtype=torch.float32, progress=False)
+        stages.append(keep_stage(m, s, 2))
+    assert list(stages[0].layers) == ["0"] and stages[0].norm is None
+    assert list(stages[1].layers) == ["1"] and stages[1].norm is not None
+    x = v2.inputs(BH, PK, [0, 1, 2], SEQ, cfg.dim)
+    refl = v2.layer_vectors(BH, cfg.n_layers, cfg.dim)
+    with torch.no_grad():
+        h = stages[0](x, reflections=refl, last_only=True)
+        assert h.shape == (3, SEQ, cfg.dim)
+        torch.testing.assert_close(stages[1](h, reflections=refl), full(x, reflections=refl), atol=0, rtol=0)
+
+
+def test_tp_rank_peak_memory_is_about_its_shard(tmp_path):
+    """A tp=2 rank loading a ~60 MB float32 checkpoint: peak RSS above baseline < 0.65x of the whole weights."""
+    spec = importlib.util.spec_from_file_location("measure_load_rss", ROOT / "scripts" / "measure_load_rss.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.write_checkpoint(tmp_path / "ck", "qwen3-0.6b", 50, "float32")
+    child = r"""
+import json, sys
+from pathlib import Path
+import torch
+from poc.model.config import PRESETS
+from poc.model.transformer import Transformer
+from poc.model.weights import index_checkpoint
+from poc.parallel.shard import load_shard
+
+def kb(field):
+    return next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field))
+
+Transformer(PRESETS["tiny"])  # page in the code a load runs
+base = kb("VmRSS:") * 1024
+Path("/proc/self/clear_refs").write_text("5")
+model, cfg = load_shard(sys.argv[1], torch.float32, "cpu", tp_rank=0, tp_size=2)
+peak = kb("VmHWM:") * 1024 - base
+mine = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+whole = sum(r.nbytes for n, r in index_checkpoint(sys.argv[1]).items() if n.startswith("layers."))
+print(json.dumps({"peak": peak, "mine": mine, "whole": whole}))
+"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run([sys.executable, "-c", child, str(tmp_path / "ck")], capture_output=True, text=True,
+                         env=env, check=True)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 40e6 < res["whole"] < 80e6 and 0.45 < res["mine"] / res["whole"] < 0.55, res
+    assert res["peak"] / res["whole"] < 0.65, res
+
+
+# --- the rank processes -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", ["qwen3", "llama"])
+def test_v2_matches_the_single_process_engine(dist_engine, reference, model):
+    use_model(dist_engine, model)
+    vec = dist_engine.v2_vectors(BH, PK, NONCES, SEQ, K, batch_size=4)
+    l2 = np.linalg.norm(vec - reference[model], axis=1)
+    assert l2.max() < 1e-5, (dist_engine.label, model, l2.max())
+    arts, dropped = dist_engine.v2_artifacts(BH, PK, NONCES, SEQ, K, batch_size=4)
+    assert [a["nonce"] for a in arts] == NONCES and not dropped
+    dec = np.stack([v2.decode(a["vector_b64"]) for a in arts])
+    assert np.abs(dec - reference[model]).max() < 1e-3  # fp16 encoding of the same vectors
+
+
+@pytest.mark.parametrize("name", V1_SETS)
+def test_v1_matches_golden_and_single_process(dist_engine, name):
+    run = G1["sets"][name]["runs"]["float32"]
+    nonces = run["nonces"][:10]
+    got = dist_engine.v1_distances(v1_params(name), BH, PK, nonces, "float32", batch_size=4)
+    single = Engine("cpu").v1_distances(v1_params(name), BH, PK, nonces, "float32", batch_size=4)
+    assert np.abs(got - single).max() < 1e-6, (dist_engine.label, name)
+    assert np.abs(got - np.array(run["dist"][:10])).max() < 1e-5
+
+
+def test_v1_params_that_do_not_split_are_refused(dist_engine):
+    base = G1["sets"]["A_gqa_plain_rope"]["params"]
+    if dist_engine.layout.tp == 2:
+        bad, msg = dict(base, n_kv_heads=1), "n_kv_heads=1 is not divisible by tp=2"
+    elif dist_engine.layout.pp == 2:
+        bad, msg = dict(base, n_layers=1), "n_layers=1 is fewer than pp=2"
+    else:  # replicas split nothing: the same params run
+        got = dist_engine.v1_distances(v1.V1Params.from_json(dict(base, n_kv_heads=1)), BH, PK, [0, 1], "float32")
+        assert got.shape == (2,) and np.isfinite(got).all()
+        return
+    with pytest.raises(InputError, match=msg):
+        dist_engine.v1_distances(v1.V1Params.from_json(bad), BH, PK, [0, 1], "float32")
+    assert dist_engine.state == "ready"
+
+
+def test_job_stream_limits_and_replicas(dist_engine):
+    """run(): max_nonces exact; two replicas never repeat a nonce and together cover the stream's prefix."""
+    use_model(dist_engine, "qwen3")
+    out, replicas = [], []
+    job = V2Job(BH, PK, 1, SEQ, K, v1.node_nonces(1, 3, 0, 1), 3, limits=Limits(max_nonces=20, max_duration=None))
+    s = dist_engine.run(job, out.append, threading.Event())
+    got = [n for b in out for n in b.nonces]
+    assert s.reason == "max_nonces" and s.computed == 20 and len(got) == 20 == len(set(got))
+    assert sorted(got) == [1 + 3 * k for k in range(20)]
+    assert [b.index for b in out] == list(range(1, len(out) + 1)) and all(len(b.artifacts) == len(b.nonces)
+                                                                            for b in out)
+    if dist_engine.layout.replicas == 2:
+        seen = []
+        job = V1Job(BH, PK, 1, v1_params("A_gqa_plain_rope"), 1.5, v1.worker_nonces(0, 0, 1), 2, "float32",
+                    Limits(max_nonces=24, max_duration=None))
+        dist_engine._run(job, lambda seq, b, p: seen.append((p["replica"], b.nonces)), threading.Event())
+        assert {r for r, _ in seen} == {0, 1}  # both replicas worked
+        flat = [n for _, ns in seen for n in ns]
+        assert sorted(flat) == list(range(24))
+        by_replica = [{n for r, ns in seen if r == k for n in ns} for k in (0, 1)]
+        assert not by_replica[0] & by_replica[1]
+
+
+def test_stop_and_busy(dist_engine):
+    stop, out = threading.Event(), []
+    started = threading.Event()
+
+    def emit(b):
+        out.append(b)
+        started.set()
+        if b.index == 2:
+            stop.set()
+
+    job = V2Job(BH, PK, 1, SEQ, K, v1.worker_nonces(0, 0, 1), 2, limits=Limits(max_nonces=None, max_duration=None))
+    res = {}
+    t = threading.Thread(target=lambda: res.update(s=dist_engine.run(job, emit, stop)))
+    t.start()
+    assert started.wait(30)
+    with pytest.raises(Busy):
+        dist_engine.v2_artifacts(BH, PK, [0, 1], SEQ, K)
+    t.join(30)
+    s = res["s"]
+    got = [n for b in out for n in b.nonces]
+    assert s.reason == "stopped" and s.computed == len(got) == len(set(got)) and s.batches >= 2
+    assert dist_engine.state == "ready"
+
+
+# --- a failing rank -----------------------------------------------------------------------------------------------
+
+def test_killed_rank_breaks_the_engine_and_restart_recovers(reference):
+    e = DistEngine("cpu", model_dir=str(v2_checkpoint("qwen3")), dtype="float32", tp=2, world=2, timeout=30)
+    try:
+        e.load()
+        pids = e.pids
+        first = threading.Event()
+        job = V2Job(BH, PK, 1, 64, K, v1.worker_nonces(0, 0, 1), 2, limits=Limits(max_nonces=None, max_duration=None))
+        res = {}
+
+        def run():
+            try:
+                e.run(job, lambda b: first.set(), threading.Event())
+            except BaseException as err:  # noqa: BLE001
+                res["err"] = err
+            res["t"] = time.monotonic()
+
+        t = threading.Thread(target=run)
+        t.start()
+        assert first.wait(30)
+        t_kill = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        t.join(30)
+        assert not t.is_alive(), "run() hung after a rank was killed"
+        assert isinstance(res.get("err"), RankFailure) and res["t"] - t_kill < 15, res
+        assert e.state == "broken" and "rank 1" in e.broken_reason
+        assert all(not _alive(p) for p in pids)  # the surviving rank was stopped too
+        with pytest.raises(RankFailure):
+            e.v2_artifacts(BH, PK, [0, 1], SEQ, K)
+
+        e.restart()
+        assert e.state == "ready" and e.broken_reason is None and set(e.pids).isdisjoint(pids)
+        vec = e.v2_vectors(BH, PK, NONCES, SEQ, K, batch_size=4)
+        assert np.linalg.norm(vec - reference["qwen3"], axis=1).max() < 1e-5
+
+        os.kill(e.pids[0], signal.SIGKILL)  # idle: /health must still see it
+        deadline = time.monotonic() + 15
+        while e.state != "broken" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert e.state == "broken" and "rank 0" in e.broken_reason
+    finally:
+        e.close()
+
+
+def test_collective_timeout_breaks_the_engine():
+    """A stopped (not dead) rank: its peer's all-reduce times out, the engine breaks and nothing hangs."""
+    e = DistEngine("cpu", model_dir=str(v2_checkpoint("qwen3")), dtype="float32", tp=2, world=2, timeout=3)
+    try:
+        e.load()
+        first = threading.Event()
+        job = V2Job(BH, PK, 1, SEQ, K, v1.worker_nonces(0, 0, 1), 2, limits=Limits(max_nonces=None, max_duration=None))
+
+        def emit(b):
+            if not first.is_set():
+                first.set()
+                os.kill(e.pids[1], signal.SIGSTOP)
+
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match="rank 0 failed"):
+            e.run(job, emit, threading.Event())
+        assert time.monotonic() - t0 < 20 and e.state == "broken"
+        assert all(not _alive(p) for p in e.pids)
+    finally:
+        e.close()
+
+
+def test_emit_error_leaves_the_ranks_in_step(dist_engine):
+    """An exception in emit ends the job on the ranks too: the next job runs normally."""
+    def emit(b):
+        raise KeyError("consumer failed")
+
+    job = V2Job(BH, PK, 1, SEQ, K, v1.worker_nonces(0, 0, 1), 2, limits=Limits(max_nonces=None, max_duration=None))
+    with pytest.raises(KeyError):
+        dist_engine.run(job, emit, threading.Event())
+    assert dist_engine.state == "ready"
+    arts, _ = dist_engine.v2_artifacts(BH, PK, [3, 4, 5], SEQ, K, batch_size=2)
+    assert [a["nonce"] for a in arts] == [3, 4, 5]
+
+
+async def test_server_with_a_killed_rank(aiohttp_client, monkeypatch):
+    """Through the server: the open stream ends with an error line, /health says broken, restart() recovers."""
+    import asyncio
+
+    from poc.server import app as app_mod
+    from poc.server.config import ServerConfig
+
+    monkeypatch.setattr(app_mod, "Engine", lambda device, model_dir, dtype: DistEngine(
+        device, model_dir, dtype, tp=2, world=2, timeout=30))
+    cfg = ServerConfig(device="cpu", dtype="float32", model=str(v2_checkpoint("qwen3")), progress_interval=0.2,
+                       rate_log_interval=0.5, shutdown_flush_seconds=1.0)
+    client = await aiohttp_client(app_mod.create_app(cfg))
+    engine = client.server.app[app_mod.engine_key]
+
+    async def health() -> tuple[int, dict]:
+        r = await client.get("/health")
+        return r.status, await r.json()
+
+    async def until(state: str) -> dict:
+        for _ in range(600):
+            code, h = await health()
+            if h["status"] == state:
+                return h
+            await asyncio.sleep(0.05)
+        raise AssertionError(h)
+
+    await until("ready")
+    req = {"block_hash": BH, "block_height": 7, "public_key": PK, "node_id": 0, "node_count": 1, "batch_size": 2,
+           "max_nonces": 100000, "params": {"model": "qwen3", "seq_len": 64, "k_dim": K}}
+
+    async def stream(kill: bool) -> list[dict]:
+        lines = []
+        r = await client.post("/generate", json=req)
+        assert r.status == 200
+        async for raw in r.content:
+            lines.append(json.loads(raw))
+            if kill and len(lines) == 1:
+                os.kill(engine.pids[1], signal.SIGKILL)
+        return lines
+
+    lines = await asyncio.wait_for(stream(kill=True), 30)
+    assert lines[-2]["error_type"] == "RankFailure" and "rank 1" in lines[-2]["error"], lines[-3:]
+    assert lines[-1]["status"] == "done" and lines[-1]["reason"] == "error"
+    code, h = await health()
+    assert code == 503 and h["status"] == "broken" and "rank 1" in h["reason"]
+    await asyncio.to_thread(engine.restart)
+    await until("ready")
+    req["max_nonces"] = 4
+    lines = await asyncio.wait_for(stream(kill=False), 30)
+    assert lines[-1]["status"] == "done" and lines[-1]["reason"] == "max_nonces", lines
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_make_engine_picks_the_engine():
+    assert isinstance(make_engine("cpu"), Engine)
+    e = make_engine("cpu", tp=2)
+    assert isinstance(e, DistEngine) and e.layout == Layout(2, 2, 1)
+    assert world_for(torch.device("cpu"), 1, 2, replicas=3) == 6
+    e.close()  # never started: nothing to stop
