@@ -45,6 +45,9 @@ WORKLOADS = {
 }
 
 
+COMPILE_INPUTS = os.environ.get("POC_COMPILE_INPUTS", "1") == "1"
+
+
 def flops_per_nonce(cfg: ModelConfig, seq_len: int, head: bool) -> float:
     """2 x matmul params x S + causal attention 2 x L x S^2 x (H x hd), + one head row when there is a head."""
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -157,7 +160,7 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
     else:
         cfg = replace(PRESETS[w["model"]])
         engine.v2 = V2Compute(random_v2_model(cfg, dtype, "cuda"), cfg, dtype, torch.device("cuda"), w["model"],
-                              compile=compile)
+                              compile=compile, compile_inputs=COMPILE_INPUTS)
         torch.cuda.synchronize()
         seq_len, head = w["seq_len"], False
     build = time.perf_counter() - t0
@@ -175,6 +178,7 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
             torch.cuda.empty_cache()
             continue
         row = {"workload": name, "batch": b, "dtype": w["dtype"], "seq_len": seq_len, "compile": compile,
+               "compile_inputs": compile and COMPILE_INPUTS and w["protocol"] == "v2",
                "flops_per_nonce": fl, **r, "tflops": r["nonces_per_s"] * fl / 1e12,
                "pct_of_ceiling": 100 * r["nonces_per_s"] * fl / 1e12 / ceiling,
                "flop_limit_nonces_per_s": ceiling * 1e12 / fl,
@@ -221,6 +225,10 @@ def check_accuracy(n_v2: int = 1000, n_v1: int = 256) -> dict:
     for name, comp, bs in [("eager", V2Compute(model, cfg, torch.bfloat16, dev, "eager"), 250),
                            ("eager_b100", V2Compute(model, cfg, torch.bfloat16, dev, "eager"), 100),
                            ("compiled", V2Compute(model, cfg, torch.bfloat16, dev, "compiled", compile=True), 250),
+                           ("compiled_eager_inputs", V2Compute(model, cfg, torch.bfloat16, dev, "c", compile=True,
+                                                               compile_inputs=False), 250),
+                           ("compiled_inputs_only", V2Compute(model, cfg, torch.bfloat16, dev, "c", compile=True,
+                                                              compile_model=False), 250),
                            ("eager_fp32", V2Compute(m32, cfg, torch.float32, dev, "fp32"), 250),
                            ("compiled_fp32", V2Compute(m32, cfg, torch.float32, dev, "fp32c", compile=True), 250)]:
         arts = {}
@@ -234,6 +242,8 @@ def check_accuracy(n_v2: int = 1000, n_v1: int = 256) -> dict:
         return {"mean": float(np.mean(d)), "max": float(np.max(d)), "n": len(d)}
 
     out["v2_compiled_vs_eager_bf16"] = l2(runs["compiled"], runs["eager"])
+    out["v2_compiled_eager_inputs_vs_eager_bf16"] = l2(runs["compiled_eager_inputs"], runs["eager"])
+    out["v2_compiled_inputs_only_vs_eager_bf16"] = l2(runs["compiled_inputs_only"], runs["eager"])
     out["v2_eager_bf16_vs_fp32"] = l2(runs["eager"], runs["eager_fp32"])
     out["v2_eager_bf16_batch250_vs_batch100"] = l2(runs["eager"], runs["eager_b100"])  # GEMM tiling alone
     out["v2_compiled_vs_eager_fp32"] = l2(runs["compiled_fp32"], runs["eager_fp32"])

@@ -173,13 +173,14 @@ class V2Prepared:
 class V2Compute:
     """A loaded checkpoint; computes artifacts for any (block_hash, public_key, nonces, seq_len, k_dim)."""
 
-    def __init__(self, model, cfg, dtype: torch.dtype, device: torch.device, name: str, compile: bool = False):
+    def __init__(self, model, cfg, dtype: torch.dtype, device: torch.device, name: str, compile: bool = False,
+                 compile_inputs: bool = True, compile_model: bool = True):
         self.model, self.cfg, self.dtype, self.device, self.name = model.fuse(), cfg, dtype, device, name
         self._vectors: tuple[str, torch.Tensor] | None = None
         self._keys: torch.Tensor | None = None
         # three compiled pieces, each small: the inputs, one layer (reused by all), the projection
-        self._inputs = maybe_compile(v2.inputs_from_seeds, compile)
-        self._step = maybe_compile(Transformer.layer_step, compile)
+        self._inputs = maybe_compile(v2.inputs_from_seeds, compile and compile_inputs)
+        self._step = maybe_compile(Transformer.layer_step, compile and compile_model)
         self._project = maybe_compile(v2.project_tensors, compile)
         self.compiled = compile
 
