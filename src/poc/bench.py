@@ -38,10 +38,10 @@ W2_PARAMS = v1.V1Params(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, vocab_s
                         multiple_of=1024, norm_eps=1e-5, rope_theta=500000.0, use_scaled_rope=False, seq_len=1024)
 WORKLOADS = {
     "W1": {"protocol": "v1", "params": v1.PARAMS_V2, "dtype": "float16", "batches": [64, 128]},
-    "W2": {"protocol": "v1", "params": W2_PARAMS, "dtype": "float16", "batches": [64, 128, 256]},
-    "W3": {"protocol": "v2", "model": "qwen3-0.6b", "seq_len": 64, "dtype": "bfloat16", "batches": [512, 1024, 2048]},
-    "W4": {"protocol": "v2", "model": "qwen3-0.6b", "seq_len": 1024, "dtype": "bfloat16", "batches": [64, 128, 256]},
-    "W5": {"protocol": "v2", "model": "qwen3-8b", "seq_len": 1024, "dtype": "bfloat16", "batches": [8, 16, 32]},
+    "W2": {"protocol": "v1", "params": W2_PARAMS, "dtype": "float16", "batches": [128, 256]},
+    "W3": {"protocol": "v2", "model": "qwen3-0.6b", "seq_len": 64, "dtype": "bfloat16", "batches": [512, 1024]},
+    "W4": {"protocol": "v2", "model": "qwen3-0.6b", "seq_len": 1024, "dtype": "bfloat16", "batches": [64, 128]},
+    "W5": {"protocol": "v2", "model": "qwen3-8b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32]},
 }
 
 

@@ -65,8 +65,15 @@ def maybe_compile(fn, enabled: bool):
         return fn
     import torch._inductor.config as inductor_config
 
+    import torch._dynamo.config as dynamo_config
+
     if hasattr(inductor_config, "emulate_precision_casts"):
         inductor_config.emulate_precision_casts = True
+    # one graph per (batch, seq_len, last-layer) shape, shared by every engine in the process: the default
+    # limit of 8 would silently fall back to eager after a few shapes
+    dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 256)
+    if hasattr(dynamo_config, "accumulated_cache_size_limit"):
+        dynamo_config.accumulated_cache_size_limit = max(dynamo_config.accumulated_cache_size_limit, 4096)
     return torch.compile(fn, dynamic=False)
 
 

@@ -145,9 +145,17 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
         extra = {"enable_gqa": True} if gqa and _SDPA_HAS_GQA else {}
         # a single last query sees every key: no mask (SDPA's causal mask is top-left aligned)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=Sq > 1, scale=1 / math.sqrt(self.head_dim), **extra)
+        y = _sdpa(q, k, v, Sq > 1, 1 / math.sqrt(self.head_dim), bool(extra))
         y = y.transpose(1, 2).reshape(B, Sq, self.n_heads * self.head_dim)  # (B, H, Sq, D) -> (B, Sq, H*D)
         return self.o_proj(y)
+
+
+@torch.compiler.disable
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, gqa: bool) -> Tensor:
+    """The attention kernel, always run as eager PyTorch runs it (flash/memory-efficient SDPA): a compiled graph
+    around it must not re-lower attention with different half-precision rounding."""
+    extra = {"enable_gqa": True} if gqa else {}
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **extra)
 
 
 def _split3(qkv: Tensor, q_dim: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -269,7 +277,7 @@ class Transformer(nn.Module):
             # a last-position pass needs only the last query and MLP row in the final layer (exact, and
             # about one layer's FLOPs saved); a pipeline stage without the norm hands on every position
             last = last_only and self.norm is not None and i == len(blocks) - 1
-            v = reflections[int(key)] if reflections is not None else None
+            v = reflections[int(key)].contiguous() if reflections is not None else None  # a fresh (D,) tensor
             h = (step or self.layer_step)(block, h, cos, sin, v, last)
         if self.norm is None:
             return h
