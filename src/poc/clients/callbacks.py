@@ -1,79 +1,181 @@
-"""Outbound result callbacks: POST {url}/generated and {url}/validated, off the event loop's critical path.
+"""Outbound deliveries that must arrive: result callbacks ({url}/generated, {url}/validated), the warmup's
+{callback_url}/warmup/complete and the orchestrator's {url}/results, off the event loop's critical path.
 
-`CallbackSender.submit(kind, url, payload, idempotency_id)` queues a payload and returns at once. A few sender
-tasks POST it (timeout per attempt) with an `Idempotency-Key` header; a failure is retried with exponential
-backoff (1, 2, 4 ... capped) on a timer, never by sleeping in a loop that holds others up. Unlike the
-reference (spec-v2 §f 12) nothing is dropped after N attempts and /stop flushes rather than discards; memory
-stays bounded by `max_pending`, and a payload refused at that bound is counted and logged, not lost silently.
-What is still pending at exit is logged with its count (an on-disk spool replaces this later: keep the
-interface).
+`submit(kind, url, payload, idempotency_id)` takes a payload and returns at once; `await put(...)` returns once
+the record is durable. With a spool directory (`spool_dir`, see spool.py) every record is appended and fsynced
+before the first send, re-sent until acknowledged, and replayed by `start()` after a restart; without one (unit
+tests, `ServerConfig.spool_dir=None`) records live in memory only. A few sender tasks POST {url}/{kind} with an
+`Idempotency-Key` header (the orchestrator's results also carry `idempotency_id` in the body, so it can drop
+repeats); a failure is retried on a timer with capped, jittered exponential backoff, never by sleeping in a
+loop that holds others up, and never given up. Several pending orchestrator results for one worker go out as
+one POST {url}/results/batch. Memory holds, per pending record, its id, kind, url and disk position (spool) or
+its payload (memory mode), and `max_pending` bounds the count: a payload refused at that bound is counted and
+logged, not lost silently. What is pending at exit stays in the spool for the next start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from poc.clients.spool import Entry, Spool
 from poc.server.logs import describe
 
 log = logging.getLogger("poc.callbacks")
 
-KINDS = ("generated", "validated")
+# what a 2xx must also say to count as an acknowledgement
+KINDS = {"generated": None, "validated": None, "warmup/complete": None, "results": "ok"}
+BATCH_KIND = "results"  # several pending of this kind to one url go out as {url}/results/batch
+WARN_EVERY = 5.0  # seconds between failure lines per url
 
 
 @dataclass
 class _Item:
     kind: str
     url: str
-    payload: dict
     idempotency_id: str
+    payload: dict | None = None  # memory mode, or a spool write that failed
+    entry: Entry | None = None  # spool mode
     attempts: int = 0
     created: float = field(default_factory=time.monotonic)
+    last_error: str = ""
 
 
 class CallbackSender:
     def __init__(self, *, timeout: float = 10.0, max_pending: int = 10_000, backoff_base: float = 1.0,
-                 backoff_max: float = 30.0, concurrency: int = 4, metrics=None):
+                 backoff_max: float = 30.0, concurrency: int = 4, metrics=None, spool_dir: str | None = None,
+                 segment_records: int = 1000, batch_max: int = 50):
         self.timeout, self.max_pending = timeout, max_pending
         self.backoff_base, self.backoff_max = backoff_base, backoff_max
-        self.concurrency, self.metrics = concurrency, metrics
-        self.pending = 0  # queued + in flight + waiting for a retry
+        self.concurrency, self.metrics, self.batch_max = concurrency, metrics, batch_max
+        self.spool = Spool(spool_dir, segment_records) if spool_dir else None
+        self.pending = 0  # reserved + stored, not yet acknowledged
         self.delivered = 0
-        self._queue: asyncio.Queue[_Item] | None = None
+        self.replayed = 0
+        self._items: dict[str, _Item] = {}  # stored (durable) and not yet acknowledged, by idempotency id
+        self._reserved: dict[str, str] = {}  # id -> url, being written to the spool
+        self._ready: deque[_Item] = deque()
+        self._wake: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._acked: dict[str, asyncio.Future] = {}  # wait_acked() waiters
         self._workers: list[asyncio.Task] = []
+        self._stores: set[asyncio.Task] = set()
         self._timers: set[asyncio.TimerHandle] = set()
         self._session: aiohttp.ClientSession | None = None
-        self._idle: asyncio.Event | None = None
+        self._io: ThreadPoolExecutor | None = None
+        self._running = False
+        self._warned: dict[tuple, float] = {}
+        self._failed: dict[tuple, int] = {}
+
+    # ------------------------------------------------------------------------------------- life cycle
 
     async def start(self) -> None:
-        self._queue = asyncio.Queue()
-        self._idle = asyncio.Event()
+        """Open the spool and queue what an earlier process left unacknowledged, then start sending."""
+        self._wake, self._idle = asyncio.Event(), asyncio.Event()
         self._idle.set()
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="poc-spool")  # one thread: appends stay in order
+        if self.spool is not None:
+            for e in await self._run_io(self.spool.open):
+                item = _Item(e.kind, e.url, e.id, entry=e)
+                self._items[e.id] = item
+                self._ready.append(item)
+                self._add(1)
+            self.replayed = len(self._items)
+            if self.replayed:
+                log.info("replaying %d spooled record(s) from %s", self.replayed, self.spool.dir)
+                self._wake.set()
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
         self._workers = [asyncio.create_task(self._work(), name=f"callbacks-{i}") for i in range(self.concurrency)]
+        self._running = True
+
+    async def close(self, timeout: float = 5.0) -> None:
+        left = await self.flush(timeout)
+        self._running = False
+        if left:
+            where = f"they stay in {self.spool.dir} and are re-sent after a restart" if self.spool else "memory only"
+            log.warning("%d callback payload(s) still undelivered at shutdown (%s)", left, where)
+        for t in self._timers:
+            t.cancel()
+        for w in self._workers:
+            w.cancel()
+        await asyncio.gather(*self._workers, *self._stores, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+        if self._io is not None:
+            if self.spool is not None:
+                await self._run_io(self.spool.close)
+            self._io.shutdown(wait=True)
+            self._io = None
+
+    # -------------------------------------------------------------------------------------- intake
 
     def submit(self, kind: str, url: str, payload: dict, idempotency_id: str) -> bool:
-        """Queue one POST to {url}/{kind}; False (counted, logged) when `max_pending` payloads already wait."""
+        """Take one POST to {url}/{kind}; False (counted, logged) when `max_pending` payloads already wait."""
+        r = self._reserve(kind, url, idempotency_id)
+        if r != "new":
+            return r is not None
+        t = asyncio.get_running_loop().create_task(self._store(kind, url, payload, idempotency_id))
+        self._stores.add(t)
+        t.add_done_callback(self._stores.discard)
+        return True
+
+    async def put(self, kind: str, url: str, payload: dict, idempotency_id: str) -> bool:
+        """`submit`, returning once the record is on disk (spool mode): a caller that reports the payload
+        elsewhere afterwards (an NDJSON line) knows it will be delivered even after a crash."""
+        r = self._reserve(kind, url, idempotency_id)
+        if r != "new":
+            return r is not None
+        await self._store(kind, url, payload, idempotency_id)
+        return True
+
+    def _reserve(self, kind: str, url: str, idempotency_id: str) -> str | None:
+        """"new" (counted as pending: store it), "dup" (already on its way) or None (refused)."""
         if kind not in KINDS:
-            raise ValueError(f"callback kind must be one of {KINDS}, got {kind!r}")
-        if self._queue is None:
+            raise ValueError(f"callback kind must be one of {sorted(KINDS)}, got {kind!r}")
+        if not self._running:
             log.warning("callback %s to %s refused: the sender is not running", kind, url)
-            return False
+            return None
+        if idempotency_id in self._items or idempotency_id in self._reserved:
+            return "dup"  # already on its way: the same record once is enough
         if self.pending >= self.max_pending:
             self._count(kind, "dropped")
             log.warning("callback queue full (%d pending): %s payload %s to %s not queued", self.pending, kind,
                         idempotency_id, url)
-            return False
+            return None
+        self._reserved[idempotency_id] = url
         self._add(1)
-        self._queue.put_nowait(_Item(kind, url, payload, idempotency_id))
-        return True
+        return "new"
+
+    async def _store(self, kind: str, url: str, payload: dict, idempotency_id: str) -> None:
+        item = _Item(kind, url, idempotency_id)
+        try:
+            if self.spool is not None:
+                try:
+                    item.entry = await self._run_io(self.spool.append, idempotency_id, kind, url, payload)
+                except (OSError, TypeError, ValueError) as e:  # disk full, unserialisable: send from memory
+                    item.payload = payload
+                    self._count(kind, "spool_error")
+                    log.warning("spool write failed %s: %s %s is sent from memory only", describe(e), kind,
+                                idempotency_id)
+            else:
+                item.payload = payload
+        finally:
+            self._reserved.pop(idempotency_id, None)
+        self._items[idempotency_id] = item
+        self._ready.append(item)
+        self._wake.set()
+
+    # -------------------------------------------------------------------------------------- status
 
     async def flush(self, timeout: float) -> int:
-        """Wait until everything queued so far is delivered, or `timeout`; the number still pending."""
+        """Wait until everything taken so far is delivered, or `timeout`; the number still pending."""
         if self._idle is not None and self.pending:
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout)
@@ -81,20 +183,36 @@ class CallbackSender:
                 pass
         return self.pending
 
-    async def close(self, timeout: float = 5.0) -> None:
-        left = await self.flush(timeout)
-        if left:
-            log.warning("%d callback payload(s) still undelivered at shutdown", left)
-        for t in self._timers:
-            t.cancel()
-        for w in self._workers:
-            w.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
-        self._queue = None
+    def pending_for(self, url: str) -> int:
+        """Records for this url not yet acknowledged (being written included)."""
+        return (sum(1 for i in self._items.values() if i.url == url)
+                + sum(1 for u in self._reserved.values() if u == url))
 
-    # -------------------------------------------------------------------------------------------
+    async def flush_url(self, url: str, timeout: float) -> int:
+        """Wait until nothing for `url` is pending, or `timeout`; the number still pending for it."""
+        deadline = time.monotonic() + timeout
+        while (n := self.pending_for(url)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return n
+
+    async def wait_acked(self, idempotency_id: str, timeout: float) -> bool:
+        """True once that record was acknowledged (or is not pending at all), False after `timeout`."""
+        if idempotency_id not in self._items and idempotency_id not in self._reserved:
+            return True
+        fut = self._acked.get(idempotency_id)
+        if fut is None:
+            fut = self._acked[idempotency_id] = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def last_error(self, idempotency_id: str) -> str:
+        i = self._items.get(idempotency_id)
+        return i.last_error if i else ""
+
+    # ------------------------------------------------------------------------------------- sending
 
     def _add(self, n: int) -> None:
         self.pending += n
@@ -103,42 +221,120 @@ class CallbackSender:
         if self.metrics is not None:
             self.metrics.callbacks_pending.set(self.pending)
 
-    def _count(self, kind: str, outcome: str) -> None:
+    def _count(self, kind: str, outcome: str, n: int = 1) -> None:
         if self.metrics is not None:
-            self.metrics.callbacks.labels(kind, outcome).inc()
+            self.metrics.callbacks.labels(kind, outcome).inc(n)
             if outcome == "dropped":
                 self.metrics.error("callback_dropped")
 
+    async def _run_io(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    def _take(self) -> list[_Item]:
+        """The next item, with (for orchestrator results) up to batch_max - 1 more ready for the same url."""
+        first = self._ready.popleft()
+        group = [first]
+        if first.kind == BATCH_KIND and self._ready:
+            rest = deque()
+            while self._ready and len(group) < self.batch_max:
+                i = self._ready.popleft()
+                (group if i.kind == BATCH_KIND and i.url == first.url else rest).append(i)
+            rest.extend(self._ready)
+            self._ready = rest
+        return group
+
     async def _work(self) -> None:
         while True:
-            item = await self._queue.get()
-            ok, why = await self._post(item)
+            while not self._ready:
+                self._wake.clear()
+                await self._wake.wait()
+            group = self._take()
+            ok, why = await self._post(group)
             if ok:
-                self.delivered += 1
-                self._count(item.kind, "sent")
-                self._add(-1)
+                await self._acknowledge(group)
                 continue
-            item.attempts += 1
-            delay = min(self.backoff_max, self.backoff_base * 2.0 ** (item.attempts - 1))
-            self._count(item.kind, "retried")
-            log.warning("callback %s to %s failed (attempt %d: %s); retrying in %.1f s", item.kind, item.url,
-                        item.attempts, why, delay)
-            h = asyncio.get_running_loop().call_later(delay, self._requeue, item)
-            self._timers.add(h)
+            delays = [self._retry_later(item, why) for item in group]
+            self._warn(group[0], len(group), why, min(delays))
+
+    def _retry_later(self, item: _Item, why: str) -> float:
+        item.attempts += 1
+        item.last_error = why
+        d = min(self.backoff_max, self.backoff_base * 2.0 ** (item.attempts - 1))
+        delay = d / 2 + random.random() * d / 2  # jittered: many records after one outage do not retry in step
+        self._count(item.kind, "retried")
+        h = asyncio.get_running_loop().call_later(delay, self._requeue, item)
+        self._timers.add(h)
+        return delay
+
+    def _warn(self, item: _Item, n: int, why: str, delay: float) -> None:
+        """One line per url every WARN_EVERY seconds at most: an outage with a backlog does not flood the log."""
+        key = (item.kind, item.url)
+        self._failed[key] = self._failed.get(key, 0) + n
+        now = time.monotonic()
+        if now - self._warned.get(key, float("-inf")) < WARN_EVERY:
+            return
+        self._warned[key] = now
+        log.warning("callback %s to %s failed (%s; %d failed send(s) since the last such line, %d pending); "
+                    "retrying with backoff (next in %.1f s)", item.kind, item.url, why, self._failed.pop(key),
+                    self.pending, delay)
 
     def _requeue(self, item: _Item) -> None:
-        self._timers = {t for t in self._timers if not t.cancelled() and t.when() > time.monotonic()}
-        if self._queue is not None:
-            self._queue.put_nowait(item)
+        now = time.monotonic()
+        self._timers = {t for t in self._timers if not t.cancelled() and t.when() > now}
+        if self._running and item.idempotency_id in self._items:
+            self._ready.append(item)
+            self._wake.set()
 
-    async def _post(self, item: _Item) -> tuple[bool, str]:
-        url = f"{item.url.rstrip('/')}/{item.kind}"
+    async def _acknowledge(self, group: list[_Item]) -> None:
+        entries = [i.entry for i in group if i.entry is not None]
+        if entries:
+            try:
+                await self._run_io(self.spool.ack, entries)
+            except OSError as e:  # delivered all the same; a restart would send it once more (idempotent)
+                log.warning("spool ack write failed %s", describe(e))
+        for i in group:
+            if self._items.pop(i.idempotency_id, None) is not None:
+                self._add(-1)
+                self.delivered += 1
+            fut = self._acked.pop(i.idempotency_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(True)
+        self._count(group[0].kind, "sent", len(group))
+
+    async def _payload(self, item: _Item) -> dict:
+        if item.payload is not None:
+            return item.payload
+        return await self._run_io(self.spool.read, item.entry)
+
+    async def _post(self, group: list[_Item]) -> tuple[bool, str]:
+        first = group[0]
+        base = first.url.rstrip("/")
         try:
-            async with self._session.post(url, json=item.payload,
-                                          headers={"Idempotency-Key": item.idempotency_id}) as r:
-                await r.read()
-                if r.status < 400:
+            if len(group) == 1:
+                url, body = f"{base}/{first.kind}", await self._payload(first)
+            else:
+                url, body = f"{base}/{first.kind}/batch", {"results": [await self._payload(i) for i in group]}
+        except (OSError, ValueError, KeyError) as e:  # the record cannot be read back: nothing to send, ever
+            log.warning("spool read failed for %s %s %s: acknowledging it locally", first.kind, first.idempotency_id,
+                        describe(e))
+            return True, ""
+        headers = {"Idempotency-Key": first.idempotency_id if len(group) == 1 else
+                   ",".join(i.idempotency_id for i in group)}
+        try:
+            async with self._session.post(url, json=body, headers=headers) as r:
+                raw = await r.read()
+                if r.status >= 300:
+                    return False, f"HTTP {r.status}"
+                want = KINDS[first.kind]
+                if want is None:
                     return True, ""
-                return False, f"HTTP {r.status}"
+                try:
+                    answer = await r.json(content_type=None) if raw else None
+                except ValueError:
+                    answer = None
+                status = answer.get("status") if isinstance(answer, dict) else None
+                if str(status).lower() == want:
+                    return True, ""
+                return False, f"HTTP {r.status} without status {want!r}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             return False, describe(e)

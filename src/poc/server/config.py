@@ -1,9 +1,10 @@
 """ServerConfig: the model server's settings, from flags, each also settable by an environment variable.
 
     python model_server.py [--host 127.0.0.1] [--port 18000] [--model DIR] [--dtype auto|float16|bfloat16|float32]
-                           [--device cpu|cuda] [--log-level info]
+                           [--device cpu|cuda] [--log-level info] [--spool-dir spool]
 
-Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_DTYPE, POC_DEVICE, POC_LOG_LEVEL) > default.
+Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_DTYPE, POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR)
+> default.
 The other fields are limits and timings; tests override them directly.
 """
 
@@ -17,7 +18,8 @@ from poc.errors import InputError
 
 DTYPE_CHOICES = ("auto", "float16", "bfloat16", "float32")
 ENV = {"host": "POC_HOST", "port": "POC_PORT", "model": "POC_MODEL", "dtype": "POC_DTYPE", "device": "POC_DEVICE",
-       "log_level": "POC_LOG_LEVEL"}
+       "log_level": "POC_LOG_LEVEL", "spool_dir": "POC_SPOOL_DIR"}
+DEFAULT_SPOOL_DIR = "spool"  # relative to the working directory (start_server.sh: the checkout, beside ./logs)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,23 @@ class ServerConfig:
     result_ttl: float = 300.0  # queued /generate results stay readable this long after completion
     shutdown_flush_seconds: float = 5.0  # how long shutdown waits for pending callbacks
     memory_headroom: float = 0.9  # a job may plan to use this fraction of the free memory
+    # durable delivery (clients/spool.py): None keeps callbacks in memory only (tests); the CLI defaults to ./spool
+    spool_dir: str | None = None
+    spool_segment_records: int = 1000  # records per spool segment file
+    callback_backoff_max: float = 30.0  # retry delays double up to this (jittered)
+    # /pooled (spec-v1 §4.3)
+    pooled_poll_interval: float = 0.5  # GET config; commands apply within one interval
+    pooled_wait_timeout: float = 600.0  # waiting for a block_hash
+    pooled_max_duration: float = 600.0  # a session's default length (the request's max_duration overrides)
+    pooled_heartbeat_interval: float = 10.0
+    pooled_flush_seconds: float = 10.0  # the final wait for result acknowledgements before /shutdown
+    pooled_batch_size: int = 100  # when neither the request nor the orchestrator gives one (gonka's default)
+    orchestrator_timeout: float = 10.0  # per call
+    orchestrator_retries: int = 5  # tries of connect, ready, shutdown
+    orchestrator_retry_base: float = 1.0  # sleeps 1, 2, 4, 8 s between those tries
+    # /warmup (spec-v1 §4.2)
+    warmup_poll_interval: float = 5.0
+    warmup_max_duration: float = 600.0
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -72,6 +91,8 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     ap.add_argument("--dtype", default=env.get(ENV["dtype"], d.dtype), help=f"{'|'.join(DTYPE_CHOICES)} (env {ENV['dtype']})")
     ap.add_argument("--device", default=env.get(ENV["device"]) or None, help=f"cpu, cuda or cuda:N (env {ENV['device']})")
     ap.add_argument("--log-level", default=env.get(ENV["log_level"], d.log_level), help=f"(env {ENV['log_level']})")
+    ap.add_argument("--spool-dir", default=env.get(ENV["spool_dir"]) or DEFAULT_SPOOL_DIR,
+                    help=f"where undelivered callbacks and orchestrator results wait (env {ENV['spool_dir']})")
     a = ap.parse_args(argv)
     try:
         port = int(a.port)
@@ -80,4 +101,5 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     level = str(a.log_level).upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise InputError(f"--log-level must be debug, info, warning or error, got {a.log_level!r}", "log_level")
-    return ServerConfig(host=a.host, port=port, model=a.model, dtype=a.dtype, device=a.device, log_level=level)
+    return ServerConfig(host=a.host, port=port, model=a.model, dtype=a.dtype, device=a.device, log_level=level,
+                        spool_dir=a.spool_dir)

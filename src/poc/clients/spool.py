@@ -1,0 +1,230 @@
+"""An append-only on-disk spool: what the server owes a consumer survives a crash and is re-sent until acknowledged.
+
+One directory (--spool-dir, env POC_SPOOL_DIR):
+
+    seg-00000001.jsonl   records, one JSON line each: {"id", "kind", "url", "payload", "created"}
+    seg-00000001.acks    the ids of that segment's records that were acknowledged, one per line
+
+`append()` writes a record and fsyncs it before the caller may send it; `ack()` appends the ids to the segment's
+ack file once the consumer answered (no fsync: a lost ack costs one repeat, which the idempotency id absorbs, and
+plain writes survive a kill -9 of the process). `open()` reads every segment and returns its records minus its
+acks: they are replayed. Appends go to a fresh segment that is rotated every `segment_records` records; a closed
+segment whose records are all acknowledged is deleted with its ack file, so the disk holds the pending records
+plus at most one segment. Memory holds, per pending record, its id, kind, url and where it lies on disk (never
+the payload: `read()` fetches it when it is sent). A torn last line (a crash mid-write) is skipped.
+
+Not thread-safe by design: the CallbackSender calls it from one I/O thread only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("poc.spool")
+
+_SEG = re.compile(r"^seg-(\d{8})\.jsonl$")
+
+
+@dataclass
+class Entry:
+    """Where one pending record lies: enough to send it (after `read`) and to acknowledge it."""
+
+    id: str
+    kind: str
+    url: str
+    seg: int
+    offset: int
+    length: int
+    created: float
+
+
+@dataclass
+class _Segment:
+    n: int
+    records: int = 0
+    unacked: set[str] = field(default_factory=set)
+    closed: bool = False
+
+
+class Spool:
+    def __init__(self, directory: str | os.PathLike, segment_records: int = 1000):
+        if segment_records < 1:
+            raise ValueError(f"segment_records must be >= 1, got {segment_records}")
+        self.dir = Path(directory)
+        self.segment_records = segment_records
+        self._segs: dict[int, _Segment] = {}
+        self._cur: _Segment | None = None
+        self._fd: int | None = None  # the current segment, O_APPEND
+        self._offset = 0
+        self._read_fds: dict[int, int] = {}
+
+    # ------------------------------------------------------------------------------------------ paths
+
+    def _rec_path(self, n: int) -> Path:
+        return self.dir / f"seg-{n:08d}.jsonl"
+
+    def _ack_path(self, n: int) -> Path:
+        return self.dir / f"seg-{n:08d}.acks"
+
+    # ------------------------------------------------------------------------------------------- open
+
+    def open(self) -> list[Entry]:
+        """Create the directory, read what an earlier process left, and return its unacknowledged records."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        pending: list[Entry] = []
+        seen: set[str] = set()
+        numbers = sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _SEG.match(p.name)))
+        for n in numbers:
+            seg = _Segment(n, closed=True)
+            self._segs[n] = seg
+            acks = self._read_acks(n)
+            dup: list[str] = []
+            for e in self._scan(n):
+                seg.records += 1
+                if e.id in acks:
+                    continue
+                if e.id in seen:  # the same record spooled twice: one copy is enough
+                    dup.append(e.id)
+                else:
+                    seen.add(e.id)
+                    seg.unacked.add(e.id)
+                    pending.append(e)
+            if dup:
+                self._write_acks(n, dup)
+            self._maybe_delete(seg)
+        self._new_segment((numbers[-1] + 1) if numbers else 1)
+        return pending
+
+    def _scan(self, n: int) -> list[Entry]:
+        out = []
+        with open(self._rec_path(n), "rb") as f:
+            data = f.read()
+        pos = 0
+        while pos < len(data):
+            end = data.find(b"\n", pos)
+            if end < 0:
+                log.warning("spool %s: skipping a torn last record (%d bytes)", self._rec_path(n).name, len(data) - pos)
+                break
+            line = data[pos:end]
+            try:
+                rec = json.loads(line)
+                out.append(Entry(rec["id"], rec["kind"], rec["url"], n, pos, end - pos, float(rec.get("created", 0))))
+            except (ValueError, KeyError, TypeError):
+                log.warning("spool %s: skipping an unreadable record at byte %d", self._rec_path(n).name, pos)
+            pos = end + 1
+        return out
+
+    def _read_acks(self, n: int) -> set[str]:
+        try:
+            return {s for s in self._ack_path(n).read_text(errors="replace").split("\n") if s}
+        except FileNotFoundError:
+            return set()
+
+    def _new_segment(self, n: int) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._cur.closed = True
+            self._maybe_delete(self._cur)
+        self._cur = self._segs[n] = _Segment(n)
+        self._fd = os.open(self._rec_path(n), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._offset = os.fstat(self._fd).st_size
+        _fsync_dir(self.dir)  # the new file's name is durable too
+
+    # --------------------------------------------------------------------------------------- records
+
+    def append(self, id: str, kind: str, url: str, payload) -> Entry:
+        """Write one record and fsync it; the caller sends only after this returned."""
+        if self._fd is None:
+            raise RuntimeError("spool is not open")
+        if self._cur.records >= self.segment_records:
+            self._new_segment(self._cur.n + 1)
+        created = time.time()
+        line = json.dumps({"id": id, "kind": kind, "url": url, "payload": payload, "created": created},
+                          separators=(",", ":")).encode() + b"\n"
+        off = self._offset
+        _write_all(self._fd, line)
+        os.fsync(self._fd)
+        self._offset += len(line)
+        self._cur.records += 1
+        self._cur.unacked.add(id)
+        return Entry(id, kind, url, self._cur.n, off, len(line) - 1, created)
+
+    def read(self, e: Entry) -> dict:
+        """The record's payload, from disk."""
+        fd = self._read_fds.get(e.seg)
+        if fd is None:
+            fd = self._read_fds[e.seg] = os.open(self._rec_path(e.seg), os.O_RDONLY)
+        return json.loads(os.pread(fd, e.length, e.offset))["payload"]
+
+    def ack(self, entries: list[Entry]) -> None:
+        """Mark records delivered; deletes every closed segment that has nothing left to send."""
+        by_seg: dict[int, list[str]] = {}
+        for e in entries:
+            by_seg.setdefault(e.seg, []).append(e.id)
+        for n, ids in by_seg.items():
+            seg = self._segs.get(n)
+            if seg is None:
+                continue  # already deleted (acknowledged twice)
+            self._write_acks(n, ids)
+            seg.unacked.difference_update(ids)
+            self._maybe_delete(seg)
+
+    def _write_acks(self, n: int, ids: list[str]) -> None:
+        fd = os.open(self._ack_path(n), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            _write_all(fd, "".join(i + "\n" for i in ids).encode())
+        finally:
+            os.close(fd)
+
+    def _maybe_delete(self, seg: _Segment) -> None:
+        if not seg.closed or seg.unacked:
+            return
+        fd = self._read_fds.pop(seg.n, None)
+        if fd is not None:
+            os.close(fd)
+        for p in (self._rec_path(seg.n), self._ack_path(seg.n)):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+        self._segs.pop(seg.n, None)
+
+    # --------------------------------------------------------------------------------------- status
+
+    def segments(self) -> list[int]:
+        """The segment numbers on disk (for tests and logs)."""
+        return sorted(self._segs)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        for fd in self._read_fds.values():
+            os.close(fd)
+        self._read_fds.clear()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
