@@ -39,7 +39,7 @@ tasks_key = web.AppKey("tasks", dict)  # background tasks by name
 
 def create_app(config: ServerConfig) -> web.Application:
     """The only way to get an app. Raises InputError for an unusable config (e.g. --device cuda without CUDA)."""
-    from poc.server import pow, vast
+    from poc.server import pooled, pow, vast, warmup
 
     engine = Engine(device=config.device, model_dir=config.model, dtype=config.dtype)
     metrics = Metrics()
@@ -50,11 +50,15 @@ def create_app(config: ServerConfig) -> web.Application:
     app[metrics_key] = metrics
     app[runners_key] = set()
     app[sender_key] = CallbackSender(timeout=config.callback_timeout, max_pending=config.callback_max_pending,
-                                     backoff_base=config.callback_backoff, metrics=metrics)
+                                     backoff_base=config.callback_backoff, metrics=metrics,
+                                     backoff_max=config.callback_backoff_max, spool_dir=config.spool_dir,
+                                     segment_records=config.spool_segment_records)
     app[listening_key] = asyncio.Event()
     app[tasks_key] = {}
     vast.setup(app)
     pow.setup(app)
+    pooled.setup(app)
+    warmup.setup(app)
     app.cleanup_ctx.append(engine_ctx)
     app.on_shutdown.append(on_shutdown)
     return app

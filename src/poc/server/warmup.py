@@ -1,0 +1,173 @@
+"""POST /warmup: a warm worker parked until a controller has params for it (spec-v1 §4.2).
+
+    POST /warmup {"callback_url": "http://controller", ["job_id": "..."]}
+
+Streams {"status": "warmup_ready"}, then polls GET {callback_url}/warmup/params?job_id= every warmup_poll_interval
+(one status line per poll: "warmup_waiting", or "warmup_callback_unreachable" with the error when the controller
+cannot be reached: never a silent stall) for up to warmup_max_duration ("warmup_timeout"). On {"status": "ready",
+"params": {...}} (params = a complete /generate request, v1 or v2) it runs the /generate logic and streams each
+line as it is produced (spec-v1 §6 F3: the reference buffered them all), then POSTs {callback_url}/warmup/complete
+{job_id, total_batches, total_computed, total_valid} through the durable sender (spooled, re-sent until
+acknowledged) and says whether it was acknowledged. The device is claimed only once params arrive, so /health
+stays "ready" while the worker waits. (The model is built when the params arrive: a v1 model depends on the
+block hash, which only the params carry; a v2 checkpoint was loaded at start.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import aiohttp
+from aiohttp import web
+
+from poc.errors import InputError
+from poc.server import schemas
+from poc.server.app import (check_v1_memory, check_v2_memory, claim_device, config_key, new_runner, require_ready,
+                            sender_key, served_model)
+from poc.server.logs import describe
+from poc.server.stream import NdjsonWriter
+from poc.server.vast import V1Lines, V2Lines, _pump
+
+log = logging.getLogger("poc.warmup")
+
+COMPLETED = ("max_nonces", "max_duration", "exhausted")  # the normal ends, after which /warmup/complete is sent
+
+
+def setup(app: web.Application) -> None:
+    app[warmups_key] = set()
+    app.router.add_post("/warmup", warmup)
+    app.on_shutdown.append(_on_shutdown)
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    for ev in list(app[warmups_key]):
+        ev.set()
+
+
+async def warmup(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    cfg = app[config_key]
+    body = schemas.unwrap(await schemas.read_json(request, cfg.max_body_bytes))
+    if not body.get("callback_url"):
+        raise InputError("callback_url is required", "callback_url")
+    schemas.check_keys(body, {"callback_url"}, {"job_id"})
+    cb = schemas.get_url(body, "callback_url").rstrip("/")
+    job_id = schemas.get_str(body, "job_id", default="unknown")
+    stop = asyncio.Event()
+    app[warmups_key].add(stop)
+    w = NdjsonWriter(request)
+    try:
+        await w.open()
+        await w.write({"status": "warmup_ready", "job_id": job_id})
+        params = await _wait_params(app, w, cb, job_id, stop)
+        if params is not None:
+            await _generate(app, w, cb, job_id, params)
+    finally:
+        app[warmups_key].discard(stop)
+    await w.close()
+    return w.resp
+
+
+async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: str, stop: asyncio.Event):
+    """The /generate request once the controller has it; None after a timeout, a shutdown or a gone client."""
+    cfg = app[config_key]
+    t0 = time.monotonic()
+    polls = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=cfg.callback_timeout)) as http:
+        while True:
+            elapsed = time.monotonic() - t0
+            if elapsed >= cfg.warmup_max_duration:
+                await w.write({"status": "warmup_timeout", "elapsed": round(elapsed, 3)})
+                return None
+            polls += 1
+            line = {"status": "warmup_waiting", "poll_count": polls}
+            try:
+                async with http.get(f"{cb}/warmup/params", params={"job_id": job_id}) as r:
+                    raw = await r.read()
+                    if r.status >= 400:
+                        line["http_status"] = r.status
+                    else:
+                        try:
+                            data = await r.json(content_type=None) if raw.strip() else None
+                        except ValueError:
+                            data = None
+                            line["detail"] = "the answer is not JSON"
+                        if isinstance(data, dict) and data.get("status") == "ready":
+                            if isinstance(data.get("params"), dict):
+                                await w.write({"status": "warmup_params_received",
+                                               "elapsed": round(time.monotonic() - t0, 3)})
+                                return data["params"]
+                            line["detail"] = "status ready without a params object"
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                line = {"status": "warmup_callback_unreachable", "error": describe(e), "poll_count": polls}
+                if polls == 1 or polls % 10 == 0:
+                    log.info("warmup %s: callback %s unreachable %s", job_id, cb, describe(e))
+            line["elapsed"] = round(time.monotonic() - t0, 3)
+            if not await w.write(line):
+                log.info("warmup %s: the client went away while waiting", job_id)
+                return None
+            left = cfg.warmup_max_duration - (time.monotonic() - t0)
+            try:
+                await asyncio.wait_for(stop.wait(), max(0.0, min(cfg.warmup_poll_interval, left)))
+                await w.write({"status": "shutdown", "elapsed": round(time.monotonic() - t0, 3)})
+                return None
+            except asyncio.TimeoutError:
+                pass
+
+
+async def _generate(app: web.Application, w: NdjsonWriter, cb: str, job_id: str, body: dict) -> None:
+    """The /generate logic on the stream that is already open: failures are lines."""
+    cfg = app[config_key]
+    try:
+        body = schemas.unwrap(body)
+        if "params" not in body:
+            raise InputError("missing required field: params", "params")
+        require_ready(app)
+        if schemas.protocol_of(body["params"]) == "v1":
+            job = schemas.parse_v1_generate(body, cfg)
+            check_v1_memory(app, job.params, job.batch_size, job.dtype)
+            lines = V1Lines(job)
+            label = f"v1 /warmup {job_id} dim={job.params.dim} layers={job.params.n_layers} batch={job.batch_size}"
+        else:
+            st = schemas.parse_v2_generate(body, cfg, served_model(app))
+            job = st.job
+            check_v2_memory(app, job.batch_size, job.seq_len)
+            lines = V2Lines(job, st.node_id)
+            label = f"v2 /warmup {job_id} seq_len={job.seq_len} k_dim={job.k_dim} batch={job.batch_size}"
+        claim = claim_device(app, "/warmup")
+    except InputError as e:
+        log.info("warmup %s: params refused (%d): %s", job_id, e.status, e.message)
+        await w.write({"error": e.message, "error_type": "InputError", "field": e.field, "http_status": e.status})
+        return
+    runner = new_runner(app, job, claim, label)
+    try:
+        await _pump(w, runner, lines.line)
+    except asyncio.CancelledError:
+        runner.stop("disconnect")
+        raise
+    except Exception as e:
+        runner.stop("error")
+        log.warning("warmup %s stream failed %s", job_id, describe(e))
+        await w.write({"error": str(e), "error_type": type(e).__name__})
+        return
+    finally:
+        runner.close()
+    s, summary = runner.stats, runner.summary
+    if summary is None or summary.reason not in COMPLETED:
+        return
+    payload = {"job_id": job_id, "total_batches": s.batches, "total_computed": s.computed, "total_valid": s.valid}
+    rid = f"warmup-complete-{uuid.uuid4().hex}"
+    sender = app[sender_key]
+    if not await sender.put("warmup/complete", cb, payload, rid):
+        await w.write({"status": "warmup_complete_failed", "job_id": job_id, "error": "the callback queue is full"})
+        return
+    if await sender.wait_acked(rid, cfg.callback_timeout):
+        await w.write({"status": "warmup_complete_sent", "job_id": job_id})
+    else:  # still in the spool: re-sent with backoff until the controller acknowledges it
+        await w.write({"status": "warmup_complete_pending", "job_id": job_id, "error": sender.last_error(rid)})
+
+
+warmups_key = web.AppKey("warmups", set)

@@ -1,0 +1,390 @@
+"""Fakes for the outbound side, each a small aiohttp app on 127.0.0.1 that records what it receives: an
+orchestrator (/pooled) with deterministic faults and a restart, a warmup controller, and the Vast autoscaler the
+PyWorker reports to. Plus an NDJSON line reader that keeps arrival times, and model_server.py as a subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter, deque
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parent.parent
+READY = "Application startup complete."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopbackApp:
+    """An aiohttp app on 127.0.0.1:<port> that can be stopped and started again on the same port."""
+
+    def __init__(self, app: web.Application, port: int | None = None):
+        self.app, self.port = app, port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._runner: web.AppRunner | None = None
+        self.restarts = 0
+
+    async def start(self) -> "LoopbackApp":
+        self._runner = web.AppRunner(self.app, handle_signals=False, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True).start()
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def restart(self, down_for: float) -> None:
+        """Go away (connections refused) for `down_for` seconds, then listen again with the same state."""
+        await self.stop()
+        self.app = self._rebuild()
+        await asyncio.sleep(down_for)
+        await self.start()
+        self.restarts += 1
+
+    def _rebuild(self) -> web.Application:  # a cleaned-up app cannot be set up again
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------------
+# the orchestrator
+
+
+class FakeOrchestrator(LoopbackApp):
+    """spec-v1 §4.3's API. GET config serves one-shot replies from `commands` first, else `config`. Results are
+    kept once per idempotency_id (as a real orchestrator that drops repeats), and every POST that carried an id
+    is counted. Faults, by the running count n of POSTs: n % fail_every == 0 -> 500 before anything is done;
+    n % drop_after_every == 0 -> processed, then the connection is dropped without an answer; n %
+    drop_before_every == 0 -> dropped unprocessed. `reject_results` answers 500 to every result."""
+
+    def __init__(self, *, fail_every: int = 0, drop_after_every: int = 0, drop_before_every: int = 0,
+                 port: int | None = None):
+        self.fail_every, self.drop_after_every, self.drop_before_every = fail_every, drop_after_every, drop_before_every
+        self.connect_reply: dict = {"status": "wait"}
+        self.ready_reply: dict = {}
+        self.config: dict = {}
+        self.commands: deque = deque()
+        self.reject_results = False
+        self.n_posts = 0
+        self.faults = Counter()
+        self.accepted: dict[str, dict] = {}
+        self.accepted_at: dict[str, float] = {}
+        self.posts = Counter()  # idempotency_id -> POSTs (single or batch) that carried it
+        self.batch_posts = 0
+        self.served: list[tuple[float, dict]] = []  # (time, reply) of GET config replies that had a "type"
+        self.connects: list[dict] = []
+        self.readies: list[dict] = []
+        self.heartbeats: list[dict] = []
+        self.shutdowns: list[dict] = []
+        self.on_result = None  # callback(n_result_posts) for tests that act mid-stream
+        self.result_posts = 0
+        super().__init__(self._rebuild(), port)
+
+    def _rebuild(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/api/workers/connect", self._connect)
+        app.router.add_get("/api/workers/{wid}/config", self._config)
+        app.router.add_post("/api/workers/{wid}/ready", self._ready)
+        app.router.add_post("/api/workers/{wid}/results", self._results)
+        app.router.add_post("/api/workers/{wid}/results/batch", self._results_batch)
+        app.router.add_post("/api/workers/{wid}/heartbeat", self._heartbeat)
+        app.router.add_post("/api/workers/{wid}/shutdown", self._shutdown)
+        return app
+
+    # ---------------------------------------------------------------------------------- faults
+
+    def _fault(self, request: web.Request, when: str) -> web.Response | None:
+        n = self.n_posts
+        if when == "before":
+            if self.fail_every and n % self.fail_every == 0:
+                self.faults["500"] += 1
+                return web.json_response({"error": "injected"}, status=500)
+            if self.drop_before_every and n % self.drop_before_every == 0:
+                self.faults["drop_before"] += 1
+                return self._drop(request)
+        elif self.drop_after_every and n % self.drop_after_every == 0:
+            self.faults["drop_after"] += 1
+            return self._drop(request)
+        return None
+
+    @staticmethod
+    def _drop(request: web.Request) -> web.Response:
+        request.transport.close()  # the client sees the connection go, with no status line
+        raise asyncio.CancelledError
+
+    async def _post(self, request: web.Request, process) -> web.StreamResponse:
+        self.n_posts += 1
+        r = self._fault(request, "before")
+        if r is not None:
+            return r
+        reply = await process(await request.json())
+        r = self._fault(request, "after")
+        return r if r is not None else web.json_response(reply)
+
+    # ---------------------------------------------------------------------------------- routes
+
+    async def _connect(self, request):
+        async def p(body):
+            self.connects.append(body)
+            return self.connect_reply
+        return await self._post(request, p)
+
+    async def _config(self, request):
+        if self.commands:
+            reply = self.commands.popleft()
+            self.served.append((time.monotonic(), reply))
+        else:
+            reply = self.config
+        return web.json_response(reply)
+
+    async def _ready(self, request):
+        async def p(body):
+            self.readies.append(body)
+            return self.ready_reply
+        return await self._post(request, p)
+
+    def _take(self, result: dict) -> None:
+        rid = result["idempotency_id"]
+        self.posts[rid] += 1
+        if rid not in self.accepted:
+            self.accepted[rid] = result
+            self.accepted_at[rid] = time.monotonic()
+
+    async def _results(self, request):
+        async def p(body):
+            if self.reject_results:
+                raise web.HTTPInternalServerError()
+            assert request.headers["Idempotency-Key"] == body["idempotency_id"]
+            self.result_posts += 1
+            self._take(body)
+            if self.on_result is not None:
+                self.on_result(self.result_posts)
+            return {"status": "ok"}
+        return await self._post(request, p)
+
+    async def _results_batch(self, request):
+        async def p(body):
+            if self.reject_results:
+                raise web.HTTPInternalServerError()
+            self.batch_posts += 1
+            self.result_posts += 1
+            for r in body["results"]:
+                self._take(r)
+            if self.on_result is not None:
+                self.on_result(self.result_posts)
+            return {"status": "ok"}
+        return await self._post(request, p)
+
+    async def _heartbeat(self, request):
+        async def p(body):
+            self.heartbeats.append(body)
+            return {"status": "ok"}
+        return await self._post(request, p)
+
+    async def _shutdown(self, request):
+        async def p(body):
+            self.shutdowns.append(body)
+            return {"status": "ok"}
+        return await self._post(request, p)
+
+    # ---------------------------------------------------------------------------------- checks
+
+    def spans(self, public_key: str | None = None) -> list[tuple[int, int]]:
+        """(first_nonce, last_nonce) of every accepted result, sorted."""
+        return sorted((r["first_nonce"], r["last_nonce"]) for r in self.accepted.values()
+                      if public_key is None or r["public_key"] == public_key)
+
+
+def covers_exactly(spans: list[tuple[int, int]], start: int, end: int) -> bool:
+    """The spans tile [start, end]: no gap, no overlap."""
+    nxt = start
+    for a, b in spans:
+        if a != nxt or b < a:
+            return False
+        nxt = b + 1
+    return nxt == end + 1
+
+
+# --------------------------------------------------------------------------------------------------
+# the warmup controller
+
+
+class FakeController(LoopbackApp):
+    """GET /warmup/params: "waiting" for the first `ready_after` polls, then ready with `params`.
+    POST /warmup/complete: 500 for the first `fail_complete` posts, then recorded."""
+
+    def __init__(self, params: dict | None = None, ready_after: int = 2, fail_complete: int = 0):
+        self.params, self.ready_after, self.fail_complete = params, ready_after, fail_complete
+        self.polls: list[tuple[float, str]] = []
+        self.completes: list[tuple[float, dict]] = []
+        self.complete_posts = 0
+        super().__init__(self._rebuild())
+
+    def _rebuild(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/warmup/params", self._params)
+        app.router.add_post("/warmup/complete", self._complete)
+        return app
+
+    async def _params(self, request):
+        self.polls.append((time.monotonic(), request.query.get("job_id")))
+        if self.params is not None and len(self.polls) > self.ready_after:
+            return web.json_response({"status": "ready", "params": self.params})
+        return web.json_response({"status": "waiting"})
+
+    async def _complete(self, request):
+        self.complete_posts += 1
+        if self.complete_posts <= self.fail_complete:
+            return web.json_response({"error": "injected"}, status=500)
+        self.completes.append((time.monotonic(), await request.json()))
+        return web.json_response({"ok": True})
+
+
+# --------------------------------------------------------------------------------------------------
+# the Vast autoscaler (what the PyWorker reports to)
+
+
+class FakeAutoscaler(LoopbackApp):
+    def __init__(self, pubkey_pem: str):
+        self.pubkey_pem = pubkey_pem
+        self.status: list[tuple[float, dict]] = []
+        self.deleted: list[dict] = []
+        self.pubkey_fetches = 0
+        super().__init__(self._rebuild())
+
+    def _rebuild(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/pubkey/", self._pubkey)
+        app.router.add_post("/worker_status/", self._status)
+        app.router.add_post("/delete_requests/", self._delete)
+        return app
+
+    async def _pubkey(self, request):
+        self.pubkey_fetches += 1
+        return web.Response(text=self.pubkey_pem)
+
+    async def _status(self, request):
+        self.status.append((time.monotonic(), await request.json()))
+        return web.json_response({"ok": True})
+
+    async def _delete(self, request):
+        self.deleted.append(await request.json())
+        return web.json_response({"ok": True})
+
+
+# --------------------------------------------------------------------------------------------------
+# reading NDJSON as it arrives
+
+
+class Lines:
+    """Reads an NDJSON response in the background: `items` holds (arrival time, line)."""
+
+    def __init__(self, resp):
+        self.resp = resp
+        self.items: list[tuple[float, dict]] = []
+        self.ended = False
+        self.error: Exception | None = None  # the connection broke (a killed server)
+        self.task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for raw in self.resp.content:
+                self.items.append((time.monotonic(), json.loads(raw)))
+        except (aiohttp.ClientError, ConnectionError) as e:
+            self.error = e
+        finally:
+            self.ended = True
+
+    def lines(self) -> list[dict]:
+        return [d for _, d in self.items]
+
+    async def wait(self, pred, timeout: float = 10.0, start: int = 0) -> tuple[float, dict, int]:
+        """The first line at index >= start matching `pred`: (arrival time, line, index)."""
+        t0 = time.monotonic()
+        i = start
+        while True:
+            while i < len(self.items):
+                t, d = self.items[i]
+                if pred(d):
+                    return t, d, i
+                i += 1
+            assert not self.ended, f"stream ended without the line; last lines: {self.lines()[-5:]}"
+            assert time.monotonic() - t0 < timeout, f"no such line in {timeout} s; last lines: {self.lines()[-5:]}"
+            await asyncio.sleep(0.005)
+
+    async def finish(self, timeout: float = 20.0) -> list[dict]:
+        await asyncio.wait_for(self.task, timeout)
+        return self.lines()
+
+
+def status(name: str):
+    return lambda d: d.get("status") == name
+
+
+def is_result(d: dict) -> bool:
+    return "idempotency_id" in d
+
+
+async def wait_until(cond, timeout: float = 10.0, what: str = "") -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, f"timed out after {timeout} s waiting for {what or cond}"
+        await asyncio.sleep(0.01)
+
+
+# --------------------------------------------------------------------------------------------------
+# model_server.py as a subprocess
+
+
+class ServerProcess:
+    """model_server.py on 127.0.0.1:<port>, its output in a log file; stopped by its PID."""
+
+    def __init__(self, log: Path, *args: str, port: int | None = None, env: dict | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self._out = open(log, "ab")
+        e = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "model_server.py"), "--port", str(self.port),
+                                      "--device", "cpu", *args], stdout=self._out, stderr=subprocess.STDOUT,
+                                     cwd=ROOT, env=e)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    async def wait_ready(self, timeout: float = 60.0, count: int = 1) -> None:
+        t0 = time.monotonic()
+        while self.text().count(READY) < count:
+            assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.text()}"
+            assert time.monotonic() - t0 < timeout, self.text()
+            await asyncio.sleep(0.05)
+
+    def kill9(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._out.close()
+        return self.proc.returncode

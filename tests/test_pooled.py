@@ -1,0 +1,308 @@
+"""/pooled against a fake orchestrator on 127.0.0.1 (tests/fakes.py), and the spool under it.
+
+- faults: 500 on every 3rd POST, connections dropped after processing (every 7th) and before it (every 11th), one
+  restart of the orchestrator mid-range: every batch of the range is acknowledged exactly once by idempotency id,
+  the accepted spans tile the range, and nothing is missing;
+- commands: switch_job, a new range and shutdown are honoured within one poll interval;
+- kill -9 of a model_server.py subprocess mid-range while the orchestrator refuses results, then a restart on the
+  same spool directory: every result the dead server had streamed is delivered;
+- the spool and the sender as units (replay, torn record, segment deletion, results/batch).
+v1 set A params (dim 64, 2 layers, vocab 256, seq_len 8) on the CPU.
+"""
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from poc.clients.callbacks import CallbackSender
+from poc.clients.spool import Spool
+from poc.server.app import create_app, sender_key
+
+from .fakes import FakeOrchestrator, Lines, ServerProcess, covers_exactly, is_result, status, wait_until
+from .golden import V1_GOLDEN as G1
+from .test_server import PARAMS_A, server_config, wait_status
+
+BH = G1["block_hash"]
+R = G1["r_target_used_for_filter"]
+POLL = 0.25
+
+
+def pooled_config(tmp_path, **kw):
+    base = dict(spool_dir=str(tmp_path / "spool"), pooled_poll_interval=POLL, pooled_heartbeat_interval=0.3,
+                orchestrator_retry_base=0.05, orchestrator_timeout=2.0, callback_backoff=0.05,
+                callback_backoff_max=0.4, callback_timeout=2.0, pooled_flush_seconds=5.0, progress_interval=60.0)
+    base.update(kw)
+    return server_config(**base)
+
+
+@pytest.fixture
+async def orch():
+    o = FakeOrchestrator()
+    await o.start()
+    yield o
+    await o.stop()
+
+
+async def start_session(aiohttp_client, tmp_path, orch, body=None, **cfg):
+    client = await aiohttp_client(create_app(pooled_config(tmp_path, **cfg)))
+    await wait_status(client)
+    resp = await client.post("/pooled", json={"orchestrator_url": orch.url, **(body or {})})
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["Content-Type"] == "application/x-ndjson"
+    return client, Lines(resp)
+
+
+# --------------------------------------------------------------------------------------------------
+# a faulty orchestrator
+
+
+async def test_faulty_orchestrator_every_batch_acknowledged_exactly_once(aiohttp_client, tmp_path):
+    orch = FakeOrchestrator(fail_every=3, drop_after_every=7, drop_before_every=11)
+    orch.connect_reply = {"status": "ok", "block_hash": BH, "block_height": 7, "params": PARAMS_A}
+    orch.ready_reply = {"public_key": "key-A", "nonce_range_start": 0, "nonce_range_end": 299, "r_target": R}
+    restart: list[asyncio.Task] = []
+
+    def on_result(n):  # the orchestrator goes away for a second after the 8th result POST it took
+        if n == 8 and not restart:
+            restart.append(asyncio.create_task(orch.restart(1.0)))
+
+    orch.on_result = on_result
+    await orch.start()
+    try:
+        client, lines = await start_session(aiohttp_client, tmp_path, orch, {"batch_size": 10})
+        await lines.wait(status("range_complete"), 30)
+        await wait_until(lambda: len(orch.accepted) >= 30 and orch.restarts == 1, 30, "all 30 results accepted")
+        orch.commands.append({"type": "shutdown"})
+        await lines.wait(status("shutdown"), 30)
+        out = await lines.finish()
+    finally:
+        await orch.stop()
+    results = [d for d in out if is_result(d)]
+    ids = [d["idempotency_id"] for d in results]
+    assert len(ids) == len(set(ids)) == 30  # each batch streamed once (300 nonces in batches of 10)
+    assert set(orch.accepted) == set(ids)  # each acknowledged, none missing, none extra
+    assert covers_exactly(orch.spans("key-A"), 0, 299)  # the whole range, every nonce once (F1b)
+    assert all(r["batch_computed"] == 10 for r in orch.accepted.values())
+    # the faults happened and were survived: retried POSTs, drops, the restart (config polls failed meanwhile)
+    assert sum(orch.posts.values()) > 30 and orch.faults["500"] and orch.faults["drop_after"]
+    assert orch.faults["drop_before"] and orch.restarts == 1
+    assert any(d.get("status") == "orchestrator_unreachable" for d in out)
+    assert [d["status"] for d in out if d.get("status") in ("registering", "registered", "waiting_block_hash",
+                                                            "received_block_hash", "loading_model", "model_loaded",
+                                                            "ready", "computing")] == [
+        "registering", "registered", "waiting_block_hash", "received_block_hash", "loading_model", "model_loaded",
+        "ready", "computing"]
+    # v1 result bodies: the reference's keys in order, then the span and the id
+    assert list(results[0]) == ["worker_id", "public_key", "block_hash", "block_height", "nonces", "dist", "node_id",
+                                "batch_number", "batch_computed", "batch_valid", "total_computed", "total_valid",
+                                "elapsed_seconds", "first_nonce", "last_nonce", "idempotency_id"]
+    assert all(x < R for r in results for x in r["dist"])
+    assert results[-1]["total_computed"] == 300
+    stats = orch.shutdowns[-1]["stats"]
+    assert stats["total_batches_sent"] == 30 and stats["pending_results"] == 0
+    assert out[-1]["status"] == "shutdown" and out[-1]["total_batches_sent"] == 30
+    assert orch.heartbeats and all("pending_results" in h for h in orch.heartbeats)
+    assert client.server.app[sender_key].pending == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# commands
+
+
+async def test_switch_job_new_range_and_shutdown_within_one_poll_interval(aiohttp_client, tmp_path, orch, capsys):
+    orch.config = {}  # no block hash yet: the session waits, polling
+    orch.ready_reply = {"public_key": "key-A", "nonce_range_start": 0, "nonce_range_end": 10 ** 9}
+    client, lines = await start_session(aiohttp_client, tmp_path, orch, {"batch_size": 200})
+    await lines.wait(status("waiting_block_hash"))
+    await asyncio.sleep(2 * POLL)
+    assert not any(d.get("status") == "received_block_hash" for d in lines.lines())
+    orch.config = {"type": "config", "block_hash": BH, "block_height": 7, "params": PARAMS_A, "r_target": R}
+    _, _, i = await lines.wait(status("computing"), 20)
+    for _ in range(3):
+        _, d, i = await lines.wait(is_result, 10, i + 1)
+        assert d["public_key"] == "key-A"
+    delays = {}
+
+    async def command(cmd: dict, line_status: str, start: int):
+        t_set = time.monotonic()
+        n = len(orch.served)
+        orch.commands.append(cmd)
+        t_line, d, j = await lines.wait(status(line_status), 10, start)
+        t_served = orch.served[n][0]
+        delays[line_status] = (t_line - t_set, t_line - t_served)
+        assert t_line - t_served < POLL, (line_status, t_line - t_served)  # applied on the poll that served it
+        assert t_line - t_set < 2 * POLL, (line_status, t_line - t_set)  # at most one interval to that poll
+        return d, j
+
+    d, j = await command({"type": "switch_job", "public_key": "key-B"}, "switched_public_key", i)
+    assert d["public_key"] == "key-B"  # written once the batch in flight went out, under the key it was computed with
+    _, first_b, k = await lines.wait(is_result, 10, j + 1)
+    assert first_b["public_key"] == "key-B"
+    assert first_b["first_nonce"] == 0 and first_b["batch_number"] == 1  # the range restarts, counters reset
+    _, _, k = await lines.wait(is_result, 10, k + 1)
+
+    d, j = await command({"type": "config", "nonce_range_start": 5000, "nonce_range_end": 5999}, "new_range", k)
+    assert (d["range_start"], d["range_end"]) == (5000, 5999)
+    _, done, _ = await lines.wait(status("range_complete"), 20, j)
+    assert (done["range_start"], done["range_end"], done["total_computed"]) == (5000, 5999, 1000)
+    await wait_until(lambda: client.server.app[sender_key].pending == 0, 10, "results acknowledged")
+    assert covers_exactly([s for s in orch.spans("key-B") if s[0] >= 5000], 5000, 5999)
+    b_low = [s for s in orch.spans("key-B") if s[0] < 5000]
+    assert b_low and covers_exactly(b_low, 0, b_low[-1][1])  # key B from 0, contiguous, until the new range
+    a_spans = orch.spans("key-A")
+    assert covers_exactly(a_spans, 0, a_spans[-1][1])
+    await wait_until(lambda: any(h.get("range_complete") == [5000, 5999] for h in orch.heartbeats), 5,
+                     "the heartbeat that reports the exhausted range")
+
+    d, j = await command({"type": "shutdown"}, "stopping", j)
+    assert d["reason"] == "shutdown_command"
+    out = await lines.finish()
+    assert out[-1]["status"] == "shutdown" and not any(is_result(x) for x in out[j + 1:])
+    assert orch.shutdowns[-1]["stats"]["total_batches_sent"] == sum(1 for x in out if is_result(x))
+    with capsys.disabled():
+        print("\n[pooled] command -> status line (from set, from served): " +
+              ", ".join(f"{k} {a * 1000:.0f}/{b * 1000:.0f} ms" for k, (a, b) in delays.items()) +
+              f" (poll interval {POLL * 1000:.0f} ms)")
+    await wait_status(client)  # the device is free again
+
+
+async def test_shutdown_while_waiting_and_failed_registration_still_call_shutdown(aiohttp_client, tmp_path, orch):
+    client, lines = await start_session(aiohttp_client, tmp_path, orch)
+    await lines.wait(status("waiting_block_hash"))
+    orch.commands.append({"type": "shutdown"})
+    out = await lines.finish()
+    assert out[-1] == {"status": "shutdown"} and len(orch.shutdowns) == 1  # F15: /shutdown is called
+    # nobody listens: registration fails after its retries, the line says so, and /shutdown is still tried
+    dead = FakeOrchestrator()
+    r = await client.post("/pooled", json={"orchestrator_url": dead.url})
+    out = [d for d in await Lines(r).finish()]
+    assert out[-1]["error"] == "Failed to register with orchestrator" and out[-1]["error_type"] == "ConnectionError"
+    r = await client.post("/pooled", json={})
+    assert r.status == 400 and (await r.json())["error"] == "orchestrator_url is required"
+
+
+async def test_bad_params_from_the_orchestrator_end_the_session_with_a_clear_line(aiohttp_client, tmp_path, orch):
+    orch.connect_reply = {"status": "ok", "block_hash": BH, "params": {**PARAMS_A, "seq_len": "eight"}}
+    client, lines = await start_session(aiohttp_client, tmp_path, orch)
+    out = await lines.finish()
+    assert out[-1]["error_type"] == "InputError" and out[-1]["field"] == "params.seq_len"
+    assert orch.shutdowns and "error" in orch.shutdowns[-1]["stats"]
+
+
+# --------------------------------------------------------------------------------------------------
+# kill -9 and the spool
+
+
+async def test_kill9_mid_range_then_restart_resends_spooled_results(tmp_path, orch):
+    orch.connect_reply = {"status": "ok", "block_hash": BH, "block_height": 7, "params": PARAMS_A, "r_target": R}
+    orch.ready_reply = {"public_key": "key-A", "nonce_range_start": 0, "nonce_range_end": 10 ** 7}
+    orch.reject_results = True  # nothing is acknowledged before the kill
+    spool = tmp_path / "spool"
+    srv = ServerProcess(tmp_path / "s1.log", "--spool-dir", str(spool))
+    srv2 = None
+    try:
+        await srv.wait_ready()
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(srv.url + "/pooled", json={"orchestrator_url": orch.url, "batch_size": 50})
+            lines = Lines(resp)
+            await wait_until(lambda: sum(1 for d in lines.lines() if is_result(d)) >= 20, 30, "20 results")
+            srv.kill9()
+            await lines.finish()
+        streamed = {d["idempotency_id"] for d in lines.lines() if is_result(d)}
+        assert len(streamed) >= 20 and not orch.accepted
+        orch.reject_results = False
+        srv2 = ServerProcess(tmp_path / "s2.log", "--spool-dir", str(spool))
+        await srv2.wait_ready()
+        await wait_until(lambda: streamed <= set(orch.accepted), 30, "the spooled results re-sent")
+        assert "replaying" in srv2.text()
+        spans = orch.spans("key-A")
+        assert covers_exactly(spans, 0, spans[-1][1])  # a prefix of the range, no gap, no overlap
+    finally:
+        srv.terminate()
+        if srv2 is not None:
+            assert srv2.terminate() == 0
+
+
+def test_spool_replays_unacknowledged_records_skips_a_torn_one_and_deletes_acked_segments(tmp_path):
+    s = Spool(tmp_path, segment_records=3)
+    assert s.open() == []
+    es = [s.append(f"id{i}", "results", "http://x", {"i": i}) for i in range(7)]  # segments 1 (3), 2 (3), 3 (1)
+    assert s.segments() == [1, 2, 3]
+    s.ack(es[:3])
+    assert s.segments() == [2, 3] and not (tmp_path / "seg-00000001.jsonl").exists()  # closed, all acked
+    s.ack([es[4]])
+    assert s.read(es[5]) == {"i": 5}
+    s.close()
+    with open(tmp_path / "seg-00000003.jsonl", "ab") as f:
+        f.write(b'{"id": "torn", "ki')  # a crash mid-write
+    s2 = Spool(tmp_path, segment_records=3)
+    pending = s2.open()
+    assert [e.id for e in pending] == ["id3", "id5", "id6"]
+    assert [s2.read(e)["i"] for e in pending] == [3, 5, 6]
+    s2.ack(pending)
+    s2.close()
+    s3 = Spool(tmp_path, segment_records=3)
+    assert s3.open() == [] and s3.segments() == [5]  # only the fresh segment is left
+    s3.close()
+
+
+async def test_sender_spools_first_then_replays_after_restart_in_batches(tmp_path, orch):
+    url = f"{orch.url}/api/workers/w1"
+    orch.reject_results = True
+    a = CallbackSender(timeout=2, backoff_base=0.05, backoff_max=0.2, spool_dir=str(tmp_path))
+    await a.start()
+    for i in range(6):
+        assert await a.put("results", url, {"idempotency_id": f"r{i}", "first_nonce": i, "last_nonce": i}, f"r{i}")
+    assert await a.put("results", url, {"idempotency_id": "r0"}, "r0")  # a repeat is taken once
+    assert a.pending == a.pending_for(url) == 6
+    await asyncio.sleep(0.3)
+    await a.close(0.1)  # nothing acknowledged: everything stays on disk
+    orch.reject_results = False
+    b = CallbackSender(timeout=2, backoff_base=0.05, spool_dir=str(tmp_path))
+    await b.start()
+    try:
+        assert b.replayed == 6
+        assert await b.flush(10) == 0
+    finally:
+        await b.close(1)
+    assert sorted(orch.accepted) == [f"r{i}" for i in range(6)] and orch.batch_posts >= 1
+    c = CallbackSender(spool_dir=str(tmp_path))
+    await c.start()
+    assert c.replayed == 0
+    await c.close(0.1)
+
+
+async def test_pow_callbacks_are_spooled_and_delivered_after_a_restart(aiohttp_client, tmp_path):
+    """/api/v1/pow generation posts to a callback receiver that is down; the server stops; a new server on the
+    same spool delivers every payload once the receiver is up (the same durability as /pooled's results)."""
+    from .fakes import LoopbackApp
+    from .test_server_pow import Sink
+
+    sink = Sink()
+    rx = LoopbackApp(sink.app)
+    cfg = pooled_config(tmp_path, callback_interval=0.2, shutdown_flush_seconds=0.2)
+    a = await aiohttp_client(create_app(cfg))
+    await wait_status(a)
+    init = {"node_id": 0, "node_count": 1, "block_hash": BH, "block_height": 5, "public_key": "pk",
+            "batch_size": 8, "r_target": 2.0, "params": dict(PARAMS_A), "url": rx.url + "/cb"}
+    r = await a.post("/api/v1/pow/init/generate", json=init)
+    assert r.status == 200
+    await asyncio.sleep(0.6)
+    await a.post("/api/v1/pow/stop")
+    spooled = a.server.app[sender_key].pending
+    assert spooled >= 2
+    await a.close()  # undelivered: they stay in the spool
+    await rx.start()
+    try:
+        b = await aiohttp_client(create_app(cfg))
+        await wait_status(b)
+        await wait_until(lambda: len(sink.got["generated"]) >= spooled, 10, "the spooled callbacks")
+        assert b.server.app[sender_key].replayed == spooled
+        assert await b.server.app[sender_key].flush(5) == 0
+    finally:
+        await rx.stop()
+    assert len(sink.got["generated"]) == spooled and len(set(sink.keys)) == spooled
+    nonces = sorted(n for p in sink.got["generated"] for n in p["nonces"])
+    assert nonces == list(range(len(nonces)))  # every computed nonce, once

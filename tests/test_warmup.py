@@ -1,0 +1,91 @@
+"""/warmup against a fake controller on 127.0.0.1 (tests/fakes.py): lines arrive as they are produced (arrival
+times), the /generate lines stream while the job runs, /warmup/complete is delivered (through a failure), and a
+controller that is down gets one clear status line per poll and then the timeout line, never a silent stall.
+"""
+
+import pytest
+
+from poc.server.app import create_app
+
+from .fakes import FakeController, Lines, free_port, status
+from .test_server import V1_KEYS, server_config, v1_request, wait_status
+
+POLL = 0.2
+
+
+@pytest.fixture
+async def client(aiohttp_client, tmp_path):
+    cfg = server_config(spool_dir=str(tmp_path / "spool"), warmup_poll_interval=POLL, warmup_max_duration=30.0,
+                        callback_backoff=0.05, callback_backoff_max=0.2, callback_timeout=3.0, progress_interval=60.0)
+    c = await aiohttp_client(create_app(cfg))
+    await wait_status(c)
+    return c
+
+
+async def test_warmup_streams_each_line_as_produced_and_calls_complete(client):
+    job = v1_request(batch_size=4, max_nonces=None, max_duration=1.0, r_target=2.0)  # ~1 s of batches
+    ctl = FakeController(params=job, ready_after=3, fail_complete=1)
+    await ctl.start()
+    try:
+        r = await client.post("/warmup", json={"callback_url": ctl.url, "job_id": "job-7"})
+        assert r.status == 200 and r.headers["Content-Type"] == "application/x-ndjson"
+        out = Lines(r)
+        t_ready, first, _ = await out.wait(status("warmup_ready"))
+        assert first == {"status": "warmup_ready", "job_id": "job-7"}
+        # the waiting lines arrive one poll apart, while the controller is still saying "waiting"
+        t1, w1, _ = await out.wait(status("warmup_waiting"))
+        t2, w2, _ = await out.wait(lambda d: d.get("status") == "warmup_waiting" and d["poll_count"] == 2)
+        assert w1["poll_count"] == 1 and 0.5 * POLL < t2 - t1 < 3 * POLL
+        assert (await wait_status(client))["status"] == "ready"  # the device stays free while it waits
+        lines = await out.finish(20)
+    finally:
+        await ctl.stop()
+    times = dict((id(d), t) for t, d in out.items)
+    got = [d["status"] for d in lines if "status" in d and d["status"].startswith("warmup")]
+    assert got == ["warmup_ready", "warmup_waiting", "warmup_waiting", "warmup_waiting", "warmup_params_received",
+                   "warmup_complete_sent"]
+    assert [job_id for _, job_id in ctl.polls] == ["job-7"] * 4
+    batches = [d for d in lines if "worker_id" in d]
+    assert len(batches) >= 3 and all(list(d) == V1_KEYS for d in batches)
+    # streamed during the 1 s job, not buffered until its end (spec-v1 §6 F3)
+    spread = times[id(batches[-1])] - times[id(batches[0])]
+    assert spread > 0.5, spread
+    done = next(d for d in lines if d.get("status") == "done")
+    assert done["reason"] == "max_duration"
+    # /warmup/complete: refused once (500), re-sent, acknowledged; the numbers match the stream
+    assert ctl.complete_posts == 2 and len(ctl.completes) == 1
+    body = ctl.completes[0][1]
+    assert body == {"job_id": "job-7", "total_batches": done["batches"], "total_computed": done["computed"],
+                    "total_valid": done["valid"]}
+
+
+async def test_warmup_with_the_controller_down_says_so_each_poll_then_times_out(aiohttp_client, tmp_path):
+    cfg = server_config(spool_dir=str(tmp_path / "spool"), warmup_poll_interval=POLL, warmup_max_duration=0.9,
+                        callback_timeout=1.0)
+    c = await aiohttp_client(create_app(cfg))
+    await wait_status(c)
+    r = await c.post("/warmup", json={"callback_url": f"http://127.0.0.1:{free_port()}"})  # nothing listens there
+    out = Lines(r)
+    lines = await out.finish(10)
+    assert lines[0] == {"status": "warmup_ready", "job_id": "unknown"}
+    down = [d for d in lines if d.get("status") == "warmup_callback_unreachable"]
+    assert len(down) >= 3 and [d["poll_count"] for d in down] == list(range(1, len(down) + 1))
+    assert all(d["error"] and "elapsed" in d for d in down)
+    ts = [t for t, d in out.items if d.get("status") == "warmup_callback_unreachable"]
+    assert all(b - a > 0.5 * POLL for a, b in zip(ts, ts[1:]))  # one line per poll, as it happens
+    assert lines[-1]["status"] == "warmup_timeout" and lines[-1]["elapsed"] >= 0.9
+
+
+async def test_warmup_bad_params_and_bad_requests(client):
+    ctl = FakeController(params={"block_hash": "x"}, ready_after=0)  # ready, but not a /generate request
+    await ctl.start()
+    try:
+        r = await client.post("/warmup", json={"callback_url": ctl.url})
+        lines = await Lines(r).finish(10)
+    finally:
+        await ctl.stop()
+    assert lines[-1]["error_type"] == "InputError" and lines[-1]["field"] == "params" and not ctl.completes
+    r = await client.post("/warmup", json={"job_id": "x"})
+    assert r.status == 400 and (await r.json())["error"] == "callback_url is required"
+    r = await client.post("/warmup", json={"callback_url": "ftp://x"})
+    assert r.status == 400
