@@ -1,0 +1,48 @@
+# The PoC model server (model_server.py) and its Vast.ai PyWorker (worker.py) on a CUDA PyTorch runtime image.
+#
+#   docker build -t poc-server .
+#   docker run --gpus all -p 18000:18000 -e POC_HOST=0.0.0.0 poc-server                  # PoC v1 only
+#   docker run --gpus all -e POC_MODEL=/models/Qwen3-8B -v /models:/models poc-server    # + PoC v2 for that checkpoint
+#
+# The base image brings torch with CUDA; requirements.txt's CPU torch pin is filtered out, everything else is
+# installed as pinned into /app/.venv (which sees the base image's torch), so start_server.sh's
+# scripts/ensure_venv.sh finds it ready and installs nothing at start. On a Vast serverless instance
+# scripts/docker_entrypoint.sh also starts worker.py (see there). Lint: hadolint Dockerfile (tests/test_worker.py).
+ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
+FROM ${BASE_IMAGE}
+
+ARG FLASH_ATTN_VERSION=2.8.3
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ENV PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    POC_HOST=127.0.0.1 \
+    POC_PORT=18000 \
+    MODEL_LOG=/var/log/model/server.log \
+    POC_SPOOL_DIR=/var/lib/poc/spool
+
+# curl for the HEALTHCHECK (and for a person in the container); the distribution's current version
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends curl \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /app
+COPY requirements.txt pyproject.toml ./
+RUN python -m venv --system-site-packages .venv \
+    && grep -v '^torch==' requirements.txt > /tmp/requirements-image.txt \
+    && .venv/bin/pip install --no-cache-dir -r /tmp/requirements-image.txt \
+    && .venv/bin/python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+# flash-attn only as a prebuilt wheel for this torch/CUDA/Python (a source build takes hours): optional
+RUN .venv/bin/pip install --no-cache-dir --only-binary=:all: "flash-attn==${FLASH_ATTN_VERSION}" \
+    || echo "flash-attn ${FLASH_ATTN_VERSION}: no wheel for this image; attention uses torch SDPA"
+
+COPY . .
+RUN .venv/bin/pip install --no-cache-dir --no-deps --no-build-isolation -e . \
+    && touch ".venv/.installed-$(cat requirements.txt requirements.txt pyproject.toml | sha256sum | cut -c1-16)" \
+    && mkdir -p /var/log/model /var/lib/poc/spool
+
+# 18000: the model server; 3000: the PyWorker (WORKER_PORT on Vast)
+EXPOSE 18000 3000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
+    CMD ["/bin/sh", "-c", "curl -fsS \"http://127.0.0.1:${POC_PORT}/health\" > /dev/null || exit 1"]
+CMD ["scripts/docker_entrypoint.sh"]
