@@ -222,10 +222,17 @@ def test_worker_config_routes_workloads_and_log_patterns(monkeypatch):
     assert body["max_nonces"] == routes["/benchmark"].workload_calculator(body)
 
 
-def test_model_server_fatal_line_on_bad_flags(tmp_path):
+def test_model_server_fatal_line_on_bad_flags_and_on_a_failed_model_load(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "model_server.py"), "--port", "nope"], capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 2 and p.stderr.startswith("Error: POC-FATAL model_server: bad input: --port")
+    s = ServerProcess(tmp_path / "s.log", "--model", str(tmp_path / "missing"), "--spool-dir", str(tmp_path / "sp"))
+    try:
+        wait_for(lambda: "Error: POC-FATAL" in s.text(), 60, "the fatal line", s.text)
+    finally:
+        assert s.terminate() == 0  # the server stays up (/health: broken) until stopped
+    fatal = [line for line in s.text().splitlines() if "Error: POC-FATAL" in line]
+    assert len(fatal) == 1 and "does not exist" in fatal[0] and "Application startup complete." not in s.text()
 
 
 def test_dockerfile_lints_clean_and_matches_the_venv_stamp():
