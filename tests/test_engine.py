@@ -108,3 +108,20 @@ def test_padded_short_batch_gives_the_same_results(engine):
         comp.compiled = False
     assert [a["nonce"] for a in padded["artifacts"]] == [0, 1, 2]
     assert padded == plain
+
+
+def test_compile_modes_and_server_flags():
+    from poc.errors import InputError
+    from poc.server.config import parse_args
+
+    e = Engine("cpu", compile="on")
+    assert not e.compile_v1 and not e.compile_v2  # never on the CPU
+    with pytest.raises(InputError):
+        Engine("cpu", compile="sometimes")
+    cfg = parse_args(["--tp", "2", "--pp", "1", "--replicas", "3", "--compile", "off"], env={})
+    assert (cfg.tp, cfg.pp, cfg.replicas, cfg.compile) == (2, 1, 3, "off")
+    cfg = parse_args([], env={"POC_TP": "4", "POC_COMPILE": "on"})
+    assert cfg.tp == 4 and cfg.compile == "on" and cfg.pp == 1
+    for bad in (["--tp", "0"], ["--tp", "two"], ["--compile", "maybe"], ["--replicas", "-1"]):
+        with pytest.raises(InputError):
+            parse_args(bad, env={})

@@ -424,7 +424,7 @@ async def test_server_with_a_killed_rank(aiohttp_client, monkeypatch):
     from poc.server import app as app_mod
     from poc.server.config import ServerConfig
 
-    monkeypatch.setattr(app_mod, "Engine", lambda device, model_dir, dtype: DistEngine(
+    monkeypatch.setattr(app_mod, "Engine", lambda device, model_dir, dtype, **kw: DistEngine(
         device, model_dir, dtype, tp=2, world=2, timeout=30))
     cfg = ServerConfig(device="cpu", dtype="float32", model=str(v2_checkpoint("qwen3")), progress_interval=0.2,
                        rate_log_interval=0.5, shutdown_flush_seconds=1.0)

@@ -33,9 +33,16 @@ class Busy(RuntimeError):
 
 class Engine:
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto",
-                 compile: bool = False, v1_input_workers: int | None = None):
+                 compile: bool | str = False, v1_input_workers: int | None = None):
         self.device = resolve_device(device)
-        self.compile = compile and self.device.type == "cuda"  # torch.compile at fixed batch shapes
+        # torch.compile at fixed batch shapes, CUDA only. "auto": v1 (fp16: distances move <= 6e-6, measured)
+        # but not v2 (bf16 artifacts move by ~0.02 L2 against eager on a random-weight model: benchmarks/README)
+        mode = {True: "on", False: "off"}.get(compile, compile)
+        if mode not in ("auto", "on", "off"):
+            raise InputError(f"compile must be auto, on or off, got {compile!r}", "compile")
+        cuda = self.device.type == "cuda"
+        self.compile_v1 = cuda and mode in ("auto", "on")
+        self.compile = self.compile_v2 = cuda and mode == "on"
         if v1_input_workers is None:  # on a GPU box the numpy RNG needs many cores to keep up
             v1_input_workers = max(1, min(16, (os.cpu_count() or 2) - 2)) if self.device.type == "cuda" else 0
         self.v1_input_workers = v1_input_workers
@@ -69,7 +76,7 @@ class Engine:
         model, cfg = load_model(self.model_dir, dtype=dtype, device=self.device, with_head=False, progress=True)
         model.eval()
         name = Path(self.model_dir).name
-        self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile)
+        self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile_v2)
         self.load_seconds = time.perf_counter() - t0
         self.state = "ready"
 
@@ -96,7 +103,7 @@ class Engine:
             self._v1 = None  # free the old model before building the next
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            c = V1Compute(params, block_hash, DTYPES[dtype], self.device, self.compile, self.v1_input_workers,
+            c = V1Compute(params, block_hash, DTYPES[dtype], self.device, self.compile_v1, self.v1_input_workers,
                           self._executor)
             log.info("v1 model built: dim=%d layers=%d dtype=%s in %.1f s", params.dim, params.n_layers, dtype,
                      c.build_seconds)

@@ -37,11 +37,22 @@ listening_key = web.AppKey("listening", asyncio.Event)
 tasks_key = web.AppKey("tasks", dict)  # background tasks by name
 
 
+def _make_engine(config: ServerConfig):
+    """One device in this process (Engine), or rank processes over torch.distributed when the config asks for
+    tensor/pipeline parallelism or several replicas (poc.parallel, imported only then)."""
+    if config.tp * config.pp > 1 or config.replicas != 1:
+        from poc.parallel.engine import make_engine
+
+        return make_engine(config.device, config.model, config.dtype, tp=config.tp, pp=config.pp,
+                           replicas=config.replicas or None)
+    return Engine(device=config.device, model_dir=config.model, dtype=config.dtype, compile=config.compile)
+
+
 def create_app(config: ServerConfig) -> web.Application:
     """The only way to get an app. Raises InputError for an unusable config (e.g. --device cuda without CUDA)."""
     from poc.server import pooled, pow, vast, warmup
 
-    engine = Engine(device=config.device, model_dir=config.model, dtype=config.dtype)
+    engine = _make_engine(config)
     metrics = Metrics()
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
     app[config_key] = config

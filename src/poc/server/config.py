@@ -2,8 +2,10 @@
 
     python model_server.py [--host 127.0.0.1] [--port 18000] [--model DIR] [--dtype auto|float16|bfloat16|float32]
                            [--device cpu|cuda] [--log-level info] [--spool-dir spool]
+                           [--tp 1] [--pp 1] [--replicas 1] [--compile auto|on|off]
 
-Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_DTYPE, POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR)
+Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_DTYPE, POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR,
+POC_TP, POC_PP, POC_REPLICAS, POC_COMPILE)
 > default.
 The other fields are limits and timings; tests override them directly.
 """
@@ -18,7 +20,8 @@ from poc.errors import InputError
 
 DTYPE_CHOICES = ("auto", "float16", "bfloat16", "float32")
 ENV = {"host": "POC_HOST", "port": "POC_PORT", "model": "POC_MODEL", "dtype": "POC_DTYPE", "device": "POC_DEVICE",
-       "log_level": "POC_LOG_LEVEL", "spool_dir": "POC_SPOOL_DIR"}
+       "log_level": "POC_LOG_LEVEL", "spool_dir": "POC_SPOOL_DIR", "tp": "POC_TP", "pp": "POC_PP",
+       "replicas": "POC_REPLICAS", "compile": "POC_COMPILE"}
 DEFAULT_SPOOL_DIR = "spool"  # relative to the working directory (start_server.sh: the checkout, beside ./logs)
 
 
@@ -30,6 +33,11 @@ class ServerConfig:
     dtype: str = "auto"  # of the v2 checkpoint; auto: its own dtype on CUDA, float32 on CPU
     device: str | None = None  # None: cuda when available, else cpu
     log_level: str = "INFO"
+    # several devices (src/poc/parallel): tensor x pipeline parallel groups, and independent replicas of them
+    tp: int = 1
+    pp: int = 1
+    replicas: int = 1  # on CUDA: 0 = as many as the visible GPUs allow
+    compile: str = "auto"  # torch.compile on CUDA: auto = PoC v1 only (see engine.Engine), on, off
     # limits: answered with 400/413/422/429 before any GPU work
     max_body_bytes: int = 16 << 20
     max_batch_size: int = 4096
@@ -68,6 +76,13 @@ class ServerConfig:
     def __post_init__(self):
         if not 0 < self.port < 65536:
             raise InputError(f"--port must be in 1..65535, got {self.port}", "port")
+        for k in ("tp", "pp"):
+            if getattr(self, k) < 1:
+                raise InputError(f"--{k} must be >= 1, got {getattr(self, k)}", k)
+        if self.replicas < 0:
+            raise InputError(f"--replicas must be >= 0, got {self.replicas}", "replicas")
+        if self.compile not in ("auto", "on", "off"):
+            raise InputError(f"--compile must be auto, on or off, got {self.compile!r}", "compile")
         if self.dtype not in DTYPE_CHOICES:
             raise InputError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}", "dtype")
 
@@ -93,13 +108,23 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     ap.add_argument("--log-level", default=env.get(ENV["log_level"], d.log_level), help=f"(env {ENV['log_level']})")
     ap.add_argument("--spool-dir", default=env.get(ENV["spool_dir"]) or DEFAULT_SPOOL_DIR,
                     help=f"where undelivered callbacks and orchestrator results wait (env {ENV['spool_dir']})")
+    for k, default in (("tp", d.tp), ("pp", d.pp), ("replicas", d.replicas)):
+        ap.add_argument(f"--{k}", default=env.get(ENV[k], default), help=f"(env {ENV[k]})")
+    ap.add_argument("--compile", default=env.get(ENV["compile"], d.compile),
+                    help=f"torch.compile on CUDA: auto (PoC v1 only), on, off (env {ENV['compile']})")
     a = ap.parse_args(argv)
     try:
         port = int(a.port)
     except ValueError:
         raise InputError(f"--port must be an integer, got {a.port!r}", "port") from None
+    par = {}
+    for k in ("tp", "pp", "replicas"):
+        try:
+            par[k] = int(getattr(a, k))
+        except ValueError:
+            raise InputError(f"--{k} must be an integer, got {getattr(a, k)!r}", k) from None
     level = str(a.log_level).upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise InputError(f"--log-level must be debug, info, warning or error, got {a.log_level!r}", "log_level")
     return ServerConfig(host=a.host, port=port, model=a.model, dtype=a.dtype, device=a.device, log_level=level,
-                        spool_dir=a.spool_dir)
+                        spool_dir=a.spool_dir, compile=str(a.compile), **par)
