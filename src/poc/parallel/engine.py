@@ -218,9 +218,27 @@ class DistEngine:
                                       + (f" with code {code}" if code is not None else ""))
                     continue
                 if msg[0] == "error":
-                    self._fail(g, f"rank {msg[1]} failed: {msg[2]}")
+                    # a dead peer makes the survivors' collectives fail first ("connection reset"): name the
+                    # rank that actually died when there is one, not the one that noticed
+                    dead = self._dead_rank(g, wait_s=1.0, exclude=msg[1])
+                    self._fail(g, f"rank {dead[0]} (pid {dead[1]}) exited with code {dead[2]}; rank {msg[1]} then "
+                                  f"failed: {msg[2]}" if dead else f"rank {msg[1]} failed: {msg[2]}")
                 else:
                     g.inbox.put(msg)
+
+    @staticmethod
+    def _dead_rank(g: _Ranks, wait_s: float, exclude: int) -> tuple[int, int, int] | None:
+        """(rank, pid, exit code) of a rank other than `exclude` (the reporter, which may abort itself after
+        reporting) that has exited, waiting up to wait_s for one."""
+        end = time.monotonic() + wait_s
+        while True:
+            for r, p in enumerate(g.procs):
+                code = None if r == exclude else p.poll()
+                if code is not None:
+                    return r, p.pid, code
+            if time.monotonic() >= end:
+                return None
+            time.sleep(0.05)
 
     def _fail(self, g: _Ranks, reason: str) -> None:
         """Mark the engine broken, wake the running job, and stop every other rank (no hang on a dead peer)."""
