@@ -109,13 +109,18 @@ def run(argv: list[str]) -> int:
     else:
         if args.seq_len <= 0:
             raise InputError(f"--seq-len must be positive, got {args.seq_len}", "seq_len")
+        from pathlib import Path
+
+        from poc.model.config import ModelConfig
+
+        if not Path(args.model).is_dir():
+            raise InputError(f"model directory {args.model} does not exist", "model")
+        hidden = ModelConfig.from_hf(args.model).dim  # config.json only: bad flags fail before any loading
+        if not 1 <= args.k_dim <= hidden:
+            raise InputError(f"--k-dim must be in [1, {hidden}] (the model's hidden size), got {args.k_dim}", "k_dim")
         engine = make_engine(args.device, model_dir=args.model, dtype=args.dtype, **par)
         try:
             engine.load()
-            hidden = engine.v2.cfg.dim
-            if not 1 <= args.k_dim <= hidden:
-                raise InputError(f"--k-dim must be in [1, {hidden}] (the model's hidden size), got {args.k_dim}",
-                                 "k_dim")
             arts, dropped = engine.v2_artifacts(args.block_hash, args.public_key, nonces, args.seq_len, args.k_dim,
                                                 args.stronger_rng, args.batch_size)
         finally:
