@@ -262,6 +262,62 @@ def check_accuracy(n_v2: int = 1000, n_v1: int = 256) -> dict:
     return out
 
 
+def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4) -> dict:
+    """Where the time of one workload goes: CUDA kernel time by kind (torch.profiler) against wall time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    w = WORKLOADS[name]
+    dtype = DTYPES[w["dtype"]]
+    cfg = replace(PRESETS[w["model"]])
+    engine = Engine("cuda", compile=compile)
+    engine.v2 = V2Compute(random_v2_model(cfg, dtype, "cuda"), cfg, dtype, torch.device("cuda"), w["model"],
+                          compile=compile)
+    job = V2Job(BH, PK, 1, w["seq_len"], 12, v1.worker_nonces(0, 0, 1), batch)
+    job.limits = Limits(max_nonces=batch * warm, max_duration=None)
+    engine.run(job, lambda b: None, threading.Event())  # compile + warm up
+    job = V2Job(BH, PK, 1, w["seq_len"], 12, v1.worker_nonces(0, 0, 1), batch)
+    job.limits = Limits(max_nonces=batch * steps, max_duration=None)
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.run(job, lambda b: None, threading.Event())
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kinds = {"gemm": 0.0, "attention": 0.0, "compiled elementwise (triton)": 0.0, "other": 0.0}
+    top = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if not t or e.key.startswith("ProfilerStep"):
+            continue
+        k = e.key.lower()
+        if any(x in k for x in ("gemm", "nvjet", "cutlass", "xmma", "sm90", "cublas")):
+            kind = "gemm"
+        elif any(x in k for x in ("flash", "fmha", "attention", "attn")):
+            kind = "attention"
+        elif k.startswith("triton"):
+            kind = "compiled elementwise (triton)"
+        else:
+            kind = "other"
+        kinds[kind] += t / 1e6
+        top.append((t / 1e6, e.key[:90]))
+    top.sort(reverse=True)
+    gpu = sum(kinds.values())
+    fl = flops_per_nonce(cfg, w["seq_len"], False) * batch * steps
+    out = {"workload": name, "batch": batch, "compile": compile, "wall_s": wall, "gpu_kernel_s": gpu,
+           "gpu_busy_pct": 100 * gpu / wall, "by_kind_s": kinds,
+           "gemm_tflops": None, "nonces_per_s": batch * steps / wall, "top_kernels": top[:12]}
+    # the GEMM share of the FLOPs (everything but attention) over the GEMM kernels' time
+    attn_fl = 2.0 * cfg.n_layers * w["seq_len"] ** 2 * cfg.n_heads * cfg.head_dim * batch * steps
+    if kinds["gemm"]:
+        out["gemm_tflops"] = (fl - attn_fl) / kinds["gemm"] / 1e12
+    if kinds["attention"]:
+        out["attention_tflops"] = attn_fl / kinds["attention"] / 1e12
+    print(json.dumps(out, indent=1), flush=True)
+    engine.close()
+    return out
+
+
 def plot(results: dict, path: Path) -> None:
     try:
         import matplotlib
@@ -301,12 +357,17 @@ def main(argv=None) -> None:
     ap.add_argument("--timed", type=int, default=6, help="timed batches")
     ap.add_argument("--out", default="benchmarks/bench.json")
     ap.add_argument("--check", action="store_true", help="only compare the compiled path with eager")
+    ap.add_argument("--profile", action="store_true", help="only profile the first workload at the first batch size")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("poc.bench needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        name = args.workload[0]
+        out.write_text(json.dumps(profile(name, (args.batch or WORKLOADS[name]["batches"])[0], args.compile), indent=1))
+        return
     if args.check:
         out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "accuracy": check_accuracy()}, indent=1))
         return
