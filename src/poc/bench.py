@@ -291,10 +291,10 @@ def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4)
         if not t or e.key.startswith("ProfilerStep"):
             continue
         k = e.key.lower()
-        if any(x in k for x in ("gemm", "nvjet", "cutlass", "xmma", "sm90", "cublas")):
-            kind = "gemm"
-        elif any(x in k for x in ("flash", "fmha", "attention", "attn")):
+        if any(x in k for x in ("flash", "fmha", "sdpa", "attention", "attn")):  # before gemm: cuDNN's say sm90
             kind = "attention"
+        elif any(x in k for x in ("gemm", "nvjet", "cutlass", "xmma", "sm90", "cublas")):
+            kind = "gemm"
         elif k.startswith("triton"):
             kind = "compiled elementwise (triton)"
         else:
