@@ -83,7 +83,6 @@ def matmul_ceiling(dtype: torch.dtype, n: int = 8192) -> float:
         return xs[i[0] % 3] @ w
 
     t = _cuda_time(step, 10)
-    del xs, w
     return 2 * n ** 3 / t / 1e12
 
 
@@ -137,7 +136,6 @@ def hf_forward_rate(cfg: ModelConfig, seq_len: int, batch: int, dtype: torch.dty
     x = torch.randn(batch, seq_len, cfg.dim, device="cuda", dtype=dtype)
     with torch.inference_mode():
         t = _cuda_time(lambda: model(inputs_embeds=x, use_cache=False), iters, warmup=2)
-    del model, x
     return {"nonces_per_s": batch / t}
 
 

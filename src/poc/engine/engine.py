@@ -31,7 +31,24 @@ class Busy(RuntimeError):
     """A second job while one runs."""
 
 
-class Engine:
+class DeviceLock:
+    """One job at a time on the devices; the holder's state reads "busy". Needs _lock, state, broken_reason."""
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Hold the device(s) for one job; Busy at once if another holds them."""
+        if not self._lock.acquire(blocking=False):
+            raise Busy("a job is already running")
+        prev = self.state
+        self.state = "busy"
+        try:
+            yield
+        finally:
+            self.state = "broken" if self.broken_reason else prev
+            self._lock.release()
+
+
+class Engine(DeviceLock):
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto",
                  compile: bool | str = False, v1_input_workers: int | None = None):
         self.device = resolve_device(device)
@@ -116,19 +133,6 @@ class Engine:
         return self.v2
 
     # ------------------------------------------------------------------------------------ jobs
-
-    @contextlib.contextmanager
-    def exclusive(self):
-        """Hold the device for one job; Busy at once if another holds it."""
-        if not self._lock.acquire(blocking=False):
-            raise Busy("a job is already running")
-        prev = self.state
-        self.state = "busy"
-        try:
-            yield
-        finally:
-            self.state = "broken" if self.broken_reason else prev
-            self._lock.release()
 
     def run(self, job: V1Job | V2Job, emit: Callable[[BatchResult], None], stop: threading.Event) -> JobSummary:
         with self.exclusive():

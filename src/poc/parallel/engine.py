@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from poc.engine.compute import DTYPES, resolve_device
-from poc.engine.engine import Busy, Engine
+from poc.engine.engine import DeviceLock, Engine
 from poc.engine.jobs import BatchResult, JobSummary, Limits, V1Job, V2Job, take
 from poc.errors import InputError
 from poc.model.config import ModelConfig
@@ -89,7 +89,7 @@ class _Ranks:
                 c.close()
 
 
-class DistEngine:
+class DistEngine(DeviceLock):
     """Same public interface as poc.engine.engine.Engine; the work runs in layout.world rank processes."""
 
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto", tp: int = 1,
@@ -349,19 +349,6 @@ class DistEngine:
         self.layout.check_config(v1_config(params), "the v1 model of these params")
 
     # ------------------------------------------------------------------------------------ jobs
-
-    @contextlib.contextmanager
-    def exclusive(self):
-        """Hold the devices for one job; Busy at once if another holds them."""
-        if not self._lock.acquire(blocking=False):
-            raise Busy("a job is already running")
-        prev = self.state
-        self.state = "busy"
-        try:
-            yield
-        finally:
-            self.state = "broken" if self.broken_reason else prev
-            self._lock.release()
 
     def run(self, job: V1Job | V2Job, emit: Callable[[BatchResult], None], stop: threading.Event) -> JobSummary:
         with self.exclusive():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
