@@ -1,4 +1,4 @@
-"""Model shape and numerics, read from a Hugging Face config.json (Llama, Qwen2, Qwen3)."""
+"""Model shape and numerics, read from a Hugging Face config.json (Llama, Qwen2, Qwen3, Qwen3-MoE)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from typing import Any
 
 from poc.errors import InputError
 
-FAMILIES = ("llama", "qwen2", "qwen3")
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Qwen3MoeForCausalLM": "qwen3_moe"}
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -33,6 +34,14 @@ class ModelConfig:
     max_seq_len: int = 4096  # default size of the RoPE table; longer inputs grow it
     family: str = "llama"
     torch_dtype: str | None = None  # the checkpoint's dtype as config.json names it
+    # Qwen3-MoE: a layer is sparse when is_moe_layer(i); a dense layer uses the ffn_dim MLP
+    n_experts: int = 0  # 0: no MoE layers
+    n_experts_per_tok: int = 0  # top-k
+    moe_ffn_dim: int = 0  # each expert's intermediate size
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    fp8_block: tuple[int, int] | None = None  # FP8 checkpoint: weight_block_size of its weight_scale_inv
 
     def __post_init__(self):
         sizes = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_seq_len")
@@ -59,10 +68,23 @@ class ModelConfig:
                     f"rope_scaling needs high_freq_factor={s['high_freq_factor']} > "
                     f"low_freq_factor={s['low_freq_factor']} and factor={s['factor']} > 0", "rope_scaling")
             object.__setattr__(self, "rope_scaling", s)
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if self.n_experts:
+            moe = {k: getattr(self, k) for k in ("n_experts", "n_experts_per_tok", "moe_ffn_dim", "decoder_sparse_step")}
+            bad = [f"{k}={v}" for k, v in moe.items() if not (isinstance(v, int) and v > 0)]
+            if bad:
+                raise InputError(f"MoE sizes must be positive integers: {', '.join(bad)}", "config")
+            if self.n_experts_per_tok > self.n_experts:
+                raise InputError(
+                    f"num_experts_per_tok={self.n_experts_per_tok} exceeds num_experts={self.n_experts}", "config")
 
     def __hash__(self):  # the generated one would choke on the rope_scaling dict
         scaling = tuple(sorted(self.rope_scaling.items())) if self.rope_scaling else None
         return hash(tuple(scaling if k == "rope_scaling" else v for k, v in self.__dict__.items()))
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer i uses the sparse MoE block (transformers' Qwen3MoeDecoderLayer rule)."""
+        return i not in self.mlp_only_layers and self.n_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
 
     @property
     def n_rep(self) -> int:
@@ -90,6 +112,20 @@ class ModelConfig:
         rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
         attention_bias = bool(hf.get("attention_bias", False))
         dtype = hf.get("torch_dtype") or hf.get("dtype")
+        moe = {}
+        if family == "qwen3_moe":
+            n_experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 saves num_local_experts
+            if n_experts is None:
+                raise InputError("config.json lacks 'num_experts'", "num_experts")
+            if hf.get("shared_expert_intermediate_size"):
+                raise InputError("shared experts are not supported", "shared_expert_intermediate_size")
+            only = hf.get("mlp_only_layers") or []
+            if not isinstance(only, list):
+                raise InputError(f"mlp_only_layers must be a list, got {only!r}", "mlp_only_layers")
+            moe = dict(n_experts=int(n_experts), n_experts_per_tok=int(need("num_experts_per_tok")),
+                       moe_ffn_dim=int(need("moe_intermediate_size")),
+                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                       decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1), mlp_only_layers=tuple(only))
         try:
             dim, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
             return cls(
@@ -105,11 +141,13 @@ class ModelConfig:
                 rope_scaling=_rope_scaling(hf),
                 qkv_bias=family == "qwen2" or attention_bias,
                 o_bias=family != "qwen2" and attention_bias,
-                qk_norm=family == "qwen3",
+                qk_norm=family in ("qwen3", "qwen3_moe"),
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 max_seq_len=int(hf.get("max_position_embeddings") or 4096),
                 family=family,
                 torch_dtype=str(dtype).removeprefix("torch.") if dtype else None,
+                fp8_block=_fp8_block(hf),
+                **moe,
             )
         except InputError:
             raise
@@ -143,6 +181,25 @@ def _family(hf: dict) -> str:
                 f"architecture {arch!r} (model_type {model_type!r}) is not supported "
                 f"(supported: {', '.join(ARCHITECTURES)})", "architectures")
     return model_type
+
+
+def _fp8_block(hf: dict) -> tuple[int, int] | None:
+    """The block shape of a Qwen-style FP8 checkpoint (fmt e4m3, per-block weight_scale_inv, dynamic activations);
+    None without quantization_config; any other quantization is an error naming what it found."""
+    q = hf.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise InputError(f"quantization_config must be an object, got {q!r}", "quantization_config")
+    method, fmt, block = q.get("quant_method"), q.get("fmt", "e4m3"), q.get("weight_block_size")
+    act = q.get("activation_scheme", "dynamic")
+    if method != "fp8" or fmt != "e4m3" or act != "dynamic":
+        raise InputError(f"quantization_config quant_method={method!r} fmt={fmt!r} activation_scheme={act!r} is not "
+                         "supported (fp8, e4m3, dynamic)", "quantization_config")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise InputError(f"quantization_config weight_block_size={block!r} is not supported (two positive ints, "
+                         "e.g. [128, 128])", "quantization_config")
+    return (block[0], block[1])
 
 
 def _rope_scaling(hf: dict) -> dict | None:

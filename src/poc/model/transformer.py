@@ -1,4 +1,4 @@
-"""The Llama/Qwen2/Qwen3 decoder as one single-device forward pass on input embeddings.
+"""The Llama/Qwen2/Qwen3/Qwen3-MoE decoder as one single-device forward pass on input embeddings.
 
 Parameter names are those of the HF checkpoints without their `model.` prefix, so loading is a prefix strip.
 There is no token lookup and no KV cache: a proof-of-compute pass is one causal forward over (B, S, D) embeddings.
@@ -190,13 +190,60 @@ class MLP(nn.Module):
         return self.down_proj(_mul(F.silu(g.float()).to(g.dtype), u))
 
 
-class Block(nn.Module):
+class MoE(nn.Module):
+    """Qwen3-MoE sparse block: softmax router over experts, top-k, optional renormalisation, no shared expert.
+
+    Names as the Hub checkpoints: `gate` (the router, E x D) and `experts.{j}.gate_proj/up_proj/down_proj`."""
+
     def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.n_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg.dim, cfg.moe_ffn_dim) for _ in range(cfg.n_experts))
+
+    def fuse(self) -> None:
+        for e in self.experts:
+            e.fuse()
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, S, D = x.shape
+        x = x.reshape(B * S, D)  # (B, S, D) -> (T, D)
+        # as transformers: softmax in fp32, top-k, renormalise in fp32, weights rounded to the model dtype
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (T, E)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return _dispatch(self.experts, x, weights.to(x.dtype), experts).view(B, S, D)
+
+
+@torch.compiler.disable
+def _dispatch(experts: nn.ModuleList, x: Tensor, weights: Tensor, index: Tensor) -> Tensor:
+    """Sum over each token's k chosen experts of weight * expert(token). Tokens are sorted by expert (one GEMM
+    chain per expert); each weighted output is rounded to the model dtype and the k of a token are summed in fp32
+    and rounded once, as transformers' default (grouped_mm) and vLLM's fused MoE do.
+    Data-dependent shapes: kept out of compiled graphs."""
+    T, k = index.shape
+    flat = index.reshape(-1)  # (T*k,): token t's choices at t*k ... t*k + k-1
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    w = weights.reshape(-1)
+    out = x.new_empty(T * k, x.shape[1])  # (T*k, D), in (token, choice) order
+    start = 0
+    for j, n in enumerate(counts):
+        if n:
+            rows = order[start:start + n]
+            out[rows] = _mul(experts[j](x[rows // k]), w[rows, None])
+        start += n
+    return out.view(T, k, -1).float().sum(dim=1).to(x.dtype)  # (T*k, D) -> (T, k, D) -> (T, D)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg.dim, cfg.ffn_dim)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, last_only: bool = False) -> tuple[Tensor, Tensor]:
         """The split pair (mlp branch, residual) as vLLM returns it; the layer output is their sum.
@@ -214,7 +261,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         # PoC feeds embeddings and v2 reads hidden states: the token table and head exist only when asked for
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim) if with_head else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if with_head else None
         self.tie_weights()
