@@ -441,3 +441,31 @@ async def test_v1_only_server_refuses_v2(aiohttp_client):
     assert err["error"] == "params mismatch" and err["deployed"]["model"] == [] and err["field"] == "params.model"
     r = await c.post("/generate", json=v1_request(max_nonces=3))
     assert [d for _, d in await read_lines(r)][-1]["computed"] == 3
+
+
+async def test_log_and_metrics_count_every_batch_even_when_the_reader_leaves(client, caplog):
+    """The job's log line and /metrics count every computed batch: the stream's done line agrees, and a reader
+    that disconnects before draining the stream does not make batches disappear from the totals."""
+    caplog.set_level(logging.INFO, logger="poc.server")
+    r = await client.post("/generate", json=v1_request(max_nonces=40, batch_size=4))
+    lines = []
+    async for raw in r.content:  # a slow reader: the job finishes while its last lines still wait to be written
+        lines.append(json.loads(raw))
+        await asyncio.sleep(0.05)
+    done = lines[-1]
+    assert done["status"] == "done" and done["computed"] == 40
+    logged = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("job done")]
+    assert logged and f"computed 40, valid {done['valid']}" in logged[-1], logged
+    m = await (await client.get("/metrics")).text()
+    assert metric(m, 'poc_nonces_computed_total{protocol="v1"}') == 40
+
+    # a reader that reads one line and goes away: the job stops, and everything it computed is counted once
+    r = await client.post("/generate", json=v1_request(max_nonces=400, batch_size=2, r_target=2.0))
+    await first_batch_line(r)
+    r.close()
+    await wait_status(client)
+    logged = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("job done")]
+    n = int(logged[-1].split("computed ")[1].split(",")[0])
+    assert 2 <= n < 400
+    m = await (await client.get("/metrics")).text()
+    assert metric(m, 'poc_nonces_computed_total{protocol="v1"}') == 40 + n

@@ -128,6 +128,7 @@ class JobRunner:
         self.started = False
         self.future: asyncio.Future | None = None
         self.summary: JobSummary | None = None
+        self.arrived_computed = self.arrived_valid = 0  # counted as batches reach the loop (logs, metrics)
 
     def stop(self, reason: str = "stopped") -> None:
         if self.stop_reason is None:
@@ -151,19 +152,30 @@ class JobRunner:
             return JobSummary(reason="error", batches=s.batches, computed=s.computed, elapsed=s.elapsed,
                               error=str(e), error_type=type(e).__name__)
 
+    def _valid(self, b: BatchResult) -> int:
+        if isinstance(self.job, V1Job):
+            return int((b.dist < self.job.r_target).sum()) if b.dist is not None else 0
+        return len(b.artifacts or [])
+
+    def _arrive(self, q: asyncio.Queue, b: BatchResult) -> None:
+        """On the loop, in emit order, before any consumer sees the batch: the metrics and the job's log totals
+        count it here, so they are complete when the job ends even if the stream's reader left early."""
+        valid = self._valid(b)
+        self.arrived_computed += len(b.nonces)
+        self.arrived_valid += valid
+        self.metrics.batch(self.stats.protocol, len(b.nonces), valid, self.stats.rate)
+        q.put_nowait(b)
+
     def _count(self, b: BatchResult) -> None:
+        """The totals the stream's lines carry, counted as the lines are written."""
         s = self.stats
         s.batches += 1
         s.computed += len(b.nonces)
         if b.nonces:
             s.last_nonce = max(b.nonces) if s.last_nonce is None else max(s.last_nonce, max(b.nonces))
-        if isinstance(self.job, V1Job):
-            valid = int((b.dist < self.job.r_target).sum()) if b.dist is not None else 0
-        else:
-            valid = len(b.artifacts or [])
+        if not isinstance(self.job, V1Job):
             s.dropped += len(b.dropped)
-        s.valid += valid
-        self.metrics.batch(s.protocol, len(b.nonces), valid, s.rate)
+        s.valid += self._valid(b)
 
     def _rate_line(self) -> None:
         s = self.stats
@@ -174,7 +186,7 @@ class JobRunner:
         q: asyncio.Queue = asyncio.Queue()
 
         def emit(b: BatchResult) -> None:  # on the worker thread
-            loop.call_soon_threadsafe(q.put_nowait, b)
+            loop.call_soon_threadsafe(self._arrive, q, b)
 
         def thread_done(f: asyncio.Future) -> None:
             # runs on the loop after every emit the thread scheduled before returning, whether or not anyone
@@ -225,10 +237,11 @@ class JobRunner:
         if summary.reason == "error":
             self.metrics.error("job")
             log.warning("job failed %s: %s after %d nonces", s.label,
-                        describe_parts(summary.error_type, summary.error), s.computed)
+                        describe_parts(summary.error_type, summary.error), self.arrived_computed)
         else:
+            rate = self.arrived_computed / summary.elapsed if summary.elapsed > 0 else 0.0
             log.info("job done: %s, reason %s, computed %d, valid %d in %.1f s (%.1f nonces/s)", s.label,
-                     summary.reason, s.computed, s.valid, s.elapsed, s.rate)
+                     summary.reason, self.arrived_computed, self.arrived_valid, summary.elapsed, rate)
 
 
 def done_line(summary: JobSummary, stats: JobStats) -> dict:
