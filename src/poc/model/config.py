@@ -41,7 +41,7 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    fp8_block: tuple[int, int] | None = None  # FP8 checkpoint: weight_block_size of its weight_scale_inv
+    fp8_block: tuple[int, int] | None = None  # FP8 checkpoint (quantization_config): its weight_block_size
 
     def __post_init__(self):
         sizes = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_seq_len")
@@ -196,10 +196,10 @@ def _fp8_block(hf: dict) -> tuple[int, int] | None:
     if method != "fp8" or fmt != "e4m3" or act != "dynamic":
         raise InputError(f"quantization_config quant_method={method!r} fmt={fmt!r} activation_scheme={act!r} is not "
                          "supported (fp8, e4m3, dynamic)", "quantization_config")
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise InputError(f"quantization_config weight_block_size={block!r} is not supported (two positive ints, "
-                         "e.g. [128, 128])", "quantization_config")
-    return (block[0], block[1])
+    if block != [128, 128]:
+        raise InputError(f"quantization_config weight_block_size={block!r} is not supported ([128, 128])",
+                         "quantization_config")
+    return (128, 128)
 
 
 def _rope_scaling(hf: dict) -> dict | None:

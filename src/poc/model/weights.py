@@ -1,5 +1,8 @@
 """Safetensors checkpoint (one file or shards) -> Transformer, one tensor at a time.
 
+FP8 checkpoints (float8_e4m3fn weights with per-128x128-block weight_scale_inv, as Qwen ships them) are
+dequantised into the model dtype at load time, one tensor at a time, so the forward pass is the plain one.
+
 Host memory stays at about one copy of the weights: the model is built on meta, every tensor is read, converted
 and placed on its own, and `load_state_dict(assign=True)` adopts the placed tensors without copying them again.
 """
@@ -21,7 +24,10 @@ from poc.errors import InputError
 from poc.model.config import ModelConfig
 from poc.model.transformer import Transformer
 
-FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+               "F8_E4M3": torch.float8_e4m3fn}  # FP8 only with its weight_scale_inv, dequantised while loading
+FP8 = "F8_E4M3"
+FP8_BLOCK = (128, 128)  # rows x columns of weight one weight_scale_inv entry covers (Qwen's FP8 checkpoints)
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -146,6 +152,9 @@ def iter_state_dict(refs: dict[str, TensorRef], names: Iterable[str], dtype: tor
     try:
         for name in sorted(names, key=lambda n: (str(refs[n].file), refs[n].offset)):  # sequential reads
             ref = refs[name]
+            if ref.dtype == FP8:
+                yield name, _load_fp8(refs, name, dtype or torch.float32, device, shard.get(name) if shard else None)
+                continue
             if ref.file != f_path:
                 if f is not None:
                     f.close()
@@ -176,6 +185,31 @@ def iter_state_dict(refs: dict[str, TensorRef], names: Iterable[str], dtype: tor
     finally:
         if f is not None:
             f.close()
+
+
+def scale_name(name: str) -> str:
+    """The block scales of an FP8 weight: x.weight -> x.weight_scale_inv."""
+    return name.removesuffix("weight") + "weight_scale_inv"
+
+
+def dequantize_fp8(w: Tensor, scale_inv: Tensor, block: tuple[int, int] = FP8_BLOCK) -> Tensor:
+    """float8_e4m3fn weight (out, in) x per-block scales (ceil(out/bo), ceil(in/bi)) -> float32 weight: each
+    element times its block's scale, the edge blocks cropped (DeepSeek/Qwen's weight_dequant)."""
+    rows, cols = w.shape
+    s = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return w.float() * s
+
+
+def _load_fp8(refs: dict[str, TensorRef], name: str, dtype: torch.dtype, device: torch.device,
+              part: tuple[int, int, int] | None) -> Tensor:
+    """Dequantise at load time, on the target device, into the model dtype (so the forward is the plain one).
+    A tensor-parallel slice is cut after dequantising (the whole tensor is transient, one tensor at a time)."""
+    w = read_tensor(refs[name]).to(device)
+    w = dequantize_fp8(w, read_tensor(refs[scale_name(name)]).to(device)).to(dtype)
+    if part is not None:
+        _sliced_shape(refs[name], part)  # the same checks as a plain read
+        w = w.narrow(part[0], part[1], part[2] - part[1]).contiguous()
+    return w
 
 
 def _sliced_shape(ref: TensorRef, part: tuple[int, int, int] | None) -> tuple[int, ...]:
@@ -238,6 +272,22 @@ def check_checkpoint(refs: dict[str, TensorRef], model: Transformer, names: list
                 f"{list(shapes[n])}", "model")
         if ref.dtype not in FILE_DTYPES:
             raise InputError(f"{ref.key} has dtype {ref.dtype}; only float checkpoints are supported", "model")
+        if ref.dtype == FP8:
+            _check_fp8(refs, model, n)
+
+
+def _check_fp8(refs: dict[str, TensorRef], model: Transformer, name: str) -> None:
+    ref, s = refs[name], refs.get(scale_name(name))
+    if model.cfg.fp8_block is None:
+        raise InputError(f"{ref.key} is float8_e4m3fn but config.json has no quantization_config", "model")
+    if len(ref.shape) != 2:
+        raise InputError(f"{ref.key} is float8_e4m3fn with shape {list(ref.shape)}; only 2-D weights", "model")
+    if s is None:
+        raise InputError(f"{ref.key} is float8_e4m3fn but the checkpoint lacks its weight_scale_inv", "model")
+    want = tuple(-(-d // b) for d, b in zip(ref.shape, FP8_BLOCK))
+    if s.shape != want or s.dtype not in FILE_DTYPES or s.dtype == FP8:
+        raise InputError(f"{s.key} has shape {list(s.shape)} and dtype {s.dtype}; {list(ref.shape)} in "
+                         f"{list(FP8_BLOCK)} blocks needs float scales of shape {list(want)}", "model")
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",

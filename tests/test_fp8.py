@@ -1,0 +1,165 @@
+"""FP8 checkpoints as Qwen ships them: float8_e4m3fn weights with per-128x128-block weight_scale_inv, dequantised
+into the model dtype while loading."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from poc.errors import InputError
+from poc.model.weights import dequantize_fp8, load_model
+from tests.test_model_parity import make_hf, unit_rows
+from tests.test_moe import CASES as MOE_CASES
+from tests.test_moe import make_hf_moe
+
+QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def quantize(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block amax/448 scales (what Qwen's weight_scale_inv holds) and the weight / scale rounded to e4m3."""
+    rows, cols = w.shape
+    nr, nc = math.ceil(rows / block), math.ceil(cols / block)
+    padded = torch.zeros(nr * block, nc * block)
+    padded[:rows, :cols] = w.float()
+    blocks = padded.view(nr, block, nc, block)  # (R, C) -> (R/b, b, C/b, b)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # (R/b, C/b)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nr * block, nc * block)
+    return q[:rows, :cols].to(torch.float8_e4m3fn).contiguous(), scale
+
+
+def quantized(name: str, t: torch.Tensor) -> bool:
+    """Qwen's FP8 checkpoints keep embeddings, lm_head, norms and the MoE router in bf16."""
+    return t.dim() == 2 and name.endswith(".weight") and not any(
+        k in name for k in ("embed_tokens", "lm_head", "norm", "mlp.gate.weight"))
+
+
+def write_fp8_and_twin(src, fp8_dir, twin_dir) -> int:
+    """fp8_dir: the quantised checkpoint; twin_dir: the same dequantised weights (rounded to bf16) as a plain
+    bf16 checkpoint. Returns how many weights were quantised."""
+    sd, cfg = load_file(src / "model.safetensors"), json.loads((src / "config.json").read_text())
+    fp8, twin = {}, {}
+    for name, t in sd.items():
+        if quantized(name, t):
+            q, s = quantize(t)
+            fp8[name], fp8[name.removesuffix("weight") + "weight_scale_inv"] = q, s
+            twin[name] = dequantize_fp8(q, s).bfloat16()
+        else:
+            fp8[name] = twin[name] = t.bfloat16()
+    for d, tensors, extra in ((fp8_dir, fp8, {"quantization_config": QUANT}), (twin_dir, twin, {})):
+        d.mkdir()
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16", **extra}))
+    return sum(quantized(n, t) for n, t in sd.items())
+
+
+@pytest.fixture(params=["qwen3", "qwen3_moe"])
+def ckpts(request, tmp_path):
+    src = tmp_path / "src"
+    if request.param == "qwen3":
+        make_hf(src, "qwen3", intermediate_size=320)  # 3 row blocks of gate/up, 3 column blocks of down: cropped
+    else:
+        make_hf_moe(src, **dict(MOE_CASES["mlp-only-layer-norm-topk"], intermediate_size=320))
+    n = write_fp8_and_twin(src, tmp_path / "fp8", tmp_path / "twin")
+    assert n > 0
+    return src, tmp_path / "fp8", tmp_path / "twin"
+
+
+def test_dequantize_crops_edge_blocks():
+    w = torch.randn(300, 200)
+    q, s = quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 2)
+    want = torch.stack([torch.stack([q[r, c].float() * s[r // 128, c // 128] for c in range(200)])
+                        for r in range(0, 300, 37)])
+    torch.testing.assert_close(dequantize_fp8(q, s)[::37], want, rtol=0, atol=0)
+    # e4m3 keeps 3 mantissa bits: each element within half an ulp (2^-4 relative) of the original, or of 2^-9 * scale
+    err = (dequantize_fp8(q, s) - w).abs()
+    bound = torch.maximum(w.abs() * 2 ** -4, 2 ** -10 * s.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200])
+    assert (err <= bound * 1.0001).all()
+
+
+@torch.no_grad()
+def test_fp8_matches_dequantised_twin(ckpts):
+    """Tolerance 0: dequantising (fp8 x scale in fp32, rounded to bf16) is the same arithmetic the twin's weights
+    were made with, so the two models hold bit-identical parameters and one forward code path runs on both."""
+    _, fp8_dir, twin_dir = ckpts
+    fp8, cfg = load_model(fp8_dir, progress=False)
+    twin, _ = load_model(twin_dir, progress=False)
+    assert cfg.fp8_block == (128, 128) and next(fp8.parameters()).dtype == torch.bfloat16
+    a, b = fp8.state_dict(), twin.state_dict()
+    assert a.keys() == b.keys() and not any("scale_inv" in k for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    vs = unit_rows(cfg.n_layers, cfg.dim)
+    assert torch.equal(fp8(x, reflections=vs, last_only=False), twin(x, reflections=vs, last_only=False))
+    # float32: the dequantised weights unrounded; the twin's bf16 weights differ by at most half a bf16 ulp
+    f32, _ = load_model(fp8_dir, dtype=torch.float32, progress=False)
+    t32, _ = load_model(twin_dir, dtype=torch.float32, progress=False)
+    w8, wt = f32.state_dict(), t32.state_dict()
+    assert all(((w8[k] - wt[k]).abs() <= w8[k].abs() * 2 ** -8).all() for k in w8)
+
+
+@torch.no_grad()
+def test_fp8_close_to_unquantised(ckpts):
+    """Against the original float32 model, in float32. To first order the output error is linear in the weight
+    error, and e4m3 rounds to 3 mantissa bits where bf16 keeps 8: a 2^5 = 32 times coarser relative step. So the
+    bound is 32 x the error of the same model with its weights rounded to bf16 (measured here: it calibrates how
+    much these deliberately sharp random weights amplify a perturbation, ~1% relative L2 over 3 layers). Measured:
+    fp8 10-16% against bf16 0.9-1.0% (x11-18; the MoE case includes router top-k flips). It must also exceed 0.1%,
+    so the weights really went through fp8."""
+    src, fp8_dir, _ = ckpts
+    ref, cfg = load_model(src, dtype=torch.float32, progress=False)
+    q, _ = load_model(fp8_dir, dtype=torch.float32, progress=False)
+    rounded, _ = load_model(src, dtype=torch.float32, progress=False)
+    rounded.load_state_dict({k: v.bfloat16().float() for k, v in ref.state_dict().items()})
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(4))
+    vs = unit_rows(cfg.n_layers, cfg.dim)
+    want = ref(x, reflections=vs, last_only=False)
+
+    def rel(model):
+        return ((model(x, reflections=vs, last_only=False) - want).norm() / want.norm()).item()
+
+    rel_fp8, rel_bf16 = rel(q), rel(rounded)
+    print(f"relative L2 vs unquantised: fp8 {rel_fp8:.4f}, bf16-rounded {rel_bf16:.4f}")
+    assert 1e-3 < rel_fp8 < 32 * rel_bf16 and rel_bf16 < 0.02
+
+
+def test_fp8_errors(ckpts, tmp_path):
+    _, fp8_dir, _ = ckpts
+    cfg = json.loads((fp8_dir / "config.json").read_text())
+    sd = load_file(fp8_dir / "model.safetensors")
+    scale = next(k for k in sd if k.endswith("scale_inv"))
+
+    def write(name, tensors, config):
+        d = tmp_path / name
+        d.mkdir()
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps(config))
+        with pytest.raises(InputError) as e:
+            load_model(d, progress=False)
+        return e.value.message
+
+    assert "no quantization_config" in write("noq", sd, {k: v for k, v in cfg.items() if k != "quantization_config"})
+    assert "lacks its weight_scale_inv" in write("noscale", {k: v for k, v in sd.items() if k != scale}, cfg)
+    assert "scales of shape" in write("badscale", {**sd, scale: torch.ones(5, 5)}, cfg)
+    for bad in ({**QUANT, "weight_block_size": [64, 64]}, {**QUANT, "activation_scheme": "static"}):
+        name = f"bad{len(list(tmp_path.iterdir()))}"
+        msg = write(name, sd, {**cfg, "quantization_config": bad})
+        assert "[64, 64]" in msg or "static" in msg
+
+
+@torch.no_grad()
+def test_fp8_tensor_parallel_slices(tmp_path):
+    """A tp rank's slices of an FP8 checkpoint (dequantised whole, then cut) equal the twin's slices bit for bit."""
+    from poc.parallel.shard import load_shard
+
+    make_hf(tmp_path / "src", "qwen3", intermediate_size=320)
+    write_fp8_and_twin(tmp_path / "src", tmp_path / "fp8", tmp_path / "twin")
+    for rank in (0, 1):
+        a, _ = load_shard(tmp_path / "fp8", "auto", "cpu", tp_rank=rank, tp_size=2)
+        b, _ = load_shard(tmp_path / "twin", "auto", "cpu", tp_rank=rank, tp_size=2)
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa["layers.0.mlp.down_proj.weight"].shape == (64, 160)
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
