@@ -7,7 +7,7 @@ transformers = pytest.importorskip("transformers")
 
 from poc.errors import InputError  # noqa: E402
 from poc.model.config import ModelConfig  # noqa: E402
-from poc.model.transformer import MLP, MoE, reflect  # noqa: E402
+from poc.model.transformer import MLP, MoE, Transformer, reflect  # noqa: E402
 from poc.model.weights import load_model  # noqa: E402
 from tests.test_model_parity import randomize, unit_rows  # noqa: E402
 
@@ -128,3 +128,15 @@ def test_bad_moe_configs():
     hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}
     with pytest.raises(InputError, match="e5m2"):
         ModelConfig.from_hf(hf)
+
+
+def test_tensor_parallel_refuses_moe_layers():
+    from poc.parallel.tp import apply_tp
+
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96, vocab_size=128,
+                      family="qwen3_moe", n_experts=4, n_experts_per_tok=2, moe_ffn_dim=32, decoder_sparse_step=2)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert apply_tp(model, 0, 1, None) == {}  # tp=1 is the plain model
+    with pytest.raises(ValueError, match="MoE"):
+        apply_tp(model, 0, 2, None)

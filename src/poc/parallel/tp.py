@@ -56,6 +56,8 @@ def apply_tp(model: Transformer, tp_rank: int, tp_size: int, group: "dist.Proces
     for name, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_dim", cfg.ffn_dim)):
         if n % tp_size:
             raise ValueError(f"{name}={n} is not divisible by tp={tp_size}")
+    if any(cfg.is_moe_layer(int(k)) for k, b in model.layers.items() if b is not None):
+        raise ValueError("tensor parallel of MoE layers is not implemented yet (run Qwen3-MoE with tp=1)")
     plan = tp_plan(model, tp_rank, tp_size)
     params = dict(model.named_parameters())
     for name, (dim, start, stop) in plan.items():
