@@ -63,10 +63,10 @@ async def metrics(request: web.Request) -> web.Response:
 # /generate
 
 
-async def generate(request: web.Request) -> web.StreamResponse:
-    app = request.app
+def parse_generate(app: web.Application, body: dict, route: str):
+    """A /generate-shaped request (v1 or v2 by its params) -> (job, its line format, a log label), with every check
+    that must fail before any work: schema, readiness, the memory estimate. Used by /generate and /warmup."""
     cfg = app[config_key]
-    body = schemas.unwrap(await schemas.read_json(request, cfg.max_body_bytes))
     if "params" not in body:
         raise InputError("missing required field: params", "params")
     proto = schemas.protocol_of(body["params"])
@@ -74,14 +74,19 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if proto == "v1":
         job = schemas.parse_v1_generate(body, cfg)
         check_v1_memory(app, job.params, job.batch_size, job.dtype)
-        lines = V1Lines(job)
-        label = f"v1 /generate dim={job.params.dim} layers={job.params.n_layers} batch={job.batch_size}"
-    else:
-        st = schemas.parse_v2_generate(body, cfg, served_model(app))
-        job = st.job
-        check_v2_memory(app, job.batch_size, job.seq_len)
-        lines = V2Lines(job, st.node_id)
-        label = f"v2 /generate seq_len={job.seq_len} k_dim={job.k_dim} batch={job.batch_size}"
+        return job, V1Lines(job), \
+            f"v1 {route} dim={job.params.dim} layers={job.params.n_layers} batch={job.batch_size}"
+    st = schemas.parse_v2_generate(body, cfg, served_model(app))
+    job = st.job
+    check_v2_memory(app, job.batch_size, job.seq_len)
+    return job, V2Lines(job, st.node_id), f"v2 {route} seq_len={job.seq_len} k_dim={job.k_dim} batch={job.batch_size}"
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    cfg = app[config_key]
+    body = schemas.unwrap(await schemas.read_json(request, cfg.max_body_bytes))
+    job, lines, label = parse_generate(app, body, "/generate")
     claim = claim_device(app, "/generate")  # 409 here, before the 200 goes out
     runner = new_runner(app, job, claim, label)
     try:

@@ -25,11 +25,10 @@ from aiohttp import web
 
 from poc.errors import InputError
 from poc.server import schemas
-from poc.server.app import (check_v1_memory, check_v2_memory, claim_device, config_key, new_runner, require_ready,
-                            sender_key, served_model)
+from poc.server.app import claim_device, config_key, new_runner, sender_key
 from poc.server.logs import describe
 from poc.server.stream import NdjsonWriter
-from poc.server.vast import V1Lines, V2Lines, _pump
+from poc.server.vast import _pump, parse_generate
 
 log = logging.getLogger("poc.warmup")
 
@@ -123,20 +122,7 @@ async def _generate(app: web.Application, w: NdjsonWriter, cb: str, job_id: str,
     cfg = app[config_key]
     try:
         body = schemas.unwrap(body)
-        if "params" not in body:
-            raise InputError("missing required field: params", "params")
-        require_ready(app)
-        if schemas.protocol_of(body["params"]) == "v1":
-            job = schemas.parse_v1_generate(body, cfg)
-            check_v1_memory(app, job.params, job.batch_size, job.dtype)
-            lines = V1Lines(job)
-            label = f"v1 /warmup {job_id} dim={job.params.dim} layers={job.params.n_layers} batch={job.batch_size}"
-        else:
-            st = schemas.parse_v2_generate(body, cfg, served_model(app))
-            job = st.job
-            check_v2_memory(app, job.batch_size, job.seq_len)
-            lines = V2Lines(job, st.node_id)
-            label = f"v2 /warmup {job_id} seq_len={job.seq_len} k_dim={job.k_dim} batch={job.batch_size}"
+        job, lines, label = parse_generate(app, body, f"/warmup {job_id}")
         claim = claim_device(app, "/warmup")
     except InputError as e:
         log.info("warmup %s: params refused (%d): %s", job_id, e.status, e.message)
