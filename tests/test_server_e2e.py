@@ -8,11 +8,7 @@ latency of a small v1 job (not a timed test).
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,36 +18,16 @@ import pytest
 
 from poc.protocol import v2
 
-from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2, v2_checkpoint
+from .fakes import READY, ServerProcess
+from .golden import V2_GOLDEN as G2, v2_checkpoint
 from .test_server import PARAMS_A, SET_A, first_batch_line, metric, v1_request, validate_request
 
-ROOT = Path(__file__).resolve().parent.parent
 P2 = G2["parameters"]
-READY = "Application startup complete."
 CRASH_MARKERS = ("Traceback", "Error:", "RuntimeError:", "OutOfMemoryError")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """model_server.py on 127.0.0.1:<free port>, its output in a log file; stopped by its PID."""
-
-    def __init__(self, log: Path, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self._out = open(log, "wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "model_server.py"), "--port", str(self.port),
-                                      "--device", "cpu", *args], stdout=self._out, stderr=subprocess.STDOUT,
-                                     cwd=ROOT, env=env)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
+class Server(ServerProcess):
+    """fakes.ServerProcess with a blocking wait (module-scoped sync fixture) and the log checks of this file."""
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         t0 = time.monotonic()
@@ -59,17 +35,6 @@ class Server:
             assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.text()}"
             assert time.monotonic() - t0 < timeout, self.text()
             time.sleep(0.05)
-
-    def terminate(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._out.close()
-        return self.proc.returncode
 
     def assert_clean_log(self) -> None:
         text = self.text()
