@@ -10,7 +10,6 @@ import asyncio
 import json
 import signal
 import time
-from pathlib import Path
 
 import aiohttp
 import numpy as np
