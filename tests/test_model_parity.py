@@ -129,11 +129,8 @@ def unit_rows(n: int, d: int, seed: int = 2) -> torch.Tensor:
     return v / v.norm(dim=-1, keepdim=True)
 
 
-@torch.no_grad()
-def test_reflections_match_hooked_hf(case):
-    """Reflecting (a, r) after every layer = an HF forward hook reflecting each layer's output, norm after."""
-    hf, ours, cfg, x = case
-    vs = unit_rows(cfg.n_layers, cfg.dim)
+def hooked_hf_forward(hf, vs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """HF's final-norm hidden states with a forward hook reflecting each decoder layer's output by vs[i]."""
 
     def hook(i):
         def fn(module, args, out):
@@ -144,10 +141,19 @@ def test_reflections_match_hooked_hf(case):
 
     handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(hf.model.layers)]
     try:
-        want = hf.model(inputs_embeds=x).last_hidden_state
+        return hf.model(inputs_embeds=x).last_hidden_state
     finally:
         for h in handles:
             h.remove()
+
+
+@torch.no_grad()
+def test_reflections_match_hooked_hf(case):
+    """Reflecting (a, r) after every layer = an HF forward hook reflecting each layer's output, norm after."""
+    hf, ours, cfg, x = case
+    vs = unit_rows(cfg.n_layers, cfg.dim)
+
+    want = hooked_hf_forward(hf, vs, x)
     got = ours(x, reflections=vs, last_only=False)
     assert (got - want).abs().max().item() < 1e-5
     # mutation check: the reflections really act, and so does the one after the last layer

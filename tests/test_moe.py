@@ -7,9 +7,9 @@ transformers = pytest.importorskip("transformers")
 
 from poc.errors import InputError  # noqa: E402
 from poc.model.config import ModelConfig  # noqa: E402
-from poc.model.transformer import MLP, MoE, Transformer, reflect  # noqa: E402
+from poc.model.transformer import MLP, MoE, Transformer  # noqa: E402
 from poc.model.weights import load_model  # noqa: E402
-from tests.test_model_parity import randomize, unit_rows  # noqa: E402
+from tests.test_model_parity import hooked_hf_forward, randomize, unit_rows  # noqa: E402
 
 CASES = {  # name: config overrides; both layer kinds appear in each
     "mlp-only-layer-norm-topk": dict(num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
@@ -79,19 +79,7 @@ def test_reflections_match_hooked_hf(case):
     hf, ours, cfg, x = case
     vs = unit_rows(cfg.n_layers, cfg.dim)
 
-    def hook(i):
-        def fn(module, args, out):
-            if isinstance(out, tuple):
-                return (reflect(out[0], vs[i]),) + out[1:]
-            return reflect(out, vs[i])
-        return fn
-
-    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(hf.model.layers)]
-    try:
-        want = hf.model(inputs_embeds=x).last_hidden_state
-    finally:
-        for h in handles:
-            h.remove()
+    want = hooked_hf_forward(hf, vs, x)
     got = ours(x, reflections=vs, last_only=False)
     assert (got - want).abs().max().item() < 1e-5
     assert (got - ours(x, last_only=False)).abs().max().item() > 0.1
