@@ -97,6 +97,73 @@ def test_moe_block_bf16_matches_hf(tmp_path):
     assert torch.equal(got, want)
 
 
+@torch.no_grad()
+def test_stacked_grouped_and_expert_ranges(tmp_path, monkeypatch):
+    """The fused block (stacked experts) in bf16: the per-expert loop and the grouped GEMM give the unfused block's
+    numbers, and two halves of the experts (expert parallel without the all-reduce) add up to the whole."""
+    from poc.model import transformer
+
+    make_hf_moe(tmp_path, **CASES["mlp-only-layer-norm-topk"])
+    ours, _ = load_model(tmp_path, dtype=torch.bfloat16, progress=False)
+    moe = ours.layers["0"].mlp
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    want = moe(x)
+    halves = []
+    for first, stop in ((0, 4), (4, 8)):
+        part = MoE(ours.cfg)
+        part.load_state_dict(moe.state_dict())
+        part = part.bfloat16()
+        part.keep_experts(first, stop)
+        assert sorted(int(k) for k in part.experts) == list(range(first, stop))
+        halves.append(part)
+    fp32_parts = [transformer._dispatch_modules(h, *_routing(h, x)) for h in halves]
+    assert torch.equal((fp32_parts[0] + fp32_parts[1]).bfloat16().view_as(want), want)
+    moe.fuse()
+    assert moe.w13.shape == (8, 64, 64) and moe.w2.shape == (8, 64, 32) and len(moe.experts) == 0
+    assert torch.equal(moe(x), want)  # stacked, loop over experts
+    monkeypatch.setattr(transformer, "GROUPED_MM_ON_CPU", True)
+    assert transformer._grouped_mm_ok(x.view(-1, 64), moe.w13)
+    assert torch.equal(moe(x), want)  # stacked, one grouped GEMM per projection
+    for h in halves:
+        h.fuse()
+    parts = [transformer._dispatch_stacked(h, *_routing(h, x)) for h in halves]
+    assert torch.equal((parts[0] + parts[1]).bfloat16().view_as(want), want)
+
+
+def _routing(moe, x):
+    t = x.reshape(-1, x.shape[-1])
+    probs = torch.softmax(moe.gate(t).float(), dim=-1)
+    w, idx = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        w = w / w.sum(-1, keepdim=True)
+    return t, w.to(x.dtype), idx
+
+
+@torch.no_grad()
+def test_fp8_kept_in_memory_equals_dequantised_at_load():
+    """Stacked FP8 experts dequantised per call give the same block output as the experts dequantised once."""
+    from poc.model.transformer import dequantize_blocks
+    from poc.model.weights import dequantize_fp8
+
+    cfg = ModelConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=384, vocab_size=128,
+                      family="qwen3_moe", n_experts=4, n_experts_per_tok=2, moe_ffn_dim=192)
+    g = torch.Generator().manual_seed(4)
+    w13 = (torch.randn(4, 384, 256, generator=g) * 8).to(torch.float8_e4m3fn)  # 192 rows: a partial edge block
+    w2 = (torch.randn(4, 256, 192, generator=g) * 8).to(torch.float8_e4m3fn)
+    s13, s2 = torch.rand(4, 3, 2, generator=g) / 100, torch.rand(4, 2, 2, generator=g) / 100
+    for j in range(4):
+        assert torch.equal(dequantize_blocks(w13[j], s13[j], torch.bfloat16), dequantize_fp8(w13[j], s13[j]).bfloat16())
+    dense = MoE(cfg).bfloat16()
+    kept = MoE(cfg).bfloat16()
+    kept.gate.weight.copy_(dense.gate.weight)
+    dense.fuse()
+    dense.w13, dense.w2 = dequantize_blocks(w13, s13, torch.bfloat16), dequantize_blocks(w2, s2, torch.bfloat16)
+    kept.set_fp8(w13, s13, w2, s2)
+    x = torch.randn(3, 5, 256, generator=g).bfloat16()
+    assert kept.w13.dtype == torch.float8_e4m3fn
+    assert torch.equal(kept(x), dense(x))
+
+
 def test_bad_moe_configs():
     base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96, vocab_size=128,
                 family="qwen3_moe", n_experts=4, n_experts_per_tok=2, moe_ffn_dim=32)

@@ -193,17 +193,44 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """Qwen3-MoE sparse block: softmax router over experts, top-k, optional renormalisation, no shared expert.
 
-    Names as the Hub checkpoints: `gate` (the router, E x D) and `experts.{j}.gate_proj/up_proj/down_proj`."""
+    Names as the Hub checkpoints: `gate` (the router, E x D) and `experts.{j}.gate_proj/up_proj/down_proj`.
+    `fuse()` stacks the experts into `w13` (E, 2F, D) and `w2` (E, D, F), the layout of one grouped GEMM on CUDA.
+    `expert_range` (first, stop): the experts this rank holds (expert parallel); tokens routed elsewhere add
+    nothing here, and with `group` set the fp32 partial sums are all-reduced over the ranks and rounded once.
+    FP8 weights may stay FP8 in memory (`w13_scale`/`w2_scale`, 128x128 blocks) and are dequantised per layer.
+    """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int] | None = None):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.n_experts_per_tok, cfg.norm_topk_prob
+        self.first, self.stop = expert_range or (0, cfg.n_experts)
         self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg.dim, cfg.moe_ffn_dim) for _ in range(cfg.n_experts))
+        self.experts = nn.ModuleDict({str(j): MLP(cfg.dim, cfg.moe_ffn_dim) for j in range(self.first, self.stop)})
+        self.w13: Tensor | None = None  # set by fuse(): (E_local, 2F, D)
+        self.w2: Tensor | None = None  # (E_local, D, F)
+        self.w13_scale: Tensor | None = None  # FP8 kept in memory: per-128x128-block scales of w13 / w2
+        self.w2_scale: Tensor | None = None
+        self.group = None  # expert-parallel process group (all-reduce of the fp32 partial sums)
+
+    def keep_experts(self, first: int, stop: int) -> None:
+        """Hold only experts first..stop-1 (before loading or fuse)."""
+        self.experts = nn.ModuleDict({k: m for k, m in self.experts.items() if first <= int(k) < stop})
+        self.first, self.stop = first, stop
 
     def fuse(self) -> None:
-        for e in self.experts:
+        if self.w13 is not None:
+            return
+        ex = [self.experts[str(j)] for j in range(self.first, self.stop)]
+        for e in ex:
             e.fuse()
+        self.w13 = torch.stack([e.gate_up_proj.weight.detach() for e in ex])
+        self.w2 = torch.stack([e.down_proj.weight.detach() for e in ex])
+        self.experts = nn.ModuleDict()  # the stacked copies are the only ones kept
+
+    def set_fp8(self, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor) -> None:
+        """Keep float8_e4m3fn stacked weights with their weight_scale_inv blocks (E, rows/128, cols/128)."""
+        self.w13, self.w13_scale, self.w2, self.w2_scale = w13, w13_scale.float(), w2, w2_scale.float()
+        self.experts = nn.ModuleDict()
 
     def forward(self, x: Tensor) -> Tensor:
         B, S, D = x.shape
@@ -213,28 +240,108 @@ class MoE(nn.Module):
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return _dispatch(self.experts, x, weights.to(x.dtype), experts).view(B, S, D)
+        weights = weights.to(x.dtype)
+        if self.w13 is None:
+            out = _dispatch_modules(self, x, weights, experts)
+        else:
+            out = _dispatch_stacked(self, x, weights, experts)
+        if self.group is not None:  # each rank summed its own experts' terms: add the fp32 partials, round once
+            torch.distributed.all_reduce(out, group=self.group)
+        return out.to(x.dtype).view(B, S, D)
+
+
+def _routed(moe: MoE, index: Tensor) -> tuple[Tensor, Tensor]:
+    """(rows, experts) of the (token, choice) pairs this rank serves, sorted by expert; rows index T*k."""
+    flat = index.reshape(-1)  # (T*k,): token t's choices at t*k ... t*k + k-1
+    if moe.first == 0 and moe.stop == moe.gate.out_features:
+        order = flat.argsort(stable=True)
+    else:
+        order = ((flat >= moe.first) & (flat < moe.stop)).nonzero().squeeze(1)
+        order = order[flat[order].argsort(stable=True)]
+    return order, flat[order] - moe.first
 
 
 @torch.compiler.disable
-def _dispatch(experts: nn.ModuleList, x: Tensor, weights: Tensor, index: Tensor) -> Tensor:
-    """Sum over each token's k chosen experts of weight * expert(token). Tokens are sorted by expert (one GEMM
-    chain per expert); each weighted output is rounded to the model dtype and the k of a token are summed in fp32
-    and rounded once, as transformers' default (grouped_mm) and vLLM's fused MoE do.
-    Data-dependent shapes: kept out of compiled graphs."""
+def _dispatch_modules(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Tensor:
+    """Sum over each token's k chosen experts of weight * expert(token), one GEMM chain per expert (unfused).
+    Each weighted output is rounded to the model dtype; the k of a token are summed in fp32 (T, D), the caller
+    rounds once, as transformers' default (grouped_mm) and vLLM's fused MoE do. Data-dependent shapes: kept out of
+    compiled graphs."""
     T, k = index.shape
-    flat = index.reshape(-1)  # (T*k,): token t's choices at t*k ... t*k + k-1
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    rows, local = _routed(moe, index)
+    counts = torch.bincount(local, minlength=moe.stop - moe.first).tolist()
     w = weights.reshape(-1)
-    out = x.new_empty(T * k, x.shape[1])  # (T*k, D), in (token, choice) order
+    out = x.new_zeros(T * k, x.shape[1])  # (T*k, D), in (token, choice) order; zero where another rank serves
     start = 0
     for j, n in enumerate(counts):
         if n:
-            rows = order[start:start + n]
-            out[rows] = _mul(experts[j](x[rows // k]), w[rows, None])
+            r = rows[start:start + n]
+            out[r] = _mul(moe.experts[str(moe.first + j)](x[r // k]), w[r, None])
         start += n
-    return out.view(T, k, -1).float().sum(dim=1).to(x.dtype)  # (T*k, D) -> (T, k, D) -> (T, D)
+    return out.view(T, k, -1).float().sum(dim=1)  # (T*k, D) -> (T, k, D) -> (T, D)
+
+
+@torch.compiler.disable
+def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Tensor:
+    """As _dispatch_modules over the stacked experts: on CUDA two grouped GEMMs (torch._grouped_mm) and no host
+    sync; elsewhere one GEMM chain per expert. FP8 weights are dequantised for the duration of this call."""
+    T, k = index.shape
+    rows, local = _routed(moe, index)
+    n_local = moe.stop - moe.first
+    w13, w2 = moe.w13, moe.w2
+    if moe.w13_scale is not None:
+        w13, w2 = dequantize_blocks(w13, moe.w13_scale, x.dtype), dequantize_blocks(w2, moe.w2_scale, x.dtype)
+    xs = x[rows // k]  # (N, D): the routed copies, grouped by expert
+    if _grouped_mm_ok(xs, w13):
+        offs = torch.bincount(local, minlength=n_local).cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # (N, 2F)
+        g, u = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(_mul(F.silu(g.float()).to(g.dtype), u), w2.transpose(1, 2), offs=offs)  # (N, D)
+    else:
+        y = xs.new_empty(xs.shape)
+        start = 0
+        for j, n in enumerate(torch.bincount(local, minlength=n_local).tolist()):
+            if n:
+                g, u = F.linear(xs[start:start + n], w13[j]).chunk(2, dim=-1)
+                y[start:start + n] = F.linear(_mul(F.silu(g.float()).to(g.dtype), u), w2[j])
+            start += n
+    out = x.new_zeros(T * k, x.shape[1])
+    out[rows] = _mul(y, weights.reshape(-1)[rows, None])
+    return out.view(T, k, -1).float().sum(dim=1)
+
+
+GROUPED_MM_ON_CPU = False  # tests switch the grouped GEMM on for CPU tensors (torch >= 2.9 has a CPU kernel)
+
+
+def _grouped_mm_ok(xs: Tensor, w: Tensor) -> bool:
+    """torch._grouped_mm: bf16 on Hopper or newer (or the CPU kernel when a test asks), 16-byte aligned rows."""
+    if xs.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    if xs.shape[1] % 8 or w.shape[1] % 8:
+        return False
+    if xs.is_cuda:
+        return torch.cuda.get_device_capability(xs.device)[0] >= 9
+    return GROUPED_MM_ON_CPU
+
+
+def dequantize_blocks(w: Tensor, scale_inv: Tensor, dtype: torch.dtype, block: int = 128) -> Tensor:
+    """float8 (..., R, C) times its per-block scales (..., ceil(R/128), ceil(C/128)), in fp32, rounded to dtype once:
+    the same numbers as dequantising at load time (weights.dequantize_fp8)."""
+    if w.is_cuda:  # one fused kernel: no fp32 copy of the layer's experts
+        global _dequant_cuda
+        if _dequant_cuda is None:
+            _dequant_cuda = torch.compile(_dequantize_blocks, dynamic=False)
+        return _dequant_cuda(w, scale_inv, dtype, block)
+    return _dequantize_blocks(w, scale_inv, dtype, block)
+
+
+_dequant_cuda = None
+
+
+def _dequantize_blocks(w: Tensor, scale_inv: Tensor, dtype: torch.dtype, block: int) -> Tensor:
+    R, C = w.shape[-2:]
+    s = scale_inv.repeat_interleave(block, -2)[..., :R, :].repeat_interleave(block, -1)[..., :C]
+    return (w.float() * s).to(dtype)
 
 
 class Block(nn.Module):
