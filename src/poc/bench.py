@@ -28,6 +28,7 @@ from poc.engine.engine import Engine
 from poc.engine.jobs import Limits, V1Job, V2Job
 from poc.model.config import PRESETS, ModelConfig
 from poc.model.random_init import v1_config
+from poc.model.random_weights import random_model
 from poc.model.transformer import Transformer
 from poc.protocol import v1
 
@@ -42,6 +43,10 @@ WORKLOADS = {
     "W3": {"protocol": "v2", "model": "qwen3-0.6b", "seq_len": 64, "dtype": "bfloat16", "batches": [512, 1024]},
     "W4": {"protocol": "v2", "model": "qwen3-0.6b", "seq_len": 1024, "dtype": "bfloat16", "batches": [64, 128]},
     "W5": {"protocol": "v2", "model": "qwen3-8b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32]},
+    # Qwen3-MoE (issue 7): bf16 experts, and FP8 experts kept in memory (dequantised per layer)
+    "W6": {"protocol": "v2", "model": "qwen3-30b-a3b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32]},
+    "W6F": {"protocol": "v2", "model": "qwen3-30b-a3b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32],
+            "fp8": True},
 }
 
 
@@ -49,10 +54,13 @@ COMPILE_INPUTS = os.environ.get("POC_COMPILE_INPUTS", "1") == "1"
 
 
 def flops_per_nonce(cfg: ModelConfig, seq_len: int, head: bool) -> float:
-    """2 x matmul params x S + causal attention 2 x L x S^2 x (H x hd), + one head row when there is a head."""
+    """2 x matmul params x S + causal attention 2 x L x S^2 x (H x hd), + one head row when there is a head.
+    A MoE layer counts its router and the k experts each token uses (the active parameters)."""
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    per_layer = cfg.dim * q + 2 * cfg.dim * kv + q * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
-    f = 2.0 * cfg.n_layers * per_layer * seq_len + 2.0 * cfg.n_layers * seq_len * seq_len * q
+    attn = cfg.dim * q + 2 * cfg.dim * kv + q * cfg.dim
+    mats = sum(attn + (cfg.dim * cfg.n_experts + 3 * cfg.dim * cfg.moe_ffn_dim * cfg.n_experts_per_tok
+                       if cfg.is_moe_layer(i) else 3 * cfg.dim * cfg.ffn_dim) for i in range(cfg.n_layers))
+    f = 2.0 * mats * seq_len + 2.0 * cfg.n_layers * seq_len * seq_len * q
     return f + (2.0 * cfg.dim * cfg.vocab_size if head else 0.0)
 
 
@@ -86,19 +94,9 @@ def matmul_ceiling(dtype: torch.dtype, n: int = 8192) -> float:
     return 2 * n ** 3 / t / 1e12
 
 
-def random_v2_model(cfg: ModelConfig, dtype: torch.dtype, device) -> Transformer:
+def random_v2_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8: bool = False) -> "Transformer":
     """A model of the real shape with N(0, 0.02) weights and norms near 1, made on the device."""
-    with torch.device(device):
-        m = Transformer(cfg).to(dtype)
-    g = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0, 0.05, generator=g)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-    m.init_rope(device)
-    return m.eval()
+    return random_model(cfg, dtype, device, fp8_experts=fp8)
 
 
 def run_engine(engine: Engine, job, warm_batches: int, timed_batches: int) -> dict:
@@ -140,7 +138,7 @@ def hf_forward_rate(cfg: ModelConfig, seq_len: int, batch: int, dtype: torch.dty
 
 
 def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceiling: float,
-                   warm: int, timed: int) -> list[dict]:
+                   warm: int, timed: int, graphs: bool = False) -> list[dict]:
     w = WORKLOADS[name]
     dtype = DTYPES[w["dtype"]]
     rows = []
@@ -157,8 +155,9 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
         cfg, seq_len, head = v1_config(p), p.seq_len, True
     else:
         cfg = replace(PRESETS[w["model"]])
-        engine.v2 = V2Compute(random_v2_model(cfg, dtype, "cuda"), cfg, dtype, torch.device("cuda"), w["model"],
-                              compile=compile, compile_inputs=COMPILE_INPUTS)
+        engine.v2 = V2Compute(random_v2_model(cfg, dtype, "cuda", w.get("fp8", False)), cfg, dtype,
+                              torch.device("cuda"), w["model"], compile=compile, compile_inputs=COMPILE_INPUTS,
+                              cuda_graphs=graphs)
         torch.cuda.synchronize()
         seq_len, head = w["seq_len"], False
     build = time.perf_counter() - t0
@@ -175,12 +174,14 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
             rows.append({"workload": name, "batch": b, "error": "out of memory"})
             torch.cuda.empty_cache()
             continue
-        row = {"workload": name, "batch": b, "dtype": w["dtype"], "seq_len": seq_len, "compile": compile,
+        row = {"workload": name, "batch": b, "dtype": w["dtype"], "fp8_experts": w.get("fp8", False),
+               "seq_len": seq_len, "compile": compile, "cuda_graphs": graphs and w["protocol"] == "v2",
                "compile_inputs": compile and COMPILE_INPUTS and w["protocol"] == "v2",
                "flops_per_nonce": fl, **r, "tflops": r["nonces_per_s"] * fl / 1e12,
                "pct_of_ceiling": 100 * r["nonces_per_s"] * fl / 1e12 / ceiling,
                "flop_limit_nonces_per_s": ceiling * 1e12 / fl,
-               "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2 ** 30, "model_build_s": build}
+               "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2 ** 30, "model_build_s": build,
+               "nonces_per_min": 60 * r["nonces_per_s"]}
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
         rows.append(row)
     engine.v2 = None
@@ -189,7 +190,7 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
     del engine
     gc.collect()
     torch.cuda.empty_cache()
-    if hf and w["protocol"] == "v2":
+    if hf and w["protocol"] == "v2" and not cfg.n_experts:
         for b in batches:
             try:
                 r = hf_forward_rate(cfg, seq_len, b, dtype)
@@ -228,7 +229,10 @@ def check_accuracy(n_v2: int = 1000, n_v1: int = 256) -> dict:
                            ("compiled_inputs_only", V2Compute(model, cfg, torch.bfloat16, dev, "c", compile=True,
                                                               compile_model=False), 250),
                            ("eager_fp32", V2Compute(m32, cfg, torch.float32, dev, "fp32"), 250),
-                           ("compiled_fp32", V2Compute(m32, cfg, torch.float32, dev, "fp32c", compile=True), 250)]:
+                           ("compiled_fp32", V2Compute(m32, cfg, torch.float32, dev, "fp32c", compile=True), 250),
+                           ("eager_graphs", V2Compute(model, cfg, torch.bfloat16, dev, "g", cuda_graphs=True), 250),
+                           ("compiled_graphs", V2Compute(model, cfg, torch.bfloat16, dev, "cg", compile=True,
+                                                         cuda_graphs=True), 250)]:
         arts = {}
         for i in range(0, n_v2, bs):
             prep = comp.prepare(BH, PK, list(range(i, min(n_v2, i + bs))), 64, 12)
@@ -245,6 +249,8 @@ def check_accuracy(n_v2: int = 1000, n_v1: int = 256) -> dict:
     out["v2_eager_bf16_vs_fp32"] = l2(runs["eager"], runs["eager_fp32"])
     out["v2_eager_bf16_batch250_vs_batch100"] = l2(runs["eager"], runs["eager_b100"])  # GEMM tiling alone
     out["v2_compiled_vs_eager_fp32"] = l2(runs["compiled_fp32"], runs["eager_fp32"])
+    out["v2_eager_graphs_vs_eager_bf16"] = l2(runs["eager_graphs"], runs["eager"])  # replays: expect 0
+    out["v2_compiled_graphs_vs_compiled_bf16"] = l2(runs["compiled_graphs"], runs["compiled"])
     del model, m32, runs
     torch.cuda.empty_cache()
     p = v1.PARAMS_V1
@@ -260,7 +266,7 @@ def check_accuracy(n_v2: int = 1000, n_v1: int = 256) -> dict:
     return out
 
 
-def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4) -> dict:
+def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4, graphs: bool = False) -> dict:
     """Where the time of one workload goes: CUDA kernel time by kind (torch.profiler) against wall time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
@@ -270,7 +276,7 @@ def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4)
     cfg = replace(PRESETS[w["model"]])
     engine = Engine("cuda", compile=compile)
     engine.v2 = V2Compute(random_v2_model(cfg, dtype, "cuda"), cfg, dtype, torch.device("cuda"), w["model"],
-                          compile=compile)
+                          compile=compile, cuda_graphs=graphs)
     job = V2Job(BH, PK, 1, w["seq_len"], 12, v1.worker_nonces(0, 0, 1), batch)
     job.limits = Limits(max_nonces=batch * warm, max_duration=None)
     engine.run(job, lambda b: None, threading.Event())  # compile + warm up
@@ -302,7 +308,7 @@ def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4)
     top.sort(reverse=True)
     gpu = sum(kinds.values())
     fl = flops_per_nonce(cfg, w["seq_len"], False) * batch * steps
-    out = {"workload": name, "batch": batch, "compile": compile, "wall_s": wall, "gpu_kernel_s": gpu,
+    out = {"workload": name, "batch": batch, "compile": compile, "cuda_graphs": graphs, "wall_s": wall, "gpu_kernel_s": gpu,
            "gpu_busy_pct": 100 * gpu / wall, "by_kind_s": kinds,
            "gemm_tflops": None, "nonces_per_s": batch * steps / wall, "top_kernels": top[:12]}
     # the GEMM share of the FLOPs (everything but attention) over the GEMM kernels' time
@@ -350,6 +356,7 @@ def main(argv=None) -> None:
     ap.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--batch", nargs="+", type=int, help="batch sizes (default: per workload)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the batch function")
+    ap.add_argument("--graphs", action="store_true", help="replay v2 batches as CUDA graphs (the server default)")
     ap.add_argument("--hf", action="store_true", help="also time the transformers forward (W3-W5)")
     ap.add_argument("--warm", type=int, default=2, help="batches before timing")
     ap.add_argument("--timed", type=int, default=6, help="timed batches")
@@ -364,7 +371,8 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.profile:
         name = args.workload[0]
-        out.write_text(json.dumps(profile(name, (args.batch or WORKLOADS[name]["batches"])[0], args.compile), indent=1))
+        out.write_text(json.dumps(profile(name, (args.batch or WORKLOADS[name]["batches"])[0], args.compile,
+                                          graphs=args.graphs), indent=1))
         return
     if args.check:
         out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "accuracy": check_accuracy()}, indent=1))
@@ -375,7 +383,7 @@ def main(argv=None) -> None:
     for name in args.workload:
         w = WORKLOADS[name]
         rows += bench_workload(name, args.batch or w["batches"], args.compile, args.hf, ceil[w["dtype"]],
-                               args.warm, args.timed)
+                               args.warm, args.timed, graphs=args.graphs)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
                "ceiling_tflops": ceil["bfloat16"], "ceilings": ceil, "command": "python -m poc.bench " +
                " ".join(argv if argv is not None else os.sys.argv[1:]), "rows": rows,

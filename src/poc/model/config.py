@@ -231,4 +231,13 @@ PRESETS = {
     "qwen3-8b": ModelConfig(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=12288,
                             vocab_size=151936, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, max_seq_len=40960,
                             family="qwen3", torch_dtype="bfloat16"),
+    # Qwen3-MoE shapes (the Hub's config.json): 128 experts, top 8, every layer sparse
+    "qwen3-30b-a3b": ModelConfig(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, ffn_dim=6144,
+                                 vocab_size=151936, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, max_seq_len=40960,
+                                 family="qwen3_moe", torch_dtype="bfloat16", n_experts=128, n_experts_per_tok=8,
+                                 moe_ffn_dim=768, norm_topk_prob=True),
+    "qwen3-235b-a22b": ModelConfig(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, ffn_dim=12288,
+                                   vocab_size=151936, norm_eps=1e-6, rope_theta=5e6, qk_norm=True, max_seq_len=262144,
+                                   family="qwen3_moe", torch_dtype="bfloat16", n_experts=128, n_experts_per_tok=8,
+                                   moe_ffn_dim=1536, norm_topk_prob=True),
 }
