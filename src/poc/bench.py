@@ -230,6 +230,7 @@ def check_accuracy(n_v2: int = 1000, n_v1: int = 256) -> dict:
                                                               compile_model=False), 250),
                            ("eager_fp32", V2Compute(m32, cfg, torch.float32, dev, "fp32"), 250),
                            ("compiled_fp32", V2Compute(m32, cfg, torch.float32, dev, "fp32c", compile=True), 250),
+                           ("eager_one_ulp", _one_ulp(V2Compute(model, cfg, torch.bfloat16, dev, "u")), 250),
                            ("eager_graphs", V2Compute(model, cfg, torch.bfloat16, dev, "g", cuda_graphs=True), 250),
                            ("compiled_graphs", V2Compute(model, cfg, torch.bfloat16, dev, "cg", compile=True,
                                                          cuda_graphs=True), 250)]:
@@ -249,6 +250,8 @@ def check_accuracy(n_v2: int = 1000, n_v1: int = 256) -> dict:
     out["v2_eager_bf16_vs_fp32"] = l2(runs["eager"], runs["eager_fp32"])
     out["v2_eager_bf16_batch250_vs_batch100"] = l2(runs["eager"], runs["eager_b100"])  # GEMM tiling alone
     out["v2_compiled_vs_eager_fp32"] = l2(runs["compiled_fp32"], runs["eager_fp32"])
+    # the noise floor of this model in bf16: one input element of each nonce moved by one bf16 ulp
+    out["v2_eager_one_input_ulp_vs_eager_bf16"] = l2(runs["eager_one_ulp"], runs["eager"])
     out["v2_eager_graphs_vs_eager_bf16"] = l2(runs["eager_graphs"], runs["eager"])  # replays: expect 0
     out["v2_compiled_graphs_vs_compiled_bf16"] = l2(runs["compiled_graphs"], runs["compiled"])
     del model, m32, runs
@@ -264,6 +267,20 @@ def check_accuracy(n_v2: int = 1000, n_v1: int = 256) -> dict:
     out["v1_compiled_vs_eager_fp16_max_abs_ddist"] = float(np.abs(dists["compiled"] - dists["eager"]).max())
     print(json.dumps(out), flush=True)
     return out
+
+
+def _one_ulp(comp: V2Compute) -> V2Compute:
+    """comp with one element of every nonce's bf16 input (middle position, column 7) moved up by one ulp."""
+    inputs = comp._inputs
+
+    def perturbed(seeds, seq_len, dim, keys):
+        x = inputs(seeds, seq_len, dim, keys).to(comp.dtype)
+        col = x[:, seq_len // 2, 7].clone()
+        x[:, seq_len // 2, 7] = (col.view(torch.int16) + 1).view(x.dtype)  # the next bf16 away from zero
+        return x
+
+    comp._inputs = perturbed
+    return comp
 
 
 def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4, graphs: bool = False) -> dict:
