@@ -1,15 +1,15 @@
 """PoC v1's random model: weights drawn from the block hash under the reference's names, laid out for ours.
 
-The weights are bit-exact with the reference (spec-v1 §2): the float32 pool comes from numpy's PCG64, is
-moved to the device once, and every parameter is a slice (or tiled rotation) of it there, so building a
-17.8B-parameter model costs one pass of the RNG plus device copies. The reference's interleaved RoPE pairs
+The weights are bit-exact with the reference (spec-v1 §2): the float32 pool comes from numpy's PCG64 (one
+stream, drawn by several threads: poc.protocol.pool), is moved to the device once, and every parameter is a
+slice (or tiled rotation) of it there, so building a 17.8B-parameter model costs one pass of the RNG plus
+device copies. The reference's interleaved RoPE pairs
 (2i, 2i+1) become our rotate_half pairs (i, i + hd/2) by a row permutation of wq and wk inside each head;
 q·k products are unchanged, so the model computes the same function up to float summation order.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -18,6 +18,7 @@ import torch
 from poc.model.config import ModelConfig
 from poc.model.transformer import Transformer
 from poc.protocol import v1
+from poc.protocol.pool import CHUNK, ArrayWriter, PieceWriter, draw_pool
 
 # Llama 3.1 scaling constants the v1 reference hard-codes (spec-v1 §1.5)
 V1_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -65,38 +66,70 @@ def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, hd // 2, 2, d).transpose(1, 2).reshape(out_f, d)
 
 
-def pool_tensor(block_hash: str, size: int, device: torch.device, chunk: int = 1 << 24) -> torch.Tensor:
-    """The float32 pool on `device`. numpy draws chunk i+1 (it releases the GIL) while chunk i is copied."""
-    out = torch.empty(size, dtype=torch.float32, device=device)
-    rng = v1.get_rng(block_hash, 4)
-    bufs = [np.empty(min(chunk, size), dtype=np.float64) for _ in range(2)]
-    f32 = [torch.empty(min(chunk, size), dtype=torch.float32).pin_memory() if device.type == "cuda"
-           else torch.empty(min(chunk, size), dtype=torch.float32) for _ in range(2)]
-    starts = list(range(0, size, chunk))
+class _CudaPieceWriter:
+    """A worker's piece on the GPU: the worker casts into one of two pinned buffers while the other is copied
+    on the worker's own stream, so the host-to-device copies overlap the drawing."""
 
-    def draw(i: int) -> None:
-        n = min(chunk, size - starts[i])
-        b = bufs[i % 2][:n]
-        rng.standard_normal(out=b)
-        b *= v1.WEIGHT_STD  # numpy's normal(0, σ) is 0 + σ·z: the same doubles
-        f32[i % 2][:n].numpy()[:] = b
+    def __init__(self, piece: torch.Tensor, chunk: int):
+        self.piece = piece
+        self.stream = torch.cuda.Stream(piece.device)
+        n = max(1, min(chunk, len(piece)))
+        self.bufs = [torch.empty(n, dtype=torch.float32, pin_memory=True) for _ in range(2)]
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()]  # bufs[i] may be written again
+        self.i = 0
 
-    if not starts:
-        return out
-    draw(0)
-    for i, s in enumerate(starts):
-        n = min(chunk, size - s)
-        t = threading.Thread(target=draw, args=(i + 1,)) if i + 1 < len(starts) else None
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # buffer (i+1)%2 is free again
-        if t:
-            t.start()
-        out[s:s + n].copy_(f32[i % 2][:n], non_blocking=True)
-        if t:
-            t.join()
+    def view(self, at: int, n: int) -> np.ndarray:
+        b = self.i % 2
+        self.copied[b].synchronize()  # returns at once before the first record
+        return self.bufs[b].numpy()[:n]
+
+    def commit(self, at: int, n: int) -> None:
+        b = self.i % 2
+        with torch.cuda.device(self.piece.device), torch.cuda.stream(self.stream):
+            self.piece[at:at + n].copy_(self.bufs[b][:n], non_blocking=True)
+            self.copied[b].record(self.stream)
+        self.i += 1
+
+    def close(self) -> None:
+        self.stream.synchronize()  # the assembling thread reads the piece on its own stream next
+
+
+class _TorchSink:
+    """draw_pool's destination: the pool as one float32 tensor on `device`. Each worker fills its own
+    piece there (on CPU it casts straight into it); finished pieces are copied into place on the device."""
+
+    def __init__(self, size: int, device: torch.device, chunk: int):
+        self.dtype = np.float32
+        self.out = torch.empty(size, dtype=torch.float32, device=device)
+        self.device, self.chunk = device, chunk
+        self.pieces: dict[int, torch.Tensor] = {}
+
+    def open(self, k: int, capacity: int) -> PieceWriter:
+        piece = torch.empty(capacity, dtype=torch.float32, device=self.device)
+        self.pieces[k] = piece
+        return _CudaPieceWriter(piece, self.chunk) if self.device.type == "cuda" else ArrayWriter(piece.numpy())
+
+    def place(self, k: int, src: int, n: int, dst: int) -> None:
+        piece = self.pieces.pop(k)
+        if n:
+            self.out[dst:dst + n].copy_(piece[src:src + n])
+
+    def put(self, dst: int, values: np.ndarray) -> None:
+        if len(values):  # a blocking copy: the caller reuses `values`
+            self.out[dst:dst + len(values)].copy_(torch.from_numpy(values))
+
+
+def pool_tensor(block_hash: str, size: int, device: torch.device, workers: int | None = None,
+                chunk: int = CHUNK) -> torch.Tensor:
+    """The float32 pool on `device`, bit-identical to v1.weight_pool: drawn by `workers` threads (default
+    poc.protocol.pool.pool_workers(): POC_POOL_WORKERS or the CPU count), each copying its piece to the device
+    as it goes."""
+    device = torch.device(device)
+    sink = _TorchSink(size, device, chunk)
+    draw_pool(block_hash, size, sink, workers, chunk=chunk)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-    return out
+    return sink.out
 
 
 def build_v1_model(p: v1.V1Params, block_hash: str, dtype: torch.dtype, device="cpu") -> Transformer:
