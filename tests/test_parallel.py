@@ -56,6 +56,31 @@ def reference():
     return out
 
 
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    """Tiny Qwen3-MoE checkpoints (tests/test_moe.py) and their single-process float32 vectors: name -> (dir, vectors).
+    One has a dense layer among sparse ones (mlp_only_layers), one dense layers by decoder_sparse_step, one FP8."""
+    pytest.importorskip("transformers")
+    from tests.test_fp8 import write_fp8_and_twin
+    from tests.test_moe import CASES, make_hf_moe
+
+    out = {}
+    for name, case in (("moe-mlp-only", "mlp-only-layer-norm-topk"), ("moe-sparse-step", "sparse-step-2-no-norm"),
+                       ("moe-fp8", "mlp-only-layer-norm-topk")):
+        d = tmp_path_factory.mktemp("moe") / name
+        if name == "moe-fp8":
+            make_hf_moe(d.parent / "src", **dict(CASES[case], intermediate_size=320))
+            write_fp8_and_twin(d.parent / "src", d, d.parent / "twin")
+        else:
+            make_hf_moe(d, **CASES[case])
+        e = Engine("cpu", model_dir=str(d), dtype="float32")
+        e.load()
+        out[name] = (d, np.concatenate([e.v2.vectors(e.v2.prepare(BH, PK, NONCES[i:i + 4], SEQ, K)).numpy()
+                                        for i in range(0, len(NONCES), 4)]))
+        e.close()
+    return out
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def dist_engine(request):
     e = DistEngine("cpu", model_dir=str(v2_checkpoint("qwen3")), dtype="float32", timeout=60, **LAYOUTS[request.param])
@@ -263,6 +288,22 @@ def test_v2_matches_the_single_process_engine(dist_engine, reference, model):
     assert [a["nonce"] for a in arts] == NONCES and not dropped
     dec = np.stack([v2.decode(a["vector_b64"]) for a in arts])
     assert np.abs(dec - reference[model]).max() < 1e-3  # fp16 encoding of the same vectors
+
+
+@pytest.mark.parametrize("name", ["moe-mlp-only", "moe-sparse-step", "moe-fp8"])
+def test_v2_moe_matches_the_single_process_engine(dist_engine, moe_reference, name):
+    """Qwen3-MoE (and its FP8 form) through the rank processes: tp=2 is attention by heads + the experts split 2
+    ways by expert, pp=2 two stages of whole layers, rep2 two replicas; v2 vectors within L2 1e-5 of one process."""
+    d, ref = moe_reference[name]
+    dist_engine.model_dir = str(d)
+    dist_engine.load()
+    assert dist_engine.v2.name == name and dist_engine.v2.cfg.n_experts in (4, 8)
+    vec = dist_engine.v2_vectors(BH, PK, NONCES, SEQ, K, batch_size=4)
+    l2 = np.linalg.norm(vec - ref, axis=1)
+    assert l2.max() < 1e-5, (dist_engine.label, name, l2.max())
+    arts, dropped = dist_engine.v2_artifacts(BH, PK, NONCES, SEQ, K, batch_size=4)
+    assert [a["nonce"] for a in arts] == NONCES and not dropped
+    assert np.abs(np.stack([v2.decode(a["vector_b64"]) for a in arts]) - ref).max() < 1e-3
 
 
 @pytest.mark.parametrize("name", V1_SETS)

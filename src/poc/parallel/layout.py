@@ -64,10 +64,12 @@ class Layout:
         return [[self.rank(r, s, t) for s in range(self.pp)] for r in range(self.replicas) for t in range(self.tp)]
 
     def check_model(self, n_heads: int, n_kv_heads: int, ffn_dim: int, n_layers: int,
-                    what: str = "the model") -> None:
-        """Refuse a model that does not split evenly, naming every number."""
+                    what: str = "the model", n_experts: int = 0) -> None:
+        """Refuse a model that does not split evenly, naming every number. ffn_dim: of the dense MLP layers (0 when
+        there are none); n_experts: of the sparse MoE layers (0 when none), which tp splits by whole experts."""
         problems = [f"{name}={n} is not divisible by tp={self.tp}"
-                    for name, n in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("ffn_dim", ffn_dim))
+                    for name, n in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("ffn_dim", ffn_dim),
+                                    ("n_experts", n_experts))
                     if n % self.tp]
         if n_layers < self.pp:
             problems.append(f"n_layers={n_layers} is fewer than pp={self.pp} stages")
@@ -76,7 +78,10 @@ class Layout:
                              + "; ".join(problems), "tp")
 
     def check_config(self, cfg, what: str = "the model") -> None:
-        self.check_model(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.n_layers, what)
+        """check_model for a ModelConfig: ffn_dim only if some layer is dense, n_experts only if some is sparse."""
+        moe = [cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
+        self.check_model(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim if not all(moe) else 0, cfg.n_layers, what,
+                         n_experts=cfg.n_experts if any(moe) else 0)
 
 
 def stage_layers(n_layers: int, n_stages: int) -> list[range]:

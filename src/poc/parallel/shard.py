@@ -1,8 +1,10 @@
 """This rank's model: build on meta, keep the stage's layers, shard for tensor parallel, then fill only those slices.
 
 A checkpoint rank reads its rows / columns straight from the safetensors files (weights.iter_state_dict with a
-shard plan), so its peak host memory is about its shard. A v1 rank draws the weight pool on its device (the
-pool is a fraction of the model) and places only its own slice of each parameter.
+shard plan) and, of a Qwen3-MoE sparse layer, only its own experts' tensors (FP8 ones with their scales), so its
+peak host memory is about its shard; the whole model is checked against the file headers first. A v1 rank draws
+the weight pool on its device (the pool is a fraction of the model) and places only its own slice of each
+parameter.
 """
 
 from __future__ import annotations

@@ -1,9 +1,15 @@
-"""Tensor parallel as a rewrite of a built model: attention by heads, the MLP by columns/rows.
+"""Tensor parallel as a rewrite of a built model: attention by heads, a dense MLP by columns/rows, and a sparse
+MoE block by whole experts (expert parallel inside the tp group).
 
 q/k/v (and their biases) and gate/up keep the rows of this rank's heads / ffn columns; o_proj and down_proj keep
 the matching input columns and produce partial sums, so one all-reduce after each restores the full output.
-Apply before `fuse()` (which concatenates the already-sliced q/k/v and gate/up) and, for a checkpoint, on the
-meta-built model: the returned plan tells the loader which slice of each tensor to read.
+A Qwen3-MoE sparse block keeps its router (`gate`) whole and only experts [r*E/N, (r+1)*E/N) on tp rank r of N
+(`MoE.keep_experts`); every rank routes every token, sums the terms of its own experts in float32, and one
+all-reduce of those float32 partial sums (MoE.forward, over `MoE.group`) restores the block's output, rounded once.
+So for a MoE model tp=N splits the attention heads N ways and the experts N ways by expert.
+Apply before `fuse()` (which concatenates the already-sliced q/k/v and gate/up and stacks the kept experts) and,
+for a checkpoint, on the meta-built model: the returned plan tells the loader which slice of each tensor to read,
+and a MoE layer's state dict then names only the local experts, so the loader reads only those.
 """
 
 from __future__ import annotations
@@ -12,13 +18,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from poc.model.transformer import Transformer
+from poc.model.transformer import MoE, Transformer
 
 Plan = dict[str, tuple[int, int, int]]  # parameter name -> (dim, start, stop) of the full tensor
 
 
 def tp_plan(model: Transformer, tp_rank: int, tp_size: int) -> Plan:
-    """The slice of every sharded parameter that tp rank `tp_rank` of `tp_size` holds (layers present only)."""
+    """The slice of every sharded parameter that tp rank `tp_rank` of `tp_size` holds (layers present only).
+
+    A sparse MoE layer has no entries: its experts are whole tensors, kept or dropped (expert_range), and its
+    router stays whole."""
     cfg = model.cfg
     hd = cfg.head_dim
     q = _part(cfg.n_heads, tp_rank, tp_size)
@@ -37,6 +46,8 @@ def tp_plan(model: Transformer, tp_rank: int, tp_size: int) -> Plan:
             if cfg.qkv_bias:
                 plan[a + name + ".bias"] = (0, s, e)
         plan[a + "o_proj.weight"] = (1, q[0] * hd, q[1] * hd)
+        if isinstance(block.mlp, MoE):
+            continue
         plan[m + "gate_proj.weight"] = (0, *f)
         plan[m + "up_proj.weight"] = (0, *f)
         plan[m + "down_proj.weight"] = (1, *f)
@@ -47,17 +58,25 @@ def apply_tp(model: Transformer, tp_rank: int, tp_size: int, group: "dist.Proces
     """Shard `model` in place for rank `tp_rank` of `tp_size` and return the plan (name -> (dim, start, stop)).
 
     Works on meta parameters (shapes only; load the slices afterwards) and on real ones (sliced copies).
-    With a group, an all-reduce of the whole output follows o_proj and down_proj; without one (tests), the
-    caller sums the partial outputs. o_proj's bias stays on tp rank 0 only, so it is added once.
+    With a group, an all-reduce of the whole output follows o_proj and down_proj, and each sparse MoE block
+    all-reduces its float32 partial sums over the same group (expert parallel: this rank keeps experts
+    expert_range(E, tp_rank, tp_size), the router stays whole). Without a group (tests), the caller sums the
+    partial outputs; a MoE block then returns its partial sum rounded to the model dtype (exact in float32; sum
+    fp32 partials, e.g. from transformer._dispatch_modules, to match one device in half precision).
+    o_proj's bias stays on tp rank 0 only, so it is added once.
     """
     cfg = model.cfg
     if tp_size == 1:
         return {}
-    for name, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_dim", cfg.ffn_dim)):
+    blocks = [b for b in model.layers.values() if b is not None]
+    sizes = [("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads)]
+    if any(not isinstance(b.mlp, MoE) for b in blocks):
+        sizes.append(("ffn_dim", cfg.ffn_dim))
+    if any(isinstance(b.mlp, MoE) for b in blocks):
+        sizes.append(("n_experts", cfg.n_experts))
+    for name, n in sizes:
         if n % tp_size:
             raise ValueError(f"{name}={n} is not divisible by tp={tp_size}")
-    if any(cfg.is_moe_layer(int(k)) for k, b in model.layers.items() if b is not None):
-        raise ValueError("tensor parallel of MoE layers is not implemented yet (run Qwen3-MoE with tp=1)")
     plan = tp_plan(model, tp_rank, tp_size)
     params = dict(model.named_parameters())
     for name, (dim, start, stop) in plan.items():
@@ -67,18 +86,33 @@ def apply_tp(model: Transformer, tp_rank: int, tp_size: int, group: "dist.Proces
         if block is None:
             continue
         attn, mlp = block.self_attn, block.mlp
-        if attn.qkv_proj is not None or mlp.gate_up_proj is not None:
+        moe = isinstance(mlp, MoE)
+        if attn.qkv_proj is not None or (mlp.w13 is not None if moe else mlp.gate_up_proj is not None):
             raise ValueError("apply_tp must run before fuse()")
         attn.n_heads //= tp_size  # local head counts live on the module; the config stays whole
         attn.n_kv_heads //= tp_size
-        for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        lins = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        if moe:
+            mlp.keep_experts(*expert_range(cfg.n_experts, tp_rank, tp_size))
+            mlp.group = group
+        else:
+            lins += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        for lin in lins:
             lin.out_features, lin.in_features = lin.weight.shape
         if tp_rank != 0 and attn.o_proj.bias is not None:
             attn.o_proj.bias = None
         if group is not None:
             attn.o_proj.forward = _row_parallel(attn.o_proj, group)
-            mlp.down_proj.forward = _row_parallel(mlp.down_proj, group)
+            if not moe:
+                mlp.down_proj.forward = _row_parallel(mlp.down_proj, group)
     return plan
+
+
+def expert_range(n_experts: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """(first, stop): the experts of a sparse MoE layer that tp rank `tp_rank` of `tp_size` holds (an even split)."""
+    if n_experts % tp_size:
+        raise ValueError(f"n_experts={n_experts} is not divisible by tp={tp_size}")
+    return _part(n_experts, tp_rank, tp_size)
 
 
 def _part(n: int, rank: int, size: int) -> tuple[int, int]:
