@@ -138,7 +138,7 @@ def hf_forward_rate(cfg: ModelConfig, seq_len: int, batch: int, dtype: torch.dty
 
 
 def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceiling: float,
-                   warm: int, timed: int, graphs: bool = False) -> list[dict]:
+                   warm: int, timed: int) -> list[dict]:
     w = WORKLOADS[name]
     dtype = DTYPES[w["dtype"]]
     rows = []
@@ -156,8 +156,7 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
     else:
         cfg = replace(PRESETS[w["model"]])
         engine.v2 = V2Compute(random_v2_model(cfg, dtype, "cuda", w.get("fp8", False)), cfg, dtype,
-                              torch.device("cuda"), w["model"], compile=compile, compile_inputs=COMPILE_INPUTS,
-                              cuda_graphs=graphs)
+                              torch.device("cuda"), w["model"], compile=compile, compile_inputs=COMPILE_INPUTS)
         torch.cuda.synchronize()
         seq_len, head = w["seq_len"], False
     build = time.perf_counter() - t0
@@ -175,7 +174,7 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
             torch.cuda.empty_cache()
             continue
         row = {"workload": name, "batch": b, "dtype": w["dtype"], "fp8_experts": w.get("fp8", False),
-               "seq_len": seq_len, "compile": compile, "cuda_graphs": graphs and w["protocol"] == "v2",
+               "seq_len": seq_len, "compile": compile,
                "compile_inputs": compile and COMPILE_INPUTS and w["protocol"] == "v2",
                "flops_per_nonce": fl, **r, "tflops": r["nonces_per_s"] * fl / 1e12,
                "pct_of_ceiling": 100 * r["nonces_per_s"] * fl / 1e12 / ceiling,
@@ -230,10 +229,7 @@ def check_accuracy(n_v2: int = 1000, n_v1: int = 256) -> dict:
                                                               compile_model=False), 250),
                            ("eager_fp32", V2Compute(m32, cfg, torch.float32, dev, "fp32"), 250),
                            ("compiled_fp32", V2Compute(m32, cfg, torch.float32, dev, "fp32c", compile=True), 250),
-                           ("eager_one_ulp", _one_ulp(V2Compute(model, cfg, torch.bfloat16, dev, "u")), 250),
-                           ("eager_graphs", V2Compute(model, cfg, torch.bfloat16, dev, "g", cuda_graphs=True), 250),
-                           ("compiled_graphs", V2Compute(model, cfg, torch.bfloat16, dev, "cg", compile=True,
-                                                         cuda_graphs=True), 250)]:
+                           ("eager_one_ulp", _one_ulp(V2Compute(model, cfg, torch.bfloat16, dev, "u")), 250)]:
         arts = {}
         for i in range(0, n_v2, bs):
             prep = comp.prepare(BH, PK, list(range(i, min(n_v2, i + bs))), 64, 12)
@@ -252,8 +248,6 @@ def check_accuracy(n_v2: int = 1000, n_v1: int = 256) -> dict:
     out["v2_compiled_vs_eager_fp32"] = l2(runs["compiled_fp32"], runs["eager_fp32"])
     # the noise floor of this model in bf16: one input element of each nonce moved by one bf16 ulp
     out["v2_eager_one_input_ulp_vs_eager_bf16"] = l2(runs["eager_one_ulp"], runs["eager"])
-    out["v2_eager_graphs_vs_eager_bf16"] = l2(runs["eager_graphs"], runs["eager"])  # replays: expect 0
-    out["v2_compiled_graphs_vs_compiled_bf16"] = l2(runs["compiled_graphs"], runs["compiled"])
     del model, m32, runs
     torch.cuda.empty_cache()
     p = v1.PARAMS_V1
@@ -283,7 +277,7 @@ def _one_ulp(comp: V2Compute) -> V2Compute:
     return comp
 
 
-def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4, graphs: bool = False) -> dict:
+def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4) -> dict:
     """Where the time of one workload goes: CUDA kernel time by kind (torch.profiler) against wall time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
@@ -293,7 +287,7 @@ def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4,
     cfg = replace(PRESETS[w["model"]])
     engine = Engine("cuda", compile=compile)
     engine.v2 = V2Compute(random_v2_model(cfg, dtype, "cuda"), cfg, dtype, torch.device("cuda"), w["model"],
-                          compile=compile, cuda_graphs=graphs)
+                          compile=compile)
     job = V2Job(BH, PK, 1, w["seq_len"], 12, v1.worker_nonces(0, 0, 1), batch)
     job.limits = Limits(max_nonces=batch * warm, max_duration=None)
     engine.run(job, lambda b: None, threading.Event())  # compile + warm up
@@ -325,7 +319,7 @@ def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4,
     top.sort(reverse=True)
     gpu = sum(kinds.values())
     fl = flops_per_nonce(cfg, w["seq_len"], False) * batch * steps
-    out = {"workload": name, "batch": batch, "compile": compile, "cuda_graphs": graphs, "wall_s": wall, "gpu_kernel_s": gpu,
+    out = {"workload": name, "batch": batch, "compile": compile, "wall_s": wall, "gpu_kernel_s": gpu,
            "gpu_busy_pct": 100 * gpu / wall, "by_kind_s": kinds,
            "gemm_tflops": None, "nonces_per_s": batch * steps / wall, "top_kernels": top[:12]}
     # the GEMM share of the FLOPs (everything but attention) over the GEMM kernels' time
@@ -373,7 +367,6 @@ def main(argv=None) -> None:
     ap.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--batch", nargs="+", type=int, help="batch sizes (default: per workload)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the batch function")
-    ap.add_argument("--graphs", action="store_true", help="replay v2 batches as CUDA graphs (the server default)")
     ap.add_argument("--hf", action="store_true", help="also time the transformers forward (W3-W5)")
     ap.add_argument("--warm", type=int, default=2, help="batches before timing")
     ap.add_argument("--timed", type=int, default=6, help="timed batches")
@@ -388,8 +381,7 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.profile:
         name = args.workload[0]
-        out.write_text(json.dumps(profile(name, (args.batch or WORKLOADS[name]["batches"])[0], args.compile,
-                                          graphs=args.graphs), indent=1))
+        out.write_text(json.dumps(profile(name, (args.batch or WORKLOADS[name]["batches"])[0], args.compile), indent=1))
         return
     if args.check:
         out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "accuracy": check_accuracy()}, indent=1))
@@ -400,7 +392,7 @@ def main(argv=None) -> None:
     for name in args.workload:
         w = WORKLOADS[name]
         rows += bench_workload(name, args.batch or w["batches"], args.compile, args.hf, ceil[w["dtype"]],
-                               args.warm, args.timed, graphs=args.graphs)
+                               args.warm, args.timed)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
                "ceiling_tflops": ceil["bfloat16"], "ceilings": ceil, "command": "python -m poc.bench " +
                " ".join(argv if argv is not None else os.sys.argv[1:]), "rows": rows,

@@ -181,7 +181,7 @@ class V2Compute:
     """A loaded checkpoint; computes artifacts for any (block_hash, public_key, nonces, seq_len, k_dim)."""
 
     def __init__(self, model, cfg, dtype: torch.dtype, device: torch.device, name: str, compile: bool = False,
-                 compile_inputs: bool = True, compile_model: bool = True, cuda_graphs: bool = False):
+                 compile_inputs: bool = True, compile_model: bool = True):
         self.model, self.cfg, self.dtype, self.device, self.name = model.fuse(), cfg, dtype, device, name
         self._vectors: tuple[str, torch.Tensor] | None = None
         self._keys: torch.Tensor | None = None
@@ -190,11 +190,6 @@ class V2Compute:
         self._step = maybe_compile(Transformer.layer_step, compile and compile_model)
         self._project = maybe_compile(v2.project_tensors, compile)
         self.compiled = compile
-        # one CUDA graph per batch shape replays the whole batch (inputs, every layer, projection) with one launch:
-        # the same kernels on the same data, so the same numbers. MoE routing has data-dependent shapes: no graphs.
-        self.graphs = cuda_graphs and device.type == "cuda" and not cfg.n_experts
-        self._graphs: dict[tuple, tuple] = {}
-        self._graph_pool = None
 
     def reflections(self, block_hash: str) -> torch.Tensor:
         if self._vectors is None or self._vectors[0] != block_hash:
@@ -223,48 +218,10 @@ class V2Compute:
             self.model.init_rope(dev, max(prep.seq_len, self.cfg.max_seq_len))  # outside any compiled graph
         seeds, pick, haar = (t.to(dev, non_blocking=True) for t in (prep.seeds, prep.pick, prep.haar))
         n = len(prep.nonces)
-        if (self.compiled or self.graphs) and pad_to and n < pad_to:
+        if self.compiled and pad_to and n < pad_to:
             seeds, pick, haar = (_pad_rows(t, pad_to) for t in (seeds, pick, haar))
-        refl = self.reflections(prep.block_hash)
-        if self.graphs:
-            out = self._replay(seeds, pick, haar, refl, prep.seq_len)
-        else:
-            out = self._batch(seeds, self.keys(prep.seq_len), pick, haar, refl, prep.seq_len)
+        out = self._batch(seeds, self.keys(prep.seq_len), pick, haar, self.reflections(prep.block_hash), prep.seq_len)
         return Handle(prep, out[:n], dev)
-
-    MAX_GRAPHS = 4  # batch shapes kept captured (a job uses one; the least recently used is dropped)
-
-    def _replay(self, seeds, pick, haar, refl, seq_len: int) -> torch.Tensor:
-        """The batch as one CUDA graph replay: inputs are copied into the graph's static tensors (stream-ordered
-        after the previous replay and its copy to the host, so the pipelined loop stays correct)."""
-        key = (tuple(seeds.shape), tuple(pick.shape), tuple(haar.shape), seq_len)
-        rec = self._graphs.pop(key, None)
-        if rec is None:
-            rec = self._capture(seeds, pick, haar, refl, seq_len)
-            while len(self._graphs) >= self.MAX_GRAPHS:
-                self._graphs.pop(next(iter(self._graphs)))
-        self._graphs[key] = rec  # most recently used last
-        graph, static, out, _keys = rec
-        for dst, src in zip(static, (seeds, pick, haar, refl)):
-            dst.copy_(src, non_blocking=True)
-        graph.replay()
-        return out
-
-    def _capture(self, seeds, pick, haar, refl, seq_len: int) -> tuple:
-        static = [t.clone() for t in (seeds, pick, haar, refl)]
-        keys = self.keys(seq_len)  # held by the record: a later, longer keys tensor must not free this one
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # compile and warm up outside the capture
-            for _ in range(2):
-                self._batch(static[0], keys, static[1], static[2], static[3], seq_len)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()  # one pool for every shape: replays never overlap
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self._batch(static[0], keys, static[1], static[2], static[3], seq_len)
-        return graph, static, out, keys
 
     def keys(self, seq_len: int) -> torch.Tensor:
         n = seq_len * self.cfg.dim

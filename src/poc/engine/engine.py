@@ -50,10 +50,8 @@ class DeviceLock:
 
 class Engine(DeviceLock):
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto",
-                 compile: bool | str = False, v1_input_workers: int | None = None, cuda_graphs: bool = True):
+                 compile: bool | str = False, v1_input_workers: int | None = None):
         self.device = resolve_device(device)
-        # PoC v2 batches replayed as CUDA graphs (dense models, CUDA): the same kernels, so the same numbers
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         # torch.compile at fixed batch shapes, CUDA only. "auto": v1 (fp16: distances move <= 6e-6, measured)
         # but not v2 (bf16 artifacts move by ~0.02 L2 against eager on a random-weight model: benchmarks/README)
         mode = {True: "on", False: "off"}.get(compile, compile)
@@ -95,8 +93,7 @@ class Engine(DeviceLock):
         model, cfg = load_model(self.model_dir, dtype=dtype, device=self.device, with_head=False, progress=True)
         model.eval()
         name = Path(self.model_dir).name
-        self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile_v2,
-                            cuda_graphs=self.cuda_graphs)
+        self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile_v2)
         self.load_seconds = time.perf_counter() - t0
         self.state = "ready"
 

@@ -45,8 +45,7 @@ def _make_engine(config: ServerConfig):
 
         return make_engine(config.device, config.model, config.dtype, tp=config.tp, pp=config.pp,
                            replicas=config.replicas or None)
-    return Engine(device=config.device, model_dir=config.model, dtype=config.dtype, compile=config.compile,
-                  cuda_graphs=config.cuda_graphs == "on")
+    return Engine(device=config.device, model_dir=config.model, dtype=config.dtype, compile=config.compile)
 
 
 def create_app(config: ServerConfig) -> web.Application:
