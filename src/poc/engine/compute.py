@@ -190,6 +190,9 @@ class V2Compute:
         self._step = maybe_compile(Transformer.layer_step, compile and compile_model)
         self._project = maybe_compile(v2.project_tensors, compile)
         self.compiled = compile
+        for block in self.model.layers.values():  # MoE dispatch: its elementwise steps compiled too
+            if block is not None and hasattr(block.mlp, "fast"):
+                block.mlp.fast = compile and compile_model
 
     def reflections(self, block_hash: str) -> torch.Tensor:
         if self._vectors is None or self._vectors[0] != block_hash:

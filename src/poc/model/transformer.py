@@ -211,6 +211,7 @@ class MoE(nn.Module):
         self.w13_scale: Tensor | None = None  # FP8 kept in memory: per-128x128-block scales of w13 / w2
         self.w2_scale: Tensor | None = None
         self.group = None  # expert-parallel process group (all-reduce of the fp32 partial sums)
+        self.fast = False  # compiled elementwise steps in the dispatch (set by the engine when it compiles)
 
     def keep_experts(self, first: int, stop: int) -> None:
         """Hold only experts first..stop-1 (before loading or fuse)."""
@@ -283,31 +284,60 @@ def _dispatch_modules(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Te
 
 @torch.compiler.disable
 def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Tensor:
-    """As _dispatch_modules over the stacked experts: on CUDA two grouped GEMMs (torch._grouped_mm) and no host
-    sync; elsewhere one GEMM chain per expert. FP8 weights are dequantised for the duration of this call."""
+    """As _dispatch_modules over the stacked experts, with static shapes only (no host sync, nothing sized by the
+    data): the (token, choice) pairs are sorted so that this rank's experts come first, in expert order; one grouped
+    GEMM per projection (torch._grouped_mm on CUDA) covers exactly those rows, the rest get weight zero.
+    Elsewhere one GEMM chain per expert. FP8 weights are dequantised for the duration of this call.
+    With `moe.fast` (the engine compiles) the elementwise steps run as compiled kernels."""
     T, k = index.shape
-    rows, local = _routed(moe, index)
-    n_local = moe.stop - moe.first
+    E, n_local = moe.gate.out_features, moe.stop - moe.first
+    key = torch.remainder(index.reshape(-1) - moe.first, E)  # this rank's experts -> 0 .. n_local-1, first
+    rows = key.argsort(stable=True)  # (T*k,) into (token, choice) order
+    ends = torch.searchsorted(key[rows], torch.arange(1, n_local + 1, device=x.device))  # group j: [ends[j-1], ends[j])
     w13, w2 = moe.w13, moe.w2
     if moe.w13_scale is not None:
         w13, w2 = dequantize_blocks(w13, moe.w13_scale, x.dtype), dequantize_blocks(w2, moe.w2_scale, x.dtype)
-    xs = x[rows // k]  # (N, D): the routed copies, grouped by expert
+    xs = x[rows // k]  # (T*k, D): the routed copies, grouped by expert
+    act, combine = (_fast(_act), _fast(_combine)) if moe.fast and x.is_cuda else (_act, _combine)
     if _grouped_mm_ok(xs, w13):
-        offs = torch.bincount(local, minlength=n_local).cumsum(0).to(torch.int32)
-        h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # (N, 2F)
-        g, u = h.chunk(2, dim=-1)
-        y = torch._grouped_mm(_mul(F.silu(g.float()).to(g.dtype), u), w2.transpose(1, 2), offs=offs)  # (N, D)
+        offs = ends.to(torch.int32)
+        y = torch._grouped_mm(act(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)), w2.transpose(1, 2),
+                              offs=offs)  # (T*k, D); rows past ends[-1] are not computed
     else:
-        y = xs.new_empty(xs.shape)
+        y = xs.new_zeros(xs.shape)
         start = 0
-        for j, n in enumerate(torch.bincount(local, minlength=n_local).tolist()):
-            if n:
-                g, u = F.linear(xs[start:start + n], w13[j]).chunk(2, dim=-1)
-                y[start:start + n] = F.linear(_mul(F.silu(g.float()).to(g.dtype), u), w2[j])
-            start += n
-    out = x.new_zeros(T * k, x.shape[1])
-    out[rows] = _mul(y, weights.reshape(-1)[rows, None])
+        for j, stop in enumerate(ends.tolist()):
+            if stop > start:
+                y[start:stop] = F.linear(act(F.linear(xs[start:stop], w13[j])), w2[j])
+            start = stop
+    return combine(y, weights.reshape(-1), rows, ends[-1], T, k)
+
+
+def _act(h: Tensor) -> Tensor:
+    """SwiGLU on the fused gate|up output, rounding as the unfused MLP does."""
+    g, u = h.chunk(2, dim=-1)
+    return _mul(F.silu(g.float()).to(g.dtype), u)
+
+
+def _combine(y: Tensor, w: Tensor, rows: Tensor, n_valid: Tensor, T: int, k: int) -> Tensor:
+    """Weighted expert outputs back in (token, choice) order, zero for the rows another rank serves, summed over
+    the k choices in fp32 (T, D)."""
+    valid = torch.arange(y.shape[0], device=y.device) < n_valid
+    yw = torch.where(valid[:, None], _mul(y, w[rows, None]), torch.zeros((), dtype=y.dtype, device=y.device))
+    out = torch.empty_like(yw).index_copy_(0, rows, yw)
     return out.view(T, k, -1).float().sum(dim=1)
+
+
+_FAST: dict = {}
+
+
+def _fast(fn):
+    """fn compiled once per process (fixed shapes; the engine's compile settings)."""
+    if fn not in _FAST:
+        from poc.engine.compute import maybe_compile
+
+        _FAST[fn] = maybe_compile(fn, True)
+    return _FAST[fn]
 
 
 GROUPED_MM_ON_CPU = False  # tests switch the grouped GEMM on for CPU tensors (torch >= 2.9 has a CPU kernel)
