@@ -125,3 +125,18 @@ def test_compile_modes_and_server_flags():
     for bad in (["--tp", "0"], ["--tp", "two"], ["--compile", "maybe"], ["--replicas", "-1"]):
         with pytest.raises(InputError):
             parse_args(bad, env={})
+
+
+@pytest.mark.parametrize("spec", ["random:tiny", "random:tiny-moe", "random:tiny-moe:fp8"])
+def test_random_weight_model(spec):
+    """--model random:<preset>[:fp8]: a model of a preset shape with random weights, made on the device."""
+    e = Engine("cpu", model_dir=spec)
+    e.load()
+    assert e.state == "ready" and e.v2.cfg.n_layers == 2
+    arts, dropped = e.v2_artifacts(BH, PK, list(range(6)), 16, 12, batch_size=4)
+    assert [a["nonce"] for a in arts] == list(range(6)) and not dropped
+    if spec.endswith("fp8"):
+        assert e.v2.model.layers["0"].mlp.w13.dtype.is_floating_point and e.v2.model.layers["0"].mlp.w13_scale is not None
+    again, _ = e.v2_artifacts(BH, PK, list(range(6)), 16, 12, batch_size=3)
+    assert [a["vector_b64"] for a in again] == [a["vector_b64"] for a in arts]  # batch size does not matter
+    e.close()

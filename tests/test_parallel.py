@@ -290,6 +290,33 @@ def test_v2_matches_the_single_process_engine(dist_engine, reference, model):
     assert np.abs(dec - reference[model]).max() < 1e-3  # fp16 encoding of the same vectors
 
 
+@pytest.mark.parametrize("spec", ["random:tiny", "random:tiny-moe:fp8"])
+def test_random_weight_models_on_the_ranks(dist_engine, spec):
+    """--model random:<preset>[:fp8] (benchmarks): each rank makes only its own shard of random weights."""
+    dist_engine.model_dir = spec
+    try:
+        dist_engine.load()
+        arts, dropped = dist_engine.v2_artifacts(BH, PK, NONCES, SEQ, K, batch_size=4)
+        assert [a["nonce"] for a in arts] == NONCES and not dropped
+        dec = np.stack([v2.decode(a["vector_b64"]) for a in arts])
+        assert np.isfinite(dec).all() and np.allclose(np.linalg.norm(dec, axis=1), 1, atol=2e-3)
+        assert len({a["vector_b64"] for a in arts}) == len(NONCES)
+    finally:
+        dist_engine.model_dir = None
+        dist_engine.v2 = None
+
+
+def test_random_spec_errors():
+    from poc.errors import InputError
+    from poc.model.random_weights import random_spec
+
+    assert random_spec("/models/qwen") is None and random_spec(None) is None
+    assert random_spec("random:tiny-moe:fp8")[1] is True
+    for bad in ("random:nope", "random:tiny:int4"):
+        with pytest.raises(InputError, match="random:<preset>"):
+            random_spec(bad)
+
+
 @pytest.mark.parametrize("name", ["moe-mlp-only", "moe-sparse-step", "moe-fp8"])
 def test_v2_moe_matches_the_single_process_engine(dist_engine, moe_reference, name):
     """Qwen3-MoE (and its FP8 form) through the rank processes: tp=2 is attention by heads + the experts split 2

@@ -47,6 +47,9 @@ WORKLOADS = {
     "W6": {"protocol": "v2", "model": "qwen3-30b-a3b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32]},
     "W6F": {"protocol": "v2", "model": "qwen3-30b-a3b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32],
             "fp8": True},
+    # the network's PoC v2 model: 235B-A22B with FP8 experts over 4 GPUs (attention by heads, experts by expert)
+    "W7": {"protocol": "v2", "model": "qwen3-235b-a22b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32],
+           "fp8": True, "tp": 4},
 }
 
 
@@ -142,6 +145,8 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
     w = WORKLOADS[name]
     dtype = DTYPES[w["dtype"]]
     rows = []
+    if w.get("tp"):
+        return bench_dist(name, batches, ceiling, warm, timed)
     engine = Engine("cuda", compile=compile)
     if w["protocol"] == "v1":
         engine.load()  # starts the input processes, as the server does at start
@@ -202,6 +207,39 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
             rows.append(row)
             gc.collect()
             torch.cuda.empty_cache()
+    return rows
+
+
+def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: int) -> list[dict]:
+    """A workload over tp GPUs through the DistEngine (rank processes, NCCL), random weights made by each rank."""
+    from poc.parallel.engine import make_engine
+
+    w = WORKLOADS[name]
+    spec = f"random:{w['model']}" + (":fp8" if w.get("fp8") else "")
+    t0 = time.perf_counter()
+    engine = make_engine("cuda", model_dir=spec, dtype=w["dtype"], tp=w["tp"], replicas=1)
+    engine.load()
+    build = time.perf_counter() - t0
+    cfg, seq_len = PRESETS[w["model"]], w["seq_len"]
+    fl = flops_per_nonce(cfg, seq_len, False)
+    rows = []
+    for b in batches:
+        job = V2Job(BH, PK, 1, seq_len, 12, v1.worker_nonces(0, 0, 1), b)
+        try:
+            r = run_engine(engine, job, warm, timed)
+        except Exception as e:  # noqa: BLE001 - a rank's OOM arrives as a RankFailure: record it, go on
+            rows.append({"workload": name, "batch": b, "error": f"{type(e).__name__}: {e}"[:300]})
+            print(json.dumps(rows[-1]), flush=True)
+            break
+        row = {"workload": name, "batch": b, "dtype": w["dtype"], "fp8_experts": w.get("fp8", False), "tp": w["tp"],
+               "gpus": w["tp"], "seq_len": seq_len, "compile": False, "flops_per_nonce": fl, **r,
+               "tflops": r["nonces_per_s"] * fl / 1e12,
+               "pct_of_ceiling": 100 * r["nonces_per_s"] * fl / 1e12 / (ceiling * w["tp"]),
+               "flop_limit_nonces_per_s": ceiling * w["tp"] * 1e12 / fl, "model_build_s": build,
+               "nonces_per_min": 60 * r["nonces_per_s"]}
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+        rows.append(row)
+    engine.close()
     return rows
 
 

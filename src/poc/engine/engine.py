@@ -86,11 +86,17 @@ class Engine(DeviceLock):
         if not self.model_dir:
             self.state = "ready"
             return
-        from poc.model.weights import load_model
+        from poc.model.random_weights import random_model, random_spec
+        from poc.model.weights import load_model, resolve_dtype
 
         t0 = time.perf_counter()
         dtype = self.v2_dtype_arg()
-        model, cfg = load_model(self.model_dir, dtype=dtype, device=self.device, with_head=False, progress=True)
+        spec = random_spec(self.model_dir)
+        if spec is None:
+            model, cfg = load_model(self.model_dir, dtype=dtype, device=self.device, with_head=False, progress=True)
+        else:  # random weights of a preset shape (random:<preset>[:fp8]): benchmarks and demos
+            cfg, fp8 = spec
+            model = random_model(cfg, resolve_dtype(dtype, cfg), self.device, fp8_experts=fp8)
         model.eval()
         name = Path(self.model_dir).name
         self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile_v2)

@@ -231,6 +231,9 @@ PRESETS = {
     "qwen3-8b": ModelConfig(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=12288,
                             vocab_size=151936, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, max_seq_len=40960,
                             family="qwen3", torch_dtype="bfloat16"),
+    "tiny-moe": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=256,
+                            norm_eps=1e-6, rope_theta=1e6, qk_norm=True, family="qwen3_moe", torch_dtype="float32",
+                            n_experts=8, n_experts_per_tok=2, moe_ffn_dim=128, norm_topk_prob=True),
     # Qwen3-MoE shapes (the Hub's config.json): 128 experts, top 8, every layer sparse
     "qwen3-30b-a3b": ModelConfig(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, ffn_dim=6144,
                                  vocab_size=151936, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, max_seq_len=40960,

@@ -16,6 +16,7 @@ from torch import nn
 from poc.model.config import ModelConfig
 from poc.model.transformer import MoE, Transformer
 
+RANDOM_PREFIX = "random:"  # a model "directory" of the form random:<preset>[:fp8] (benchmarks, demos)
 FP8_SPREAD = 64.0  # the fp8 payload is N(0, 64) (max 448), its scale 0.02 / 64: dequantised N(0, 0.02)
 
 
@@ -57,3 +58,17 @@ def _fp8(n: int, rows: int, cols: int, device, g) -> tuple[torch.Tensor, torch.T
         w[j] = torch.empty(rows, cols, device=device).normal_(0.0, FP8_SPREAD, generator=g).clamp_(-448, 448)
     s = torch.empty(n, -(-rows // 128), -(-cols // 128), device=device).uniform_(0.9, 1.1, generator=g)
     return w, s * (0.02 / FP8_SPREAD)
+
+
+def random_spec(model: str | None) -> tuple[ModelConfig, bool] | None:
+    """(config, fp8 experts) for "random:<preset>[:fp8]" (a preset of poc.model.config.PRESETS), else None."""
+    if not model or not str(model).startswith(RANDOM_PREFIX):
+        return None
+    from poc.errors import InputError
+    from poc.model.config import PRESETS
+
+    name, _, opt = str(model)[len(RANDOM_PREFIX):].partition(":")
+    if name not in PRESETS or opt not in ("", "fp8"):
+        raise InputError(f"--model {model!r}: expected random:<preset>[:fp8] with a preset of "
+                         f"{', '.join(sorted(PRESETS))}", "model")
+    return PRESETS[name], opt == "fp8"

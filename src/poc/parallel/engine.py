@@ -38,6 +38,7 @@ from poc.engine.engine import DeviceLock, Engine
 from poc.engine.jobs import BatchResult, JobSummary, Limits, V1Job, V2Job, take
 from poc.errors import InputError
 from poc.model.config import ModelConfig
+from poc.model.random_weights import random_spec
 from poc.parallel.layout import Layout, RankConfig
 from poc.protocol import v1
 
@@ -286,7 +287,7 @@ class DistEngine(DeviceLock):
         """Start the ranks and load the checkpoint given at start (each rank reads its own slices)."""
         t0 = time.perf_counter()
         if self.model_dir:  # refuse an uneven split here, before any process starts
-            self.layout.check_config(ModelConfig.from_hf(self.model_dir), f"model {Path(self.model_dir).name}")
+            self.layout.check_config(_model_config(self.model_dir), f"model {Path(self.model_dir).name}")
         self.start()
         if self.model_dir:
             dtype = self.v2_dtype_arg()
@@ -294,7 +295,7 @@ class DistEngine(DeviceLock):
             for r in range(self.layout.replicas):
                 g.send(self.layout.leader(r), ("load", self.model_dir, dtype))
             infos = self._wait_all(g, "loaded", self.layout.world, limit=3600.0)
-            cfg = ModelConfig.from_hf(self.model_dir)
+            cfg = _model_config(self.model_dir)
             self.v2 = V2Info(cfg, Path(self.model_dir).name, DTYPES[infos[0]["dtype"]])
         self.load_seconds = time.perf_counter() - t0
         self.state = "ready"
@@ -501,6 +502,11 @@ def world_for(device: torch.device, tp: int, pp: int, replicas: int | None = Non
     if n % group:
         log.warning("%d GPUs do not split into groups of tp x pp = %d: using %d", n, group, n - n % group)
     return n - n % group
+
+
+def _model_config(model_dir: str) -> ModelConfig:
+    spec = random_spec(model_dir)
+    return spec[0] if spec else ModelConfig.from_hf(model_dir)
 
 
 def make_engine(device: str | None = None, model_dir: str | None = None, dtype: str = "auto", tp: int = 1,

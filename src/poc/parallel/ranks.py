@@ -26,9 +26,13 @@ import torch.distributed as dist
 
 from poc.engine.compute import DTYPES, Handle
 from poc.engine.jobs import V1Job, V2Job
+from poc.model.random_weights import random_model, random_spec
+from poc.model.weights import resolve_dtype
 from poc.parallel import pp
 from poc.parallel.layout import RankConfig
+from poc.parallel.pp import keep_stage
 from poc.parallel.shard import build_v1_shard, load_shard
+from poc.parallel.tp import apply_tp
 from poc.protocol import v1, v2
 
 log = logging.getLogger("poc.ranks")
@@ -157,8 +161,21 @@ class Rank:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         L = self.layout
-        model, mcfg = load_shard(model_dir, dtype, self.device, self.stage, L.pp, self.tp_rank, L.tp, self.tp_group)
+        spec = random_spec(model_dir)
+        if spec is None:
+            model, mcfg = load_shard(model_dir, dtype, self.device, self.stage, L.pp, self.tp_rank, L.tp, self.tp_group)
+        else:  # random weights of a preset shape, made on this rank's device: only its own shard
+            mcfg, fp8 = spec
+
+            def shard(m):
+                keep_stage(m, self.stage, L.pp)
+                apply_tp(m, self.tp_rank, L.tp, self.tp_group)
+
+            model = random_model(mcfg, resolve_dtype(dtype, mcfg), self.device, fp8_experts=fp8, shard=shard)
         model.fuse()
+        for block in model.layers.values():  # MoE dispatch: compiled elementwise steps on CUDA (no collectives)
+            if block is not None and hasattr(block.mlp, "fast"):
+                block.mlp.fast = self.device.type == "cuda"
         mdtype = next(model.parameters()).dtype
         self.v2 = (model, mcfg, mdtype)
         self._refl = None
