@@ -156,3 +156,12 @@ class _BrokenSink(pool.HostSink):
 def test_a_failing_worker_raises_instead_of_hanging():
     with pytest.raises(RuntimeError, match="disk on fire"):
         pool.draw_pool("abc", 5_000, _BrokenSink(5_000), 4, min_raw=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pool_tensor_cuda_is_the_single_stream():
+    """On CUDA each worker copies through its own pinned buffers and stream; pieces are stitched on the device."""
+    for size, workers, chunk in ((250_007, 3, 4099), (3_000_011, 16, pool.CHUNK)):
+        t = pool_tensor("abc", size, torch.device("cuda"), workers=workers, chunk=chunk)
+        assert t.is_cuda and torch.equal(t.cpu(), torch.from_numpy(v1.weight_pool("abc", size)))
