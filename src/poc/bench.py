@@ -146,7 +146,7 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
     dtype = DTYPES[w["dtype"]]
     rows = []
     if w.get("tp"):
-        return bench_dist(name, batches, ceiling, warm, timed)
+        return bench_dist(name, batches, ceiling, warm, timed, compile)
     engine = Engine("cuda", compile=compile)
     if w["protocol"] == "v1":
         engine.load()  # starts the input processes, as the server does at start
@@ -210,14 +210,15 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
     return rows
 
 
-def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: int) -> list[dict]:
+def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: int, compile: bool) -> list[dict]:
     """A workload over tp GPUs through the DistEngine (rank processes, NCCL), random weights made by each rank."""
     from poc.parallel.engine import make_engine
 
     w = WORKLOADS[name]
     spec = f"random:{w['model']}" + (":fp8" if w.get("fp8") else "")
     t0 = time.perf_counter()
-    engine = make_engine("cuda", model_dir=spec, dtype=w["dtype"], tp=w["tp"], replicas=1)
+    engine = make_engine("cuda", model_dir=spec, dtype=w["dtype"], tp=w["tp"], replicas=1,
+                         compile="on" if compile else "off")
     engine.load()
     build = time.perf_counter() - t0
     cfg, seq_len = PRESETS[w["model"]], w["seq_len"]
@@ -232,7 +233,7 @@ def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: 
             print(json.dumps(rows[-1]), flush=True)
             break
         row = {"workload": name, "batch": b, "dtype": w["dtype"], "fp8_experts": w.get("fp8", False), "tp": w["tp"],
-               "gpus": w["tp"], "seq_len": seq_len, "compile": False, "flops_per_nonce": fl, **r,
+               "gpus": w["tp"], "seq_len": seq_len, "compile": compile, "flops_per_nonce": fl, **r,
                "tflops": r["nonces_per_s"] * fl / 1e12,
                "pct_of_ceiling": 100 * r["nonces_per_s"] * fl / 1e12 / (ceiling * w["tp"]),
                "flop_limit_nonces_per_s": ceiling * w["tp"] * 1e12 / fl, "model_build_s": build,

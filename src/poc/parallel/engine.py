@@ -95,7 +95,7 @@ class DistEngine(DeviceLock):
 
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto", tp: int = 1,
                  pp: int = 1, world: int | None = None, timeout: float = 300.0, start_timeout: float = 180.0,
-                 log_level: str | None = None):
+                 log_level: str | None = None, compile: bool | str = False):
         self.device = resolve_device(device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", 0)  # the engine spans devices 0..world-1; this names the first
@@ -111,7 +111,13 @@ class DistEngine(DeviceLock):
         self.state = "loading" if model_dir else "ready"
         self.broken_reason: str | None = None
         self.load_seconds: float | None = None
-        self.compile = False
+        # as Engine: "auto" compiles v1 only, "on" both; CUDA only (collectives inside the layer are traced)
+        mode = {True: "on", False: "off"}.get(compile, compile)
+        if mode not in ("auto", "on", "off"):
+            raise InputError(f"compile must be auto, on or off, got {compile!r}", "compile")
+        cuda = self.device.type == "cuda"
+        self.compile_v1, self.compile_v2 = cuda and mode in ("auto", "on"), cuda and mode == "on"
+        self.compile = self.compile_v2
         self._lock = threading.Lock()
         self._ranks: _Ranks | None = None
         self._job_ids = itertools.count(1)
@@ -147,7 +153,8 @@ class DistEngine(DeviceLock):
                 msg = self._recv(c, g, deadline)
                 g.conns[msg[1]] = c
             cfg = RankConfig(layout=L, backend="nccl" if cuda else "gloo", device_type=self.device.type,
-                             store_port=0, timeout_s=self.timeout, threads=threads, log_level=self.log_level)
+                             store_port=0, timeout_s=self.timeout, threads=threads, log_level=self.log_level,
+                             compile_v1=self.compile_v1, compile_v2=self.compile_v2)
             g.send(0, cfg)
             msg = self._recv(g.conns[0], g, deadline)
             if msg[0] != "store":
@@ -517,5 +524,4 @@ def make_engine(device: str | None = None, model_dir: str | None = None, dtype: 
     if world == 1:
         compile_ = kw.pop("compile", False)
         return Engine(device=device, model_dir=model_dir, dtype=dtype, compile=compile_)
-    kw.pop("compile", None)
     return DistEngine(device=device, model_dir=model_dir, dtype=dtype, tp=tp, pp=pp, world=world, **kw)

@@ -140,3 +140,5 @@ class RankConfig:
     threads: int = 1  # torch CPU threads per rank
     log_level: str = "INFO"
     store_host: str = "127.0.0.1"
+    compile_v1: bool = False  # torch.compile of the decoder layer (and v2's input generator) in the ranks
+    compile_v2: bool = False

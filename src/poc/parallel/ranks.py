@@ -24,9 +24,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from poc.engine.compute import DTYPES, Handle
+from poc.engine.compute import DTYPES, Handle, maybe_compile
 from poc.engine.jobs import V1Job, V2Job
 from poc.model.random_weights import random_model, random_spec
+from poc.model.transformer import Transformer
 from poc.model.weights import resolve_dtype
 from poc.parallel import pp
 from poc.parallel.layout import RankConfig
@@ -90,6 +91,10 @@ class Rank:
         self.v1 = None  # (key, model, target)
         self._refl: tuple[str, torch.Tensor] | None = None
         self._keys: torch.Tensor | None = None
+        # compiled at fixed shapes like the single-device engine (a short last batch compiles its own shape)
+        self._step_v1 = maybe_compile(Transformer.layer_step, cfg.compile_v1)
+        self._step_v2 = maybe_compile(Transformer.layer_step, cfg.compile_v2)
+        self._inputs_v2 = maybe_compile(v2.inputs_from_seeds, cfg.compile_v2)
 
     # ------------------------------------------------------------------------------------ setup
 
@@ -173,9 +178,9 @@ class Rank:
 
             model = random_model(mcfg, resolve_dtype(dtype, mcfg), self.device, fp8_experts=fp8, shard=shard)
         model.fuse()
-        for block in model.layers.values():  # MoE dispatch: compiled elementwise steps on CUDA (no collectives)
+        for block in model.layers.values():  # MoE dispatch: compiled elementwise steps (no collectives in them)
             if block is not None and hasattr(block.mlp, "fast"):
-                block.mlp.fast = self.device.type == "cuda"
+                block.mlp.fast = self.cfg.compile_v2
         mdtype = next(model.parameters()).dtype
         self.v2 = (model, mcfg, mdtype)
         self._refl = None
@@ -254,10 +259,10 @@ class Rank:
         pl = v2.plan(job.block_hash, job.public_key, nonces, D, job.k_dim, "cpu") if post else None
 
         def host_x():
-            return v2.inputs_from_seeds(self._to_device(seeds), S, D, self.keys(S * D)).to(dtype)
+            return self._inputs_v2(self._to_device(seeds), S, D, self.keys(S * D)).to(dtype)
 
         x = self._stage_input(host_x, len(nonces), S, D, dtype)
-        h = model(x, reflections=self.reflections(job.block_hash, cfg, dtype), last_only=True)
+        h = model(x, reflections=self.reflections(job.block_hash, cfg, dtype), last_only=True, step=self._step_v2)
         if post:
             h = v2.project(h, v2.PostProcessPlan(self._to_device(pl.pick), self._to_device(pl.haar)))
         return self._finish(h)
@@ -273,7 +278,7 @@ class Rank:
         perms = (torch.from_numpy(v1.permutations(job.block_hash, job.public_key, nonces, p.vocab_size))
                  if post else None)
         x = self._stage_input(lambda: self._to_device(x16).to(dtype), len(nonces), p.seq_len, p.dim, dtype)
-        out = model(x, last_only=True, logits=self.is_last)
+        out = model(x, last_only=True, logits=self.is_last, step=self._step_v1)
         if post:
             g = torch.gather(out.float(), 1, self._to_device(perms))
             u = g / torch.linalg.vector_norm(g, dim=1, keepdim=True)  # float32, as the reference

@@ -44,7 +44,7 @@ def _make_engine(config: ServerConfig):
         from poc.parallel.engine import make_engine
 
         return make_engine(config.device, config.model, config.dtype, tp=config.tp, pp=config.pp,
-                           replicas=config.replicas or None)
+                           replicas=config.replicas or None, compile=config.compile)
     return Engine(device=config.device, model_dir=config.model, dtype=config.dtype, compile=config.compile)
 
 
