@@ -165,3 +165,12 @@ def test_pool_tensor_cuda_is_the_single_stream():
     for size, workers, chunk in ((250_007, 3, 4099), (3_000_011, 16, pool.CHUNK)):
         t = pool_tensor("abc", size, torch.device("cuda"), workers=workers, chunk=chunk)
         assert t.is_cuda and torch.equal(t.cpu(), torch.from_numpy(v1.weight_pool("abc", size)))
+    with torch.inference_mode():  # a rank builds its v1 model inside inference mode; the workers are outside it
+        t = pool_tensor("abc", 250_007, torch.device("cuda"), workers=3, chunk=4099)
+    assert torch.equal(t.cpu(), torch.from_numpy(v1.weight_pool("abc", 250_007)))
+
+
+def test_pool_tensor_cpu_inside_inference_mode():
+    with torch.inference_mode():
+        t = pool_tensor("abc", 100_003, torch.device("cpu"), workers=3, chunk=4099)
+    assert torch.equal(t, torch.from_numpy(v1.weight_pool("abc", 100_003)))

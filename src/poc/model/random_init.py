@@ -125,8 +125,11 @@ def pool_tensor(block_hash: str, size: int, device: torch.device, workers: int |
     poc.protocol.pool.pool_workers(): POC_POOL_WORKERS or the CPU count), each copying its piece to the device
     as it goes."""
     device = torch.device(device)
-    sink = _TorchSink(size, device, chunk)
-    draw_pool(block_hash, size, sink, workers, chunk=chunk)
+    # ordinary tensors even when the caller is in inference mode (a rank builds its model inside one): the
+    # worker threads, outside that thread-local mode, write into them
+    with torch.inference_mode(False):
+        sink = _TorchSink(size, device, chunk)
+        draw_pool(block_hash, size, sink, workers, chunk=chunk)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     return sink.out
