@@ -560,3 +560,15 @@ def test_make_engine_picks_the_engine():
     assert isinstance(e, DistEngine) and e.layout == Layout(2, 2, 1)
     assert world_for(torch.device("cpu"), 1, 2, replicas=3) == 6
     e.close()  # never started: nothing to stop
+
+
+def test_tp_reduce_setting(monkeypatch):
+    from poc.parallel.tp import reduce_in_model_dtype
+
+    monkeypatch.delenv("POC_TP_REDUCE", raising=False)
+    assert reduce_in_model_dtype() is False  # default: fp32 partial sums, rounded once
+    monkeypatch.setenv("POC_TP_REDUCE", "model")
+    assert reduce_in_model_dtype() is True
+    monkeypatch.setenv("POC_TP_REDUCE", "bf16")
+    with pytest.raises(ValueError, match="POC_TP_REDUCE must be fp32 or model"):
+        reduce_in_model_dtype()

@@ -56,7 +56,7 @@ class Handle:
         return self.host
 
 
-def maybe_compile(fn, enabled: bool):
+def maybe_compile(fn, enabled: bool, dynamic: bool = False):
     """torch.compile at fixed shapes when asked (CUDA); the eager function otherwise.
 
     Inductor keeps fused intermediates in fp32 where eager rounds them to bf16/fp16; emulating those casts
@@ -74,7 +74,7 @@ def maybe_compile(fn, enabled: bool):
     dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 256)
     if hasattr(dynamo_config, "accumulated_cache_size_limit"):
         dynamo_config.accumulated_cache_size_limit = max(dynamo_config.accumulated_cache_size_limit, 4096)
-    return torch.compile(fn, dynamic=False)
+    return torch.compile(fn, dynamic=dynamic)
 
 
 def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:

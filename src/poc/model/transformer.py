@@ -212,6 +212,7 @@ class MoE(nn.Module):
         self.w2_scale: Tensor | None = None
         self.group = None  # expert-parallel process group (all-reduce of the fp32 partial sums)
         self.fast = False  # compiled elementwise steps in the dispatch (set by the engine when it compiles)
+        self.reduce_in_model_dtype = False  # all-reduce rounded partials (POC_TP_REDUCE=model) instead of fp32 ones
 
     def keep_experts(self, first: int, stop: int) -> None:
         """Hold only experts first..stop-1 (before loading or fuse)."""
@@ -247,6 +248,8 @@ class MoE(nn.Module):
         else:
             out = _dispatch_stacked(self, x, weights, experts)
         if self.group is not None:  # each rank summed its own experts' terms: add the fp32 partials, round once
+            if self.reduce_in_model_dtype:  # or round each rank's partial and add those (half the bytes)
+                out = out.to(x.dtype)
             torch.distributed.all_reduce(out, group=self.group)
         return out.to(x.dtype).view(B, S, D)
 
@@ -297,8 +300,17 @@ def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Te
     w13, w2 = moe.w13, moe.w2
     if moe.w13_scale is not None:
         w13, w2 = dequantize_blocks(w13, moe.w13_scale, x.dtype), dequantize_blocks(w2, moe.w2_scale, x.dtype)
-    xs = x[rows // k]  # (T*k, D): the routed copies, grouped by expert
-    act, combine = (_fast(_act), _fast(_combine)) if moe.fast and x.is_cuda else (_act, _combine)
+    partial = n_local < E
+    if partial:  # expert parallel: one host sync per layer, then only this rank's rows are gathered and computed
+        n = int(ends[-1])
+        if n == 0:
+            return x.new_zeros(T, x.shape[1], dtype=torch.float32)
+        rows = rows[:n]
+    xs = x[rows // k]  # (N, D): the routed copies, grouped by expert
+    fast = moe.fast and x.is_cuda
+    act = _fast(_act, partial) if fast else _act
+    combine = (_fast(_combine_rows, True) if fast else _combine_rows) if partial else (
+        _fast(_combine) if fast else _combine)
     if _grouped_mm_ok(xs, w13):
         offs = ends.to(torch.int32)
         y = torch._grouped_mm(act(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)), w2.transpose(1, 2),
@@ -310,6 +322,8 @@ def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Te
             if stop > start:
                 y[start:stop] = F.linear(act(F.linear(xs[start:stop], w13[j])), w2[j])
             start = stop
+    if partial:
+        return combine(y, weights.reshape(-1), rows, T, k)
     return combine(y, weights.reshape(-1), rows, ends[-1], T, k)
 
 
@@ -328,16 +342,22 @@ def _combine(y: Tensor, w: Tensor, rows: Tensor, n_valid: Tensor, T: int, k: int
     return out.view(T, k, -1).float().sum(dim=1)
 
 
+def _combine_rows(y: Tensor, w: Tensor, rows: Tensor, T: int, k: int) -> Tensor:
+    """_combine when y holds only this rank's rows (expert parallel): the other (token, choice) slots are zero."""
+    out = y.new_zeros(T * k, y.shape[1]).index_copy_(0, rows, _mul(y, w[rows, None]))
+    return out.view(T, k, -1).float().sum(dim=1)
+
+
 _FAST: dict = {}
 
 
-def _fast(fn):
-    """fn compiled once per process (fixed shapes; the engine's compile settings)."""
-    if fn not in _FAST:
+def _fast(fn, dynamic: bool = False):
+    """fn compiled once per process (the engine's compile settings); dynamic: one graph for any row count."""
+    if (fn, dynamic) not in _FAST:
         from poc.engine.compute import maybe_compile
 
-        _FAST[fn] = maybe_compile(fn, True)
-    return _FAST[fn]
+        _FAST[fn, dynamic] = maybe_compile(fn, True, dynamic=dynamic)
+    return _FAST[fn, dynamic]
 
 
 GROUPED_MM_ON_CPU = False  # tests switch the grouped GEMM on for CPU tensors (torch >= 2.9 has a CPU kernel)

@@ -14,6 +14,8 @@ and a MoE layer's state dict then names only the local experts, so the loader re
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -95,6 +97,7 @@ def apply_tp(model: Transformer, tp_rank: int, tp_size: int, group: "dist.Proces
         if moe:
             mlp.keep_experts(*expert_range(cfg.n_experts, tp_rank, tp_size))
             mlp.group = group
+            mlp.reduce_in_model_dtype = reduce_in_model_dtype()
         else:
             lins += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         for lin in lins:
@@ -133,13 +136,24 @@ def _narrow(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
 _MM_OUT_DTYPE = [True]  # torch.mm(..., out_dtype=) (CUDA, torch >= 2.8); off after the first failure
 
 
+def reduce_in_model_dtype() -> bool:
+    """POC_TP_REDUCE=model: all-reduce half-precision partial sums (half the bytes; each partial is rounded before
+    the sum, so results move within the dtype's rounding). Default fp32: partials summed in fp32, rounded once."""
+    v = os.environ.get("POC_TP_REDUCE", "fp32")
+    if v not in ("fp32", "model"):
+        raise ValueError(f"POC_TP_REDUCE must be fp32 or model, got {v!r}")
+    return v == "model"
+
+
 def _row_parallel(lin: nn.Linear, group):
     """The forward of a tp rank's o_proj / down_proj: its partial product is kept in float32, summed in float32
     over the ranks and rounded once, as one device rounds its whole fp32-accumulated product once. (An all-reduce
     of half-precision partials rounds each partial and the sum: at bf16 that moved artifacts by L2 0.029.)"""
 
+    half_reduce = reduce_in_model_dtype()
+
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in (torch.float16, torch.bfloat16):
+        if x.dtype not in (torch.float16, torch.bfloat16) or half_reduce:
             y = torch.nn.functional.linear(x, lin.weight, lin.bias)
         else:
             y = None
