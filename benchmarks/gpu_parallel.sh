@@ -79,9 +79,12 @@ def write_qwen3(path: Path) -> Path:
     return path
 
 
-def single_vectors(model_dir, dtype, nonces, seq, batch) -> np.ndarray:
-    e = Engine(DEVICE, model_dir=str(model_dir), dtype=dtype)
+def single_vectors(model_dir, dtype, nonces, seq, batch, one_ulp=False) -> np.ndarray:
+    e = Engine(DEVICE, model_dir=str(model_dir), dtype=dtype, v1_input_workers=0)
     e.load()
+    if one_ulp:  # one input element of every nonce moved by one ulp: the model's own rounding noise floor
+        from poc.bench import _one_ulp
+        _one_ulp(e.v2)
     v = np.concatenate([e.v2.vectors(e.v2.prepare(BH, PK, nonces[i:i + batch], seq, K)).numpy()
                         for i in range(0, len(nonces), batch)])
     e.close()
@@ -112,13 +115,22 @@ with tempfile.TemporaryDirectory() as tmp:
     t0 = time.perf_counter()
     big = write_qwen3(Path(tmp) / "qwen3-0.6b-random")
     summary["checkpoint_write_s"] = round(time.perf_counter() - t0, 1)
-    small_nonces, big_nonces = list(range(12)), list(range(16))
+    small_nonces, big_nonces = list(range(12)), list(range(int(os.environ.get("BIG_NONCES", 16))))
     ref = {}
     for name, d in tiny.items():
         ref[(name, "float32")] = single_vectors(d, "float32", small_nonces, 16, 4)
     for dtype in ("float32", "bfloat16"):
         ref[("big", dtype)] = single_vectors(big, dtype, big_nonces, min(SEQ, 256), 8)
-    single = Engine(DEVICE, model_dir=str(big), dtype="bfloat16")
+    floor = np.linalg.norm(single_vectors(big, "bfloat16", big_nonces, min(SEQ, 256), 8, one_ulp=True)
+                           - ref[("big", "bfloat16")], axis=1)
+    summary["bf16_one_input_ulp_vs_one_gpu_L2"] = {"mean": float(floor.mean()), "max": float(floor.max()),
+                                                   "n": len(big_nonces)}
+    print(f"bf16 noise floor (one input ulp): mean {floor.mean():.3g} max {floor.max():.3g}", file=sys.stderr)
+    if os.environ.get("FLOOR_ONLY"):
+        (out_dir / "gpu_parallel_floor.json").write_text(json.dumps(summary, indent=1))
+        print(json.dumps(summary, indent=1))
+        sys.exit(0)
+    single = Engine(DEVICE, model_dir=str(big), dtype="bfloat16", v1_input_workers=0)
     single.load()
     summary["single_nonces_per_s"] = round(rate(single, SEQ, BATCH, BATCHES), 2)
     single.close()
@@ -138,8 +150,9 @@ with tempfile.TemporaryDirectory() as tmp:
                 e.model_dir, e.dtype_flag = str(big), dtype
                 e.load()
                 v = e.v2_vectors(BH, PK, big_nonces, min(SEQ, 256), K, batch_size=8)
-                check(f"{label} qwen3-0.6b-shape {dtype} L2", np.linalg.norm(v - ref[("big", dtype)], axis=1).max(),
-                      limit)
+                d = np.linalg.norm(v - ref[("big", dtype)], axis=1)
+                summary[f"{label} qwen3-0.6b-shape {dtype} mean L2"] = float(d.mean())
+                check(f"{label} qwen3-0.6b-shape {dtype} L2", d.max(), limit)
             rates[label] = round(rate(e, SEQ, BATCH, BATCHES * (2 if label == "rep2" else 1)), 2)
         finally:
             e.close()
