@@ -50,6 +50,9 @@ WORKLOADS = {
     # the network's PoC v2 model: 235B-A22B with FP8 experts over 4 GPUs (attention by heads, experts by expert)
     "W7": {"protocol": "v2", "model": "qwen3-235b-a22b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32],
            "fp8": True, "tp": 4},
+    # the same with the experts dequantised to bf16 (what the loader does with an FP8 checkpoint by default)
+    "W7D": {"protocol": "v2", "model": "qwen3-235b-a22b", "seq_len": 1024, "dtype": "bfloat16", "batches": [32, 64],
+            "tp": 4},
 }
 
 
