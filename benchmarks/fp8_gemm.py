@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,24 +20,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from poc.bench import _cuda_time  # noqa: E402
 from poc.model.transformer import dequantize_blocks  # noqa: E402
 
 E4M3_MAX = 448.0
 
 
 def timed(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
+    return _cuda_time(fn, iters)
 
 
 def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
