@@ -195,15 +195,15 @@ class MoE(nn.Module):
 
     Names as the Hub checkpoints: `gate` (the router, E x D) and `experts.{j}.gate_proj/up_proj/down_proj`.
     `fuse()` stacks the experts into `w13` (E, 2F, D) and `w2` (E, D, F), the layout of one grouped GEMM on CUDA.
-    `expert_range` (first, stop): the experts this rank holds (expert parallel); tokens routed elsewhere add
+    `keep_experts(first, stop)`: the experts this rank holds (expert parallel); tokens routed elsewhere add
     nothing here, and with `group` set the fp32 partial sums are all-reduced over the ranks and rounded once.
     FP8 weights may stay FP8 in memory (`w13_scale`/`w2_scale`, 128x128 blocks) and are dequantised per layer.
     """
 
-    def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int] | None = None):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.n_experts_per_tok, cfg.norm_topk_prob
-        self.first, self.stop = expert_range or (0, cfg.n_experts)
+        self.first, self.stop = 0, cfg.n_experts
         self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = nn.ModuleDict({str(j): MLP(cfg.dim, cfg.moe_ffn_dim) for j in range(self.first, self.stop)})
         self.w13: Tensor | None = None  # set by fuse(): (E_local, 2F, D)
@@ -287,25 +287,26 @@ def _dispatch_modules(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Te
 
 @torch.compiler.disable
 def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Tensor:
-    """As _dispatch_modules over the stacked experts, with static shapes only (no host sync, nothing sized by the
-    data): the (token, choice) pairs are sorted so that this rank's experts come first, in expert order; one grouped
-    GEMM per projection (torch._grouped_mm on CUDA) covers exactly those rows, the rest get weight zero.
-    Elsewhere one GEMM chain per expert. FP8 weights are dequantised for the duration of this call.
-    With `moe.fast` (the engine compiles) the elementwise steps run as compiled kernels."""
+    """As _dispatch_modules over the stacked experts: the (token, choice) pairs are sorted so that this rank's
+    experts come first, in expert order, and one grouped GEMM per projection (torch._grouped_mm on CUDA; elsewhere
+    one GEMM chain per expert) covers exactly those rows. With every expert here all shapes are static (no host
+    sync: rows past the last group get weight zero); under expert parallel one host sync per layer sizes the
+    gather to this rank's rows. FP8 weights are dequantised for the duration of this call. With `moe.fast` (the
+    engine compiles) the elementwise steps run as compiled kernels."""
     T, k = index.shape
     E, n_local = moe.gate.out_features, moe.stop - moe.first
     key = torch.remainder(index.reshape(-1) - moe.first, E)  # this rank's experts -> 0 .. n_local-1, first
     rows = key.argsort(stable=True)  # (T*k,) into (token, choice) order
     ends = torch.searchsorted(key[rows], torch.arange(1, n_local + 1, device=x.device))  # group j: [ends[j-1], ends[j])
-    w13, w2 = moe.w13, moe.w2
-    if moe.w13_scale is not None:
-        w13, w2 = dequantize_blocks(w13, moe.w13_scale, x.dtype), dequantize_blocks(w2, moe.w2_scale, x.dtype)
     partial = n_local < E
     if partial:  # expert parallel: one host sync per layer, then only this rank's rows are gathered and computed
         n = int(ends[-1])
         if n == 0:
             return x.new_zeros(T, x.shape[1], dtype=torch.float32)
         rows = rows[:n]
+    w13, w2 = moe.w13, moe.w2
+    if moe.w13_scale is not None:
+        w13, w2 = dequantize_blocks(w13, moe.w13_scale, x.dtype), dequantize_blocks(w2, moe.w2_scale, x.dtype)
     xs = x[rows // k]  # (N, D): the routed copies, grouped by expert
     fast = moe.fast and x.is_cuda
     act = _fast(_act, partial) if fast else _act
@@ -314,7 +315,7 @@ def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Te
     if _grouped_mm_ok(xs, w13):
         offs = ends.to(torch.int32)
         y = torch._grouped_mm(act(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)), w2.transpose(1, 2),
-                              offs=offs)  # (T*k, D); rows past ends[-1] are not computed
+                              offs=offs)  # (N, D); rows past ends[-1] are not computed
     else:
         y = xs.new_zeros(xs.shape)
         start = 0
