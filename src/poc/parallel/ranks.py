@@ -35,6 +35,7 @@ from poc.parallel.pp import keep_stage
 from poc.parallel.shard import build_v1_shard, load_shard
 from poc.parallel.tp import apply_tp
 from poc.protocol import v1, v2
+from poc.protocol.pool import pool_workers
 
 log = logging.getLogger("poc.ranks")
 
@@ -80,6 +81,8 @@ class Rank:
         self.leader = L.leader(self.replica)
         self.is_first, self.is_last = self.stage == 0, self.stage == L.pp - 1
         self.is_reporter = rank == L.reporter(self.replica)
+        if "POC_POOL_WORKERS" not in os.environ:  # the ranks of a host draw v1 pools at once: share the cores
+            os.environ["POC_POOL_WORKERS"] = str(max(1, pool_workers() // L.world))
         if cfg.device_type == "cuda":
             self.device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
