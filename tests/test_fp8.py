@@ -163,3 +163,43 @@ def test_fp8_tensor_parallel_slices(tmp_path):
         sa, sb = a.state_dict(), b.state_dict()
         assert sa["layers.0.mlp.down_proj.weight"].shape == (64, 160)
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@torch.no_grad()
+def test_fp8_experts_kept_in_memory(tmp_path, monkeypatch, device):
+    """fp8_experts="keep" (the default): a sparse layer's experts stay float8 with their block scales, stacked,
+    and are dequantised per forward: the same numbers as dequantising at load, for the whole model and for a
+    tensor-parallel rank (its experts only). Width 128 and hidden 192: gate|up on whole block rows, a cropped
+    column block."""
+    from poc.model.transformer import MoE
+    from poc.model.weights import fp8_experts_mode
+    from poc.parallel.shard import load_shard
+
+    src = tmp_path / "src"
+    make_hf_moe(src, **dict(MOE_CASES["mlp-only-layer-norm-topk"], moe_intermediate_size=128, hidden_size=192))
+    write_fp8_and_twin(src, tmp_path / "fp8", tmp_path / "twin")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x = torch.randn(2, 7, 192, generator=torch.Generator().manual_seed(5)).bfloat16().to(device)
+    vs = unit_rows(3, 192).to(device)
+    for dtype in (torch.bfloat16, torch.float32):
+        kept, cfg = load_model(tmp_path / "fp8", dtype=dtype, device=device, progress=False)
+        moes = [b.mlp for b in kept.layers.values() if isinstance(b.mlp, MoE)]
+        assert moes and all(m.w13.dtype == torch.float8_e4m3fn and m.w13.shape == (8, 256, 192) for m in moes)
+        assert all(m.w13_scale.shape == (8, 2, 2) and m.w2_scale.shape == (8, 2, 1) for m in moes)
+        assert not any(".experts." in k for k in kept.state_dict())
+        monkeypatch.setenv("POC_FP8_EXPERTS", "dequant")
+        full, _ = load_model(tmp_path / "fp8", dtype=dtype, device=device, progress=False)
+        monkeypatch.delenv("POC_FP8_EXPERTS")
+        assert all(b.mlp.w13 is None for b in full.layers.values() if isinstance(b.mlp, MoE))
+        xs = x.to(dtype)
+        full.fuse()  # stacked experts too: on CUDA both run the grouped GEMM
+        assert torch.equal(kept(xs, reflections=vs.to(dtype), last_only=False),
+                           full(xs, reflections=vs.to(dtype), last_only=False))
+    rank, _ = load_shard(tmp_path / "fp8", torch.bfloat16, "cpu", tp_rank=1, tp_size=2)
+    m = next(b.mlp for b in rank.layers.values() if isinstance(b.mlp, MoE))
+    assert (m.first, m.stop) == (4, 8) and m.w13.shape == (4, 256, 192) and m.w13.dtype == torch.float8_e4m3fn
+    assert fp8_experts_mode("dequant") == "dequant"
+    with pytest.raises(InputError, match="keep or dequant"):
+        fp8_experts_mode("int4")

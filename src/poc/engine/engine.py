@@ -50,7 +50,7 @@ class DeviceLock:
 
 class Engine(DeviceLock):
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto",
-                 compile: bool | str = False, v1_input_workers: int | None = None):
+                 compile: bool | str = False, v1_input_workers: int | None = None, fp8_experts: str | None = None):
         self.device = resolve_device(device)
         # torch.compile at fixed batch shapes, CUDA only. "auto": v1 (fp16: distances move <= 6e-6, measured)
         # but not v2 (bf16 artifacts move by ~0.02 L2 against eager on a random-weight model: benchmarks/README)
@@ -65,6 +65,7 @@ class Engine(DeviceLock):
         self.v1_input_workers = v1_input_workers
         self._executor = None  # the v1 input processes, started by load()
         self.model_dir = model_dir
+        self.fp8_experts = fp8_experts  # a Qwen3-MoE FP8 checkpoint's experts: keep (default) or dequant
         self.dtype_flag = dtype
         self.v2: V2Compute | None = None
         self._v1: V1Compute | None = None
@@ -93,7 +94,8 @@ class Engine(DeviceLock):
         dtype = self.v2_dtype_arg()
         spec = random_spec(self.model_dir)
         if spec is None:
-            model, cfg = load_model(self.model_dir, dtype=dtype, device=self.device, with_head=False, progress=True)
+            model, cfg = load_model(self.model_dir, dtype=dtype, device=self.device, with_head=False, progress=True,
+                                    fp8_experts=self.fp8_experts)
         else:  # random weights of a preset shape (random:<preset>[:fp8]): benchmarks and demos
             cfg, fp8 = spec
             model = random_model(cfg, resolve_dtype(dtype, cfg), self.device, fp8_experts=fp8)

@@ -10,6 +10,7 @@ and placed on its own, and `load_state_dict(assign=True)` adopts the placed tens
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -290,8 +291,53 @@ def _check_fp8(refs: dict[str, TensorRef], model: Transformer, name: str) -> Non
                          f"{list(FP8_BLOCK)} blocks needs float scales of shape {list(want)}", "model")
 
 
+FP8_EXPERTS = ("keep", "dequant")
+
+
+def fp8_experts_mode(value: str | None = None) -> str:
+    """`keep` (default): a Qwen3-MoE FP8 checkpoint's experts stay FP8 in memory, dequantised per layer in the
+    forward (same numbers; half the memory); `dequant`: everything dequantised at load. Env POC_FP8_EXPERTS."""
+    v = value or os.environ.get("POC_FP8_EXPERTS") or "keep"
+    if v not in FP8_EXPERTS:
+        raise InputError(f"fp8 experts must be keep or dequant, got {v!r}", "fp8_experts")
+    return v
+
+
+def keep_fp8_experts(model: Transformer, refs: dict[str, TensorRef], device: torch.device) -> set[str]:
+    """Load every sparse layer whose experts are FP8 as stacked float8 weights with their block scales
+    (MoE.set_fp8), for the experts this model holds; return the weight names so loaded (not to be read again).
+    A layer whose expert width is not a whole number of 128-blocks (gate|up would share a block row) is left to
+    the dequantising loader."""
+    from poc.model.transformer import MoE
+
+    done: set[str] = set()
+    F, D = model.cfg.moe_ffn_dim, model.cfg.dim
+    for key, block in model.layers.items():
+        if block is None or not isinstance(block.mlp, MoE) or F % FP8_BLOCK[0]:
+            continue
+        moe = block.mlp
+        names = [[f"layers.{key}.mlp.experts.{j}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+                 for j in range(moe.first, moe.stop)]
+        if not all(refs[n].dtype == FP8 for trio in names for n in trio):
+            continue
+        n, fb, db = len(names), F // FP8_BLOCK[0], -(-D // FP8_BLOCK[0])
+        w13 = torch.empty(n, 2 * F, D, dtype=torch.float8_e4m3fn, device=device)
+        s13 = torch.empty(n, 2 * fb, db, dtype=torch.float32, device=device)
+        w2 = torch.empty(n, D, F, dtype=torch.float8_e4m3fn, device=device)
+        s2 = torch.empty(n, db, -(-F // FP8_BLOCK[1]), dtype=torch.float32, device=device)
+        for i, (gate, up, down) in enumerate(names):  # one expert at a time: the host holds one tensor
+            w13[i, :F], w13[i, F:] = read_tensor(refs[gate]).to(device), read_tensor(refs[up]).to(device)
+            s13[i, :fb] = read_tensor(refs[scale_name(gate)]).to(device, torch.float32)
+            s13[i, fb:] = read_tensor(refs[scale_name(up)]).to(device, torch.float32)
+            w2[i], s2[i] = read_tensor(refs[down]).to(device), read_tensor(refs[scale_name(down)]).to(device, torch.float32)
+            done.update((gate, up, down))
+        moe.set_fp8(w13, s13, w2, s2)
+    return done
+
+
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
-               with_head: bool = False, progress: bool = True) -> tuple[Transformer, ModelConfig]:
+               with_head: bool = False, progress: bool = True,
+               fp8_experts: str | None = None) -> tuple[Transformer, ModelConfig]:
     """Build the model of a HF checkpoint directory on meta and fill it from its safetensors, in eval mode."""
     path = Path(path)
     if not path.is_dir():
@@ -304,6 +350,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: torc
     names = expected_keys(model)
     refs = index_checkpoint(path)  # unused tensors (lm_head without a head, rotary inv_freq, ...) are never read
     check_checkpoint(refs, model, names)
+    if cfg.fp8_block is not None and fp8_experts_mode(fp8_experts) == "keep":
+        kept = keep_fp8_experts(model, refs, device)
+        names = [n for n in names if n not in kept]
 
     sd = {}
     total = sum(refs[n].nbytes for n in names)

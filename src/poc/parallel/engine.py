@@ -95,7 +95,7 @@ class DistEngine(DeviceLock):
 
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto", tp: int = 1,
                  pp: int = 1, world: int | None = None, timeout: float = 300.0, start_timeout: float = 180.0,
-                 log_level: str | None = None, compile: bool | str = False):
+                 log_level: str | None = None, compile: bool | str = False, fp8_experts: str | None = None):
         self.device = resolve_device(device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", 0)  # the engine spans devices 0..world-1; this names the first
@@ -118,6 +118,7 @@ class DistEngine(DeviceLock):
         cuda = self.device.type == "cuda"
         self.compile_v1, self.compile_v2 = cuda and mode in ("auto", "on"), cuda and mode == "on"
         self.compile = self.compile_v2
+        self.fp8_experts = fp8_experts
         self._lock = threading.Lock()
         self._ranks: _Ranks | None = None
         self._job_ids = itertools.count(1)
@@ -154,7 +155,7 @@ class DistEngine(DeviceLock):
                 g.conns[msg[1]] = c
             cfg = RankConfig(layout=L, backend="nccl" if cuda else "gloo", device_type=self.device.type,
                              store_port=0, timeout_s=self.timeout, threads=threads, log_level=self.log_level,
-                             compile_v1=self.compile_v1, compile_v2=self.compile_v2)
+                             compile_v1=self.compile_v1, compile_v2=self.compile_v2, fp8_experts=self.fp8_experts)
             g.send(0, cfg)
             msg = self._recv(g.conns[0], g, deadline)
             if msg[0] != "store":
@@ -523,5 +524,6 @@ def make_engine(device: str | None = None, model_dir: str | None = None, dtype: 
     world = world_for(dev, tp, pp, replicas, devices)
     if world == 1:
         compile_ = kw.pop("compile", False)
-        return Engine(device=device, model_dir=model_dir, dtype=dtype, compile=compile_)
+        return Engine(device=device, model_dir=model_dir, dtype=dtype, compile=compile_,
+                      fp8_experts=kw.pop("fp8_experts", None))
     return DistEngine(device=device, model_dir=model_dir, dtype=dtype, tp=tp, pp=pp, world=world, **kw)

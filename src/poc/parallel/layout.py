@@ -142,3 +142,4 @@ class RankConfig:
     store_host: str = "127.0.0.1"
     compile_v1: bool = False  # torch.compile of the decoder layer (and v2's input generator) in the ranks
     compile_v2: bool = False
+    fp8_experts: str | None = None  # FP8 checkpoint experts: keep (default) or dequant

@@ -171,7 +171,8 @@ class Rank:
         L = self.layout
         spec = random_spec(model_dir)
         if spec is None:
-            model, mcfg = load_shard(model_dir, dtype, self.device, self.stage, L.pp, self.tp_rank, L.tp, self.tp_group)
+            model, mcfg = load_shard(model_dir, dtype, self.device, self.stage, L.pp, self.tp_rank, L.tp, self.tp_group,
+                                     fp8_experts=self.cfg.fp8_experts)
         else:  # random weights of a preset shape, made on this rank's device: only its own shard
             mcfg, fp8 = spec
 

@@ -17,14 +17,15 @@ from poc.errors import InputError
 from poc.model.config import ModelConfig
 from poc.model.random_init import hf_name, interleaved_to_half, pool_tensor, v1_config
 from poc.model.transformer import Transformer
-from poc.model.weights import check_checkpoint, expected_keys, index_checkpoint, iter_state_dict, resolve_dtype
+from poc.model.weights import (check_checkpoint, expected_keys, fp8_experts_mode, index_checkpoint, iter_state_dict,
+                               keep_fp8_experts, resolve_dtype)
 from poc.parallel.pp import keep_stage
 from poc.parallel.tp import apply_tp
 from poc.protocol import v1
 
 
 def load_shard(path: str | Path, dtype, device, stage: int = 0, n_stages: int = 1, tp_rank: int = 0,
-               tp_size: int = 1, tp_group=None) -> tuple[Transformer, ModelConfig]:
+               tp_size: int = 1, tp_group=None, fp8_experts: str | None = None) -> tuple[Transformer, ModelConfig]:
     """A headless checkpoint model holding only this rank's stage layers and tensor-parallel slices, in eval mode."""
     path = Path(path)
     if not path.is_dir():
@@ -38,6 +39,9 @@ def load_shard(path: str | Path, dtype, device, stage: int = 0, n_stages: int = 
     keep_stage(model, stage, n_stages)
     plan = apply_tp(model, tp_rank, tp_size, tp_group)
     names = expected_keys(model)
+    if cfg.fp8_block is not None and fp8_experts_mode(fp8_experts) == "keep":  # only this rank's experts
+        kept = keep_fp8_experts(model, refs, torch.device(device))
+        names = [n for n in names if n not in kept]
     sd = dict(iter_state_dict(refs, names, dtype, device, shard=plan))
     model.load_state_dict(sd, assign=True, strict=False)
     del sd

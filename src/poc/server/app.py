@@ -44,8 +44,10 @@ def _make_engine(config: ServerConfig):
         from poc.parallel.engine import make_engine
 
         return make_engine(config.device, config.model, config.dtype, tp=config.tp, pp=config.pp,
-                           replicas=config.replicas or None, compile=config.compile)
-    return Engine(device=config.device, model_dir=config.model, dtype=config.dtype, compile=config.compile)
+                           replicas=config.replicas or None, compile=config.compile,
+                           fp8_experts=config.fp8_experts)
+    return Engine(device=config.device, model_dir=config.model, dtype=config.dtype, compile=config.compile,
+                  fp8_experts=config.fp8_experts)
 
 
 def create_app(config: ServerConfig) -> web.Application:

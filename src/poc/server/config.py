@@ -2,10 +2,10 @@
 
     python model_server.py [--host 127.0.0.1] [--port 18000] [--model DIR] [--dtype auto|float16|bfloat16|float32]
                            [--device cpu|cuda] [--log-level info] [--spool-dir spool]
-                           [--tp 1] [--pp 1] [--replicas 1] [--compile auto|on|off]
+                           [--tp 1] [--pp 1] [--replicas 1] [--compile auto|on|off] [--fp8-experts keep|dequant]
 
 Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_DTYPE, POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR,
-POC_TP, POC_PP, POC_REPLICAS, POC_COMPILE)
+POC_TP, POC_PP, POC_REPLICAS, POC_COMPILE, POC_FP8_EXPERTS)
 > default.
 The other fields are limits and timings; tests override them directly.
 """
@@ -21,7 +21,8 @@ from poc.errors import InputError
 DTYPE_CHOICES = ("auto", "float16", "bfloat16", "float32")
 ENV = {"host": "POC_HOST", "port": "POC_PORT", "model": "POC_MODEL", "dtype": "POC_DTYPE", "device": "POC_DEVICE",
        "log_level": "POC_LOG_LEVEL", "spool_dir": "POC_SPOOL_DIR", "tp": "POC_TP", "pp": "POC_PP",
-       "replicas": "POC_REPLICAS", "compile": "POC_COMPILE"}
+       "replicas": "POC_REPLICAS", "compile": "POC_COMPILE",
+       "fp8_experts": "POC_FP8_EXPERTS"}
 DEFAULT_SPOOL_DIR = "spool"  # relative to the working directory (start_server.sh: the checkout, beside ./logs)
 
 
@@ -38,6 +39,7 @@ class ServerConfig:
     pp: int = 1
     replicas: int = 1  # on CUDA: 0 = as many as the visible GPUs allow
     compile: str = "auto"  # torch.compile on CUDA: auto = PoC v1 only (see engine.Engine), on, off
+    fp8_experts: str = "keep"  # a Qwen3-MoE FP8 checkpoint's experts: keep (FP8 in memory) or dequant (at load)
     # limits: answered with 400/413/422/429 before any GPU work
     max_body_bytes: int = 16 << 20
     max_batch_size: int = 4096
@@ -81,6 +83,8 @@ class ServerConfig:
                 raise InputError(f"--{k} must be >= 1, got {getattr(self, k)}", k)
         if self.replicas < 0:
             raise InputError(f"--replicas must be >= 0, got {self.replicas}", "replicas")
+        if self.fp8_experts not in ("keep", "dequant"):
+            raise InputError(f"--fp8-experts must be keep or dequant, got {self.fp8_experts!r}", "fp8_experts")
         if self.compile not in ("auto", "on", "off"):
             raise InputError(f"--compile must be auto, on or off, got {self.compile!r}", "compile")
         if self.dtype not in DTYPE_CHOICES:
@@ -112,6 +116,8 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
         ap.add_argument(f"--{k}", default=env.get(ENV[k], default), help=f"(env {ENV[k]})")
     ap.add_argument("--compile", default=env.get(ENV["compile"], d.compile),
                     help=f"torch.compile on CUDA: auto (PoC v1 only), on, off (env {ENV['compile']})")
+    ap.add_argument("--fp8-experts", default=env.get(ENV["fp8_experts"], d.fp8_experts),
+                    help=f"FP8 MoE experts: keep (FP8 in memory) or dequant (at load) (env {ENV['fp8_experts']})")
     a = ap.parse_args(argv)
     try:
         port = int(a.port)
@@ -127,4 +133,5 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise InputError(f"--log-level must be debug, info, warning or error, got {a.log_level!r}", "log_level")
     return ServerConfig(host=a.host, port=port, model=a.model, dtype=a.dtype, device=a.device, log_level=level,
-                        spool_dir=a.spool_dir, compile=str(a.compile), **par)
+                        spool_dir=a.spool_dir, compile=str(a.compile),
+                        fp8_experts=str(a.fp8_experts), **par)
