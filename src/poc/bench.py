@@ -50,6 +50,9 @@ WORKLOADS = {
     # the network's PoC v2 model: 235B-A22B with FP8 experts over 4 GPUs (attention by heads, experts by expert)
     "W7": {"protocol": "v2", "model": "qwen3-235b-a22b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32],
            "fp8": True, "tp": 4},
+    # two replicas of tp=2 on the same 4 GPUs: a third of the all-reduce traffic per nonce (~120 GB of weights a GPU)
+    "W7R": {"protocol": "v2", "model": "qwen3-235b-a22b", "seq_len": 1024, "dtype": "bfloat16", "batches": [32, 48],
+            "fp8": True, "tp": 2, "replicas": 2},
     # the same with the experts dequantised to bf16 (what the loader does with an FP8 checkpoint by default)
     "W7D": {"protocol": "v2", "model": "qwen3-235b-a22b", "seq_len": 1024, "dtype": "bfloat16", "batches": [32, 64],
             "tp": 4},
@@ -220,7 +223,8 @@ def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: 
     w = WORKLOADS[name]
     spec = f"random:{w['model']}" + (":fp8" if w.get("fp8") else "")
     t0 = time.perf_counter()
-    engine = make_engine("cuda", model_dir=spec, dtype=w["dtype"], tp=w["tp"], replicas=1,
+    gpus = w["tp"] * w.get("replicas", 1)
+    engine = make_engine("cuda", model_dir=spec, dtype=w["dtype"], tp=w["tp"], replicas=w.get("replicas", 1),
                          compile="on" if compile else "off")
     engine.load()
     build = time.perf_counter() - t0
@@ -236,10 +240,11 @@ def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: 
             print(json.dumps(rows[-1]), flush=True)
             break
         row = {"workload": name, "batch": b, "dtype": w["dtype"], "fp8_experts": w.get("fp8", False), "tp": w["tp"],
-               "gpus": w["tp"], "seq_len": seq_len, "compile": compile, "flops_per_nonce": fl, **r,
+               "replicas": w.get("replicas", 1), "gpus": gpus, "seq_len": seq_len, "compile": compile,
+               "tp_reduce": os.environ.get("POC_TP_REDUCE", "fp32"), "flops_per_nonce": fl, **r,
                "tflops": r["nonces_per_s"] * fl / 1e12,
-               "pct_of_ceiling": 100 * r["nonces_per_s"] * fl / 1e12 / (ceiling * w["tp"]),
-               "flop_limit_nonces_per_s": ceiling * w["tp"] * 1e12 / fl, "model_build_s": build,
+               "pct_of_ceiling": 100 * r["nonces_per_s"] * fl / 1e12 / (ceiling * gpus),
+               "flop_limit_nonces_per_s": ceiling * gpus * 1e12 / fl, "model_build_s": build,
                "nonces_per_min": 60 * r["nonces_per_s"]}
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
         rows.append(row)
