@@ -9,6 +9,9 @@ SHARED = Path(os.environ.get("POC_SHARED", ROOT.parent / "shared"))
 if not (SHARED / "golden").is_dir() and (ROOT / "shared" / "golden").is_dir():
     SHARED = ROOT / "shared"  # a copy inside the checkout (the GPU machine gets only the repo)
 GOLDEN = SHARED / "golden"
+if not (GOLDEN / "v1_golden.json").is_file():
+    raise FileNotFoundError(f"the golden files are not at {GOLDEN}: put the project's shared/ folder beside the "
+                            "checkout (as CI does) or set POC_SHARED to it")
 
 V1_GOLDEN = json.loads((GOLDEN / "v1_golden.json").read_text())
 V2_GOLDEN = json.loads((GOLDEN / "v2_golden.json").read_text())
