@@ -149,8 +149,12 @@ def hooked_hf_forward(hf, vs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def test_reflections_match_hooked_hf(case):
-    """Reflecting (a, r) after every layer = an HF forward hook reflecting each layer's output, norm after."""
-    hf, ours, cfg, x = case
+    check_reflections(*case)
+
+
+def check_reflections(hf, ours, cfg, x) -> None:
+    """Reflecting (a, r) after every layer = an HF forward hook reflecting each layer's output, norm after
+    (dense and MoE models alike)."""
     vs = unit_rows(cfg.n_layers, cfg.dim)
 
     want = hooked_hf_forward(hf, vs, x)

@@ -12,7 +12,7 @@ from poc.errors import InputError  # noqa: E402
 from poc.model.config import ModelConfig  # noqa: E402
 from poc.model.transformer import MLP, MoE, Transformer  # noqa: E402
 from poc.model.weights import load_model  # noqa: E402
-from tests.test_model_parity import hooked_hf_forward, randomize, unit_rows  # noqa: E402
+from tests.test_model_parity import check_reflections, hooked_hf_forward, randomize, unit_rows  # noqa: E402
 
 CASES = {  # name: config overrides; both layer kinds appear in each
     "mlp-only-layer-norm-topk": dict(num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
@@ -79,13 +79,7 @@ def test_hidden_state_and_logits_parity(case):
 
 @torch.no_grad()
 def test_reflections_match_hooked_hf(case):
-    hf, ours, cfg, x = case
-    vs = unit_rows(cfg.n_layers, cfg.dim)
-
-    want = hooked_hf_forward(hf, vs, x)
-    got = ours(x, reflections=vs, last_only=False)
-    assert (got - want).abs().max().item() < 1e-5
-    assert (got - ours(x, last_only=False)).abs().max().item() > 0.1
+    check_reflections(*case)
 
 
 @torch.no_grad()
