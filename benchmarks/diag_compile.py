@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from poc.engine.compute import maybe_compile  # noqa: E402
 from poc.model.config import PRESETS  # noqa: E402
 from poc.model.random_weights import random_model  # noqa: E402
-from poc.model.transformer import Transformer, _mul, apply_rope, reflect  # noqa: E402
+from poc.model.transformer import Transformer, _mul, apply_rope, reflect, sum_exact  # noqa: E402
 
 
 def diff(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -37,7 +37,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/h100/diag_compile.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU (checks the script runs)")
+    ap.add_argument("--exact", action="store_true",
+                    help="as the engine compiles now (compute.eager_numerics: IEEE division, no FMA contraction, "
+                         "PyTorch's libdevice); without it only emulate_precision_casts, as before")
     args = ap.parse_args()
+    if not args.exact:  # only the precision casts, as the engine compiled before eager_numerics()
+        import torch._inductor.config as inductor_config
+
+        import poc.engine.compute as compute
+
+        def casts_only() -> dict:
+            inductor_config.emulate_precision_casts = True
+            return {}
+
+        compute.eager_numerics = casts_only
     dev, dt = torch.device("cpu" if args.smoke else "cuda"), torch.bfloat16
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = PRESETS["tiny" if args.smoke else "qwen3-0.6b"]
@@ -47,7 +60,7 @@ def main() -> None:
     x = torch.randn(B, S, D, device=dev, generator=g).to(dt)
     blk = model.layers["0"]
     cos, sin = model.rope_cos[:S], model.rope_sin[:S]
-    out: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__, "ops": {}}
+    out: dict = {"exact": args.exact, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__, "ops": {}}
     gg = torch.randn(B * S, cfg.ffn_dim, device=dev, generator=g).to(dt) * 2
     uu = torch.randn(B * S, cfg.ffn_dim, device=dev, generator=g).to(dt)
     q = torch.randn(B, cfg.n_heads, S, cfg.head_dim, device=dev, generator=g).to(dt)
@@ -61,6 +74,7 @@ def main() -> None:
         "div fp32": (lambda a, b: a.float() / (b.float().abs() + 1), (gg, uu)),
         "rsqrt fp32": (lambda a: torch.rsqrt(a.float().abs() + 1e-6), (gg,)),
         "mean of squares fp32": (lambda a: a.float().pow(2).mean(-1, keepdim=True), (x,)),
+        "sum_exact of squares (fp64)": (lambda a: sum_exact(a.float().pow(2)), (x,)),
         "rmsnorm": (lambda a: blk.input_layernorm(a), (x,)),
         "rope": (lambda a: apply_rope(a, cos, sin), (q,)),
         "reflect": (lambda a: reflect(a, v), (x,)),

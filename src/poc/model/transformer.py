@@ -27,8 +27,19 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # normalise in fp32, round to the input dtype, then scale in the model dtype (HF and the v1 reference agree)
         y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = y * torch.rsqrt(sum_exact(y.pow(2)) / y.shape[-1] + self.eps)
         return _mul(y.to(x.dtype), self.weight)
+
+
+def sum_exact(t: Tensor) -> Tensor:
+    """Sum along the last dim (keepdim) accumulated in float64, returned in float32.
+
+    The terms here are squares or products of bf16/fp16 values (at most 22 significant bits), so their float64 sum is
+    exact for any realistic spread of magnitudes: every reduction order gives the same bits. Eager PyTorch and a
+    compiled graph (Triton's reduction tree) therefore agree exactly, where a float32 sum differs in the last bit
+    for about a third of the rows and the model's chaotic depth amplifies that. For float32 models it is simply a
+    more accurate sum. The float64 -> float32 rounding is written out so both paths round the same way."""
+    return t.double().sum(-1, keepdim=True).float()
 
 
 def rope_freqs(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> Tensor:
@@ -65,25 +76,27 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x.float() * cos + rotate_half(x).float() * sin).to(x.dtype)
 
 
-# Half-precision elementwise ops are written as fp32 math with an explicit rounding wherever eager PyTorch rounds
-# (it computes each bf16/fp16 op in fp32 and rounds its output). Eager results are bit-for-bit unchanged, and
-# torch.compile, which keeps fused intermediates in fp32 unless a cast says otherwise, rounds at the same places.
+# Half-precision elementwise ops round where eager PyTorch rounds: a bf16/fp16 op computes in fp32 and rounds its
+# output once. They are written as plain ops in the model dtype, so a compiled graph keeps each op's rounding
+# (inductor's emulate_precision_casts rounds the output of every low-precision op, inside fused kernels too). An
+# explicit x.to(bf16).float() is avoided: older inductors fold that chain into x.float() and lose the rounding.
 
 
 def _mul(a: Tensor, b: Tensor) -> Tensor:
-    return (a.float() * b.float()).to(a.dtype)
+    """a * b in a's dtype (computed in fp32, rounded once)."""
+    return a * b if a.dtype == b.dtype else (a.float() * b.float()).to(a.dtype)
 
 
 def _add(a: Tensor, b: Tensor) -> Tensor:
-    return (a.float() + b.float()).to(a.dtype)
+    """a + b in a's dtype (computed in fp32, rounded once)."""
+    return a + b if a.dtype == b.dtype else (a.float() + b.float()).to(a.dtype)
 
 
 def reflect(x: Tensor, v: Tensor) -> Tensor:
     """Householder reflection x - 2 (x.v) v along the last dim, in x's dtype (v a unit vector of that dtype),
     rounding as the reference's plain tensor ops do: x*v, the sum, 2*dot*v and the difference."""
-    dt = x.dtype
-    dot = _mul(x, v).float().sum(-1, keepdim=True).to(dt)
-    return (x.float() - _mul(_mul(dot, torch.full_like(dot, 2.0)), v).float()).to(dt)
+    dot = sum_exact(_mul(x, v)).to(x.dtype)
+    return x - _mul(dot * 2, v)
 
 
 class Attention(nn.Module):
@@ -187,7 +200,7 @@ class MLP(nn.Module):
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(_mul(F.silu(g.float()).to(g.dtype), u))
+        return self.down_proj(_mul(F.silu(g), u))  # silu of a bf16 tensor: fp32 math, one rounding
 
 
 class MoE(nn.Module):
@@ -238,10 +251,10 @@ class MoE(nn.Module):
         B, S, D = x.shape
         x = x.reshape(B * S, D)  # (B, S, D) -> (T, D)
         # as transformers: softmax in fp32, top-k, renormalise in fp32, weights rounded to the model dtype
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (T, E)
+        probs = _softmax(self.gate(x).float())  # (T, E)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights / sum_exact(weights)
         weights = weights.to(x.dtype)
         if self.w13 is None:
             out = _dispatch_modules(self, x, weights, experts)
@@ -252,6 +265,13 @@ class MoE(nn.Module):
                 out = out.to(x.dtype)
             torch.distributed.all_reduce(out, group=self.group)
         return out.to(x.dtype).view(B, S, D)
+
+
+def _softmax(z: Tensor) -> Tensor:
+    """Softmax over the last dim, written out (max, exp, exact sum, one division) so that eager PyTorch and a
+    compiled graph compute the same bits: a fused softmax kernel and Triton's sum differ in the order they add."""
+    e = torch.exp(z - z.amax(-1, keepdim=True))
+    return e / sum_exact(e)
 
 
 def _routed(moe: MoE, index: Tensor) -> tuple[Tensor, Tensor]:
@@ -282,7 +302,7 @@ def _dispatch_modules(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Te
             r = rows[start:start + n]
             out[r] = _mul(moe.experts[str(moe.first + j)](x[r // k]), w[r, None])
         start += n
-    return out.view(T, k, -1).float().sum(dim=1)  # (T*k, D) -> (T, k, D) -> (T, D)
+    return out.view(T, k, -1).double().sum(dim=1).float()  # (T*k, D) -> (T, k, D) -> (T, D), exact
 
 
 @torch.compiler.disable
@@ -331,22 +351,22 @@ def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Te
 def _act(h: Tensor) -> Tensor:
     """SwiGLU on the fused gate|up output, rounding as the unfused MLP does."""
     g, u = h.chunk(2, dim=-1)
-    return _mul(F.silu(g.float()).to(g.dtype), u)
+    return _mul(F.silu(g), u)
 
 
 def _combine(y: Tensor, w: Tensor, rows: Tensor, n_valid: Tensor, T: int, k: int) -> Tensor:
     """Weighted expert outputs back in (token, choice) order, zero for the rows another rank serves, summed over
-    the k choices in fp32 (T, D)."""
+    the k choices exactly (float64 accumulation, float32 result) (T, D)."""
     valid = torch.arange(y.shape[0], device=y.device) < n_valid
     yw = torch.where(valid[:, None], _mul(y, w[rows, None]), torch.zeros((), dtype=y.dtype, device=y.device))
     out = torch.empty_like(yw).index_copy_(0, rows, yw)
-    return out.view(T, k, -1).float().sum(dim=1)
+    return out.view(T, k, -1).double().sum(dim=1).float()
 
 
 def _combine_rows(y: Tensor, w: Tensor, rows: Tensor, T: int, k: int) -> Tensor:
     """_combine when y holds only this rank's rows (expert parallel): the other (token, choice) slots are zero."""
     out = y.new_zeros(T * k, y.shape[1]).index_copy_(0, rows, _mul(y, w[rows, None]))
-    return out.view(T, k, -1).float().sum(dim=1)
+    return out.view(T, k, -1).double().sum(dim=1).float()
 
 
 _FAST: dict = {}
@@ -474,7 +494,8 @@ class Transformer(nn.Module):
         B, S, _ = h.shape
         if self.rope_cos.is_meta or self.rope_cos.shape[0] < S or self.rope_cos.device != h.device:
             self.init_rope(h.device, max(S, self.cfg.max_seq_len))
-        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        # the tables rounded to the model dtype here, outside any compiled step (apply_rope rounds them anyway)
+        cos, sin = self.rope_cos[:S].to(h.dtype), self.rope_sin[:S].to(h.dtype)
         if reflections is not None:
             reflections = reflections.to(device=h.device, dtype=h.dtype)
         blocks = [(k, b) for k, b in self.layers.items() if b is not None]  # None: another stage's layer
