@@ -53,6 +53,9 @@ WORKLOADS = {
     # two replicas of tp=2 on the same 4 GPUs: a third of the all-reduce traffic per nonce (~120 GB of weights a GPU)
     "W7R": {"protocol": "v2", "model": "qwen3-235b-a22b", "seq_len": 1024, "dtype": "bfloat16", "batches": [32, 48],
             "fp8": True, "tp": 2, "replicas": 2},
+    # one pipeline of 4 stages (23-24 layers and all 128 experts a GPU, ~62 GB): no all-reduce at all
+    "W7P": {"protocol": "v2", "model": "qwen3-235b-a22b", "seq_len": 1024, "dtype": "bfloat16", "batches": [64, 96],
+            "fp8": True, "tp": 1, "pp": 4},
     # the same with the experts dequantised to bf16 (what the loader does with an FP8 checkpoint by default)
     "W7D": {"protocol": "v2", "model": "qwen3-235b-a22b", "seq_len": 1024, "dtype": "bfloat16", "batches": [32, 64],
             "tp": 4},
@@ -223,9 +226,9 @@ def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: 
     w = WORKLOADS[name]
     spec = f"random:{w['model']}" + (":fp8" if w.get("fp8") else "")
     t0 = time.perf_counter()
-    gpus = w["tp"] * w.get("replicas", 1)
-    engine = make_engine("cuda", model_dir=spec, dtype=w["dtype"], tp=w["tp"], replicas=w.get("replicas", 1),
-                         compile="on" if compile else "off")
+    gpus = w["tp"] * w.get("pp", 1) * w.get("replicas", 1)
+    engine = make_engine("cuda", model_dir=spec, dtype=w["dtype"], tp=w["tp"], pp=w.get("pp", 1),
+                         replicas=w.get("replicas", 1), compile="on" if compile else "off")
     engine.load()
     build = time.perf_counter() - t0
     cfg, seq_len = PRESETS[w["model"]], w["seq_len"]
@@ -240,7 +243,7 @@ def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: 
             print(json.dumps(rows[-1]), flush=True)
             break
         row = {"workload": name, "batch": b, "dtype": w["dtype"], "fp8_experts": w.get("fp8", False), "tp": w["tp"],
-               "replicas": w.get("replicas", 1), "gpus": gpus, "seq_len": seq_len, "compile": compile,
+               "pp": w.get("pp", 1), "replicas": w.get("replicas", 1), "gpus": gpus, "seq_len": seq_len, "compile": compile,
                "tp_reduce": os.environ.get("POC_TP_REDUCE", "fp32"), "flops_per_nonce": fl, **r,
                "tflops": r["nonces_per_s"] * fl / 1e12,
                "pct_of_ceiling": 100 * r["nonces_per_s"] * fl / 1e12 / (ceiling * gpus),

@@ -415,7 +415,7 @@ class DistEngine(DeviceLock):
                     done[msg[2]] = True
 
         try:
-            for _ in range(DEPTH):
+            for _ in range(DEPTH + L.pp - 1):  # a pipeline of pp stages holds pp batches at once, plus one queued
                 for r in range(L.replicas):
                     deal(r)
             while not all(done):

@@ -48,7 +48,7 @@ class _OnlyRank0(logging.Filter):
         self.rank = rank
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return self.rank == 0
+        return self.rank == 0 or getattr(record, "every_rank", False)
 
 
 def _setup_logging(rank: int, level: str) -> None:
@@ -97,6 +97,8 @@ class Rank:
         # compiled at fixed shapes like the single-device engine (a short last batch compiles its own shape)
         self._step_v1 = maybe_compile(Transformer.layer_step, cfg.compile_v1)
         self._step_v2 = maybe_compile(Transformer.layer_step, cfg.compile_v2)
+        timing = os.environ.get("POC_STAGE_TIMING") == "1" and self.device.type == "cuda"
+        self._timing, self._prev_end = (collections.deque() if timing else None), None
         self._inputs_v2 = maybe_compile(v2.inputs_from_seeds, cfg.compile_v2)
 
     # ------------------------------------------------------------------------------------ setup
@@ -212,24 +214,26 @@ class Rank:
     # ------------------------------------------------------------------------------------ jobs
 
     def run_job(self, job_id: int, job, opts: dict) -> None:
-        """Batches until the leader broadcasts the end; the launch of batch i+1 overlaps the collect of batch i."""
-        inflight = None
+        """Batches until the leader broadcasts the end. A rank keeps up to `pp` launched batches before it waits for
+        the oldest: with one stage that is batch i+1's launch overlapping batch i's collect; with pp stages the last
+        stage's host must not wait for batch i before the first stage has launched batch i+pp-1 (every rank takes
+        each command in step), or the pipeline would hold only two batches and its stages would take turns."""
+        inflight: collections.deque = collections.deque()
+        depth = self.layout.pp
         while True:
             cmd = self.next_command()
             if cmd[0] == "idle":
                 continue
             if cmd[1] != job_id:
                 raise RuntimeError(f"command {cmd[0]!r} of job {cmd[1]} inside job {job_id}")
-            launched = None
             if cmd[0] == "batch":
                 _, _, seq, nonces = cmd
                 with torch.inference_mode():
                     t0 = time.perf_counter()
                     out = self.launch_v1(job, nonces) if isinstance(job, V1Job) else self.launch_v2(job, nonces)
-                    launched = (seq, nonces, out, t0)
-            if inflight is not None:
-                self.report(job_id, job, opts, *inflight)
-            inflight = launched
+                    inflight.append((seq, nonces, out, t0))
+            while len(inflight) > (depth if cmd[0] == "batch" else 0):
+                self.report(job_id, job, opts, *inflight.popleft())
             if cmd[0] == "end":
                 break
         if self.is_reporter:
@@ -266,7 +270,9 @@ class Rank:
             return self._inputs_v2(self._to_device(seeds), S, D, self.keys(S * D)).to(dtype)
 
         x = self._stage_input(host_x, len(nonces), S, D, dtype)
+        self._mark(0)
         h = model(x, reflections=self.reflections(job.block_hash, cfg, dtype), last_only=True, step=self._step_v2)
+        self._mark(1)
         if post:
             h = v2.project(h, v2.PostProcessPlan(self._to_device(pl.pick), self._to_device(pl.haar)))
         return self._finish(h)
@@ -289,7 +295,27 @@ class Rank:
             out = torch.linalg.vector_norm(u.double() - tgt[None, :], dim=1)
         return self._finish(out)
 
+    def _mark(self, which: int) -> None:
+        """POC_STAGE_TIMING=1 (CUDA): events around this rank's forward; logged when the batch is collected, with
+        the idle time since the previous batch's forward ended (a pipeline stage waiting for its input)."""
+        if self._timing is None:
+            return
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self._timing.append((which, ev))
+
+    def _log_timing(self) -> None:
+        if self._timing is None:
+            return
+        while len(self._timing) >= 2 and self._timing[1][1].query():
+            (_, start), (_, end) = self._timing.popleft(), self._timing.popleft()
+            idle = self._prev_end.elapsed_time(start) if self._prev_end is not None else float("nan")
+            log.warning("stage %d: forward %.1f ms, idle before it %.1f ms", self.stage, start.elapsed_time(end), idle,
+                     extra={"every_rank": True})
+            self._prev_end = end
+
     def report(self, job_id: int, job, opts: dict, seq: int, nonces: list[int], out, t0: float) -> None:
+        self._log_timing()
         if out is None:
             return
         res = out.wait()
