@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from poc.engine.compute import DTYPES, V1Compute, V2Compute, resolve_device
+from poc.engine.compute import DTYPES, V1Compute, V2Compute, compile_flags, resolve_device
 from poc.engine.jobs import BatchResult, JobSummary, V1Job, V2Job, take
 from poc.errors import InputError
 from poc.protocol import v1
@@ -52,14 +52,9 @@ class Engine(DeviceLock):
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto",
                  compile: bool | str = False, v1_input_workers: int | None = None, fp8_experts: str | None = None):
         self.device = resolve_device(device)
-        # torch.compile at fixed batch shapes, CUDA only. "auto": v1 (fp16: distances move <= 6e-6, measured)
-        # but not v2 (bf16 artifacts move by ~0.02 L2 against eager on a random-weight model: benchmarks/README)
-        mode = {True: "on", False: "off"}.get(compile, compile)
-        if mode not in ("auto", "on", "off"):
-            raise InputError(f"compile must be auto, on or off, got {compile!r}", "compile")
-        cuda = self.device.type == "cuda"
-        self.compile_v1 = cuda and mode in ("auto", "on")
-        self.compile = self.compile_v2 = cuda and mode == "on"
+        # torch.compile at fixed batch shapes, CUDA only (compute.compile_flags)
+        self.compile_v1, self.compile_v2 = compile_flags(compile, self.device)
+        self.compile = self.compile_v2
         if v1_input_workers is None:  # on a GPU box the numpy RNG needs many cores to keep up
             v1_input_workers = max(1, min(16, (os.cpu_count() or 2) - 2)) if self.device.type == "cuda" else 0
         self.v1_input_workers = v1_input_workers

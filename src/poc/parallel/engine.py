@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from poc.engine.compute import DTYPES, resolve_device
+from poc.engine.compute import DTYPES, compile_flags, resolve_device
 from poc.engine.engine import DeviceLock, Engine
 from poc.engine.jobs import BatchResult, JobSummary, Limits, V1Job, V2Job, take
 from poc.errors import InputError
@@ -111,12 +111,8 @@ class DistEngine(DeviceLock):
         self.state = "loading" if model_dir else "ready"
         self.broken_reason: str | None = None
         self.load_seconds: float | None = None
-        # as Engine: "auto" compiles v1 only, "on" both; CUDA only (collectives inside the layer are traced)
-        mode = {True: "on", False: "off"}.get(compile, compile)
-        if mode not in ("auto", "on", "off"):
-            raise InputError(f"compile must be auto, on or off, got {compile!r}", "compile")
-        cuda = self.device.type == "cuda"
-        self.compile_v1, self.compile_v2 = cuda and mode in ("auto", "on"), cuda and mode == "on"
+        # as Engine (compute.compile_flags); CUDA only (the collectives inside the layer are traced)
+        self.compile_v1, self.compile_v2 = compile_flags(compile, self.device)
         self.compile = self.compile_v2
         self.fp8_experts = fp8_experts
         self._lock = threading.Lock()
