@@ -243,7 +243,8 @@ def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: 
             print(json.dumps(rows[-1]), flush=True)
             break
         row = {"workload": name, "batch": b, "dtype": w["dtype"], "fp8_experts": w.get("fp8", False), "tp": w["tp"],
-               "pp": w.get("pp", 1), "replicas": w.get("replicas", 1), "gpus": gpus, "seq_len": seq_len, "compile": compile,
+               "pp": w.get("pp", 1), "replicas": w.get("replicas", 1), "gpus": gpus, "seq_len": seq_len,
+               "compile": compile,
                "tp_reduce": os.environ.get("POC_TP_REDUCE", "fp32"), "flops_per_nonce": fl, **r,
                "tflops": r["nonces_per_s"] * fl / 1e12,
                "pct_of_ceiling": 100 * r["nonces_per_s"] * fl / 1e12 / (ceiling * gpus),
