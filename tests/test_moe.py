@@ -127,6 +127,31 @@ def test_stacked_grouped_and_expert_ranges(tmp_path, monkeypatch):
     assert torch.equal((parts[0] + parts[1]).bfloat16().view_as(want), want)
 
 
+@pytest.mark.parametrize("n_valid", [72, 40, 1])
+def test_combine_gathers_what_a_scatter_and_sum_gives(n_valid):
+    """_combine (a gather by inverse positions) against the plain formulation: scatter the weighted rows of y back
+    to (token, choice) order into zeros, then sum the k choices. Bit for bit, for all rows and for a rank's first
+    n_valid rows (expert parallel), in bf16."""
+    from poc.model import transformer
+
+    g = torch.Generator().manual_seed(5)
+    T, k, D = 9, 8, 16
+    rows = torch.randperm(T * k, generator=g)  # expert-sorted order -> (token, choice) slot
+    w = torch.rand(T * k, generator=g).bfloat16()
+    y = torch.randn(n_valid, D, generator=g).bfloat16()  # only the first n_valid sorted rows were computed
+    pos = transformer._positions(rows)
+    assert torch.equal(rows[pos], torch.arange(T * k))
+    got = transformer._combine(y, w, pos, torch.tensor(n_valid), T, k)
+    scattered = torch.zeros(T * k, D, dtype=torch.bfloat16)
+    scattered[rows[:n_valid]] = y * w[rows[:n_valid], None]
+    want = scattered.view(T, k, D).double().sum(dim=1).float()
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    from poc.engine.compute import maybe_compile
+
+    compiled = maybe_compile(transformer._combine, True, dynamic=True)(y, w, pos, torch.tensor(n_valid), T, k)
+    assert torch.equal(compiled, want)
+
+
 def _routing(moe, x):
     t = x.reshape(-1, x.shape[-1])
     probs = torch.softmax(moe.gate(t).float(), dim=-1)

@@ -317,6 +317,7 @@ def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Te
     E, n_local = moe.gate.out_features, moe.stop - moe.first
     key = torch.remainder(index.reshape(-1) - moe.first, E)  # this rank's experts -> 0 .. n_local-1, first
     rows = key.argsort(stable=True)  # (T*k,) into (token, choice) order
+    pos = _positions(rows)  # (T*k,): where each (token, choice) pair sits in that order
     ends = torch.searchsorted(key[rows], torch.arange(1, n_local + 1, device=x.device))  # group j: [ends[j-1], ends[j])
     partial = n_local < E
     if partial:  # expert parallel: one host sync per layer, then only this rank's rows are gathered and computed
@@ -330,8 +331,7 @@ def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Te
     xs = x[rows // k]  # (N, D): the routed copies, grouped by expert
     fast = moe.fast and x.is_cuda
     act = _fast(_act, partial) if fast else _act
-    combine = (_fast(_combine_rows, True) if fast else _combine_rows) if partial else (
-        _fast(_combine) if fast else _combine)
+    combine = _fast(_combine, partial) if fast else _combine
     if _grouped_mm_ok(xs, w13):
         offs = ends.to(torch.int32)
         y = torch._grouped_mm(act(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)), w2.transpose(1, 2),
@@ -343,9 +343,7 @@ def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Te
             if stop > start:
                 y[start:stop] = F.linear(act(F.linear(xs[start:stop], w13[j])), w2[j])
             start = stop
-    if partial:
-        return combine(y, weights.reshape(-1), rows, T, k)
-    return combine(y, weights.reshape(-1), rows, ends[-1], T, k)
+    return combine(y, weights.reshape(-1), pos, ends[-1], T, k)
 
 
 def _act(h: Tensor) -> Tensor:
@@ -354,19 +352,23 @@ def _act(h: Tensor) -> Tensor:
     return _mul(F.silu(g), u)
 
 
-def _combine(y: Tensor, w: Tensor, rows: Tensor, n_valid: Tensor, T: int, k: int) -> Tensor:
-    """Weighted expert outputs back in (token, choice) order, zero for the rows another rank serves, summed over
-    the k choices exactly (float64 accumulation, float32 result) (T, D)."""
-    valid = torch.arange(y.shape[0], device=y.device) < n_valid
-    yw = torch.where(valid[:, None], _mul(y, w[rows, None]), torch.zeros((), dtype=y.dtype, device=y.device))
-    out = torch.empty_like(yw).index_copy_(0, rows, yw)
-    return out.view(T, k, -1).double().sum(dim=1).float()
+def _positions(rows: Tensor) -> Tensor:
+    """The inverse permutation of `rows`: pos[rows[p]] = p."""
+    return torch.empty_like(rows).scatter_(0, rows, torch.arange(rows.numel(), device=rows.device))
 
 
-def _combine_rows(y: Tensor, w: Tensor, rows: Tensor, T: int, k: int) -> Tensor:
-    """_combine when y holds only this rank's rows (expert parallel): the other (token, choice) slots are zero."""
-    out = y.new_zeros(T * k, y.shape[1]).index_copy_(0, rows, _mul(y, w[rows, None]))
-    return out.view(T, k, -1).double().sum(dim=1).float()
+def _combine(y: Tensor, w: Tensor, pos: Tensor, n_valid: Tensor, T: int, k: int) -> Tensor:
+    """The block's output (T, D) in float32: for each token, the sum over its k choices of expert output times
+    routing weight (each product rounded to the model dtype, the sum exact: sum_exact's argument).
+
+    y holds the expert outputs in expert-sorted order, one row per computed (token, choice) pair: all T*k of them,
+    or under expert parallel only this rank's first n_valid. pos maps each (token, choice) slot to its row of y;
+    slots at or past n_valid are another rank's and count as zero. Written as a gather, so a compiled graph reads y
+    once and writes only the (T, D) result (no (T*k, D) scatter buffer to zero, fill and re-read)."""
+    valid = pos < n_valid
+    yw = _mul(y[pos.clamp(max=y.shape[0] - 1)], w[:, None])  # (T*k, D) in (token, choice) order
+    yw = torch.where(valid[:, None], yw, torch.zeros((), dtype=y.dtype, device=y.device))
+    return yw.view(T, k, -1).double().sum(dim=1).float()
 
 
 _FAST: dict = {}
