@@ -572,3 +572,23 @@ def test_tp_reduce_setting(monkeypatch):
     monkeypatch.setenv("POC_TP_REDUCE", "bf16")
     with pytest.raises(ValueError, match="POC_TP_REDUCE must be fp32 or model"):
         reduce_in_model_dtype()
+
+
+def test_rank_profile_writes_a_breakdown_per_rank(tmp_path, monkeypatch):
+    """POC_RANK_PROFILE=DIR: every rank profiles batches 4-7 of its first job and writes DIR/rank<N>.json (on the
+    CPU the profiler sees CPU ops, all of kind "other"; on CUDA the kernels by kind, NCCL included)."""
+    from poc.profiling import KINDS
+
+    monkeypatch.setenv("POC_RANK_PROFILE", str(tmp_path))
+    e = DistEngine("cpu", model_dir=str(v2_checkpoint("qwen3")), dtype="float32", tp=2, world=2, timeout=60)
+    try:
+        e.load()
+        arts, dropped = e.v2_artifacts(BH, PK, list(range(20)), SEQ, K, batch_size=2)  # 10 batches
+        assert len(arts) == 20 and not dropped
+    finally:
+        e.close()
+    for r in (0, 1):
+        out = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert out["batches"] == 4 and out["wall_s"] > 0
+        assert set(out["by_kind_s"]) == set(KINDS) and out["gpu_kernel_s"] > 0
+        assert out["top_kernels"] and all(t > 0 for t, _ in out["top_kernels"])

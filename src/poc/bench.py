@@ -333,6 +333,8 @@ def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4)
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
+    from poc.profiling import breakdown
+
     w = WORKLOADS[name]
     dtype = DTYPES[w["dtype"]]
     cfg = replace(PRESETS[w["model"]])
@@ -350,29 +352,11 @@ def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4)
         engine.run(job, lambda b: None, threading.Event())
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    kinds = {"gemm": 0.0, "attention": 0.0, "compiled elementwise (triton)": 0.0, "other": 0.0}
-    top = []
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-        if not t or e.key.startswith("ProfilerStep"):
-            continue
-        k = e.key.lower()
-        if any(x in k for x in ("flash", "fmha", "sdpa", "attention", "attn")):  # before gemm: cuDNN's say sm90
-            kind = "attention"
-        elif any(x in k for x in ("gemm", "nvjet", "cutlass", "xmma", "sm90", "cublas")):
-            kind = "gemm"
-        elif k.startswith("triton"):
-            kind = "compiled elementwise (triton)"
-        else:
-            kind = "other"
-        kinds[kind] += t / 1e6
-        top.append((t / 1e6, e.key[:90]))
-    top.sort(reverse=True)
-    gpu = sum(kinds.values())
+    b = breakdown(prof, wall)
+    kinds = b["by_kind_s"]
     fl = flops_per_nonce(cfg, w["seq_len"], False) * batch * steps
-    out = {"workload": name, "batch": batch, "compile": compile, "wall_s": wall, "gpu_kernel_s": gpu,
-           "gpu_busy_pct": 100 * gpu / wall, "by_kind_s": kinds,
-           "gemm_tflops": None, "nonces_per_s": batch * steps / wall, "top_kernels": top[:12]}
+    out = {"workload": name, "batch": batch, "compile": compile, **b,
+           "gemm_tflops": None, "nonces_per_s": batch * steps / wall}
     # the GEMM share of the FLOPs (everything but attention) over the GEMM kernels' time
     attn_fl = 2.0 * cfg.n_layers * w["seq_len"] ** 2 * cfg.n_heads * cfg.head_dim * batch * steps
     if kinds["gemm"]:

@@ -97,6 +97,7 @@ class Rank:
         # compiled at fixed shapes like the single-device engine (a short last batch compiles its own shape)
         self._step_v1 = maybe_compile(Transformer.layer_step, cfg.compile_v1)
         self._step_v2 = maybe_compile(Transformer.layer_step, cfg.compile_v2)
+        self._profile_dir, self._profiled = os.environ.get("POC_RANK_PROFILE"), False
         timing = os.environ.get("POC_STAGE_TIMING") == "1" and self.device.type == "cuda"
         self._timing, self._prev_end = (collections.deque() if timing else None), None
         self._inputs_v2 = maybe_compile(v2.inputs_from_seeds, cfg.compile_v2)
@@ -220,6 +221,10 @@ class Rank:
         each command in step), or the pipeline would hold only two batches and its stages would take turns."""
         inflight: collections.deque = collections.deque()
         depth = self.layout.pp
+        prof = None
+        if self._profile_dir and not self._profiled:  # POC_RANK_PROFILE: the first job's steady-state batches
+            from poc.profiling import StepProfiler
+            prof = StepProfiler(self._profile_dir, f"rank{self.rank}", self.device)
         while True:
             cmd = self.next_command()
             if cmd[0] == "idle":
@@ -232,9 +237,14 @@ class Rank:
                     t0 = time.perf_counter()
                     out = self.launch_v1(job, nonces) if isinstance(job, V1Job) else self.launch_v2(job, nonces)
                     inflight.append((seq, nonces, out, t0))
+                if prof is not None:
+                    prof.step()
+                    self._profiled = prof.done
             while len(inflight) > (depth if cmd[0] == "batch" else 0):
                 self.report(job_id, job, opts, *inflight.popleft())
             if cmd[0] == "end":
+                if prof is not None:
+                    prof.close()
                 break
         if self.is_reporter:
             self.send(("done", job_id, self.replica))
