@@ -343,7 +343,9 @@ def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Te
             if stop > start:
                 y[start:stop] = F.linear(act(F.linear(xs[start:stop], w13[j])), w2[j])
             start = stop
-    return combine(y, weights.reshape(-1), pos, ends[-1], T, k)
+    # the sum leaves the kernel in fp32 only where fp32 partials are all-reduced; otherwise rounded there (fused)
+    out_dtype = torch.float32 if moe.group is not None and not moe.reduce_in_model_dtype else x.dtype
+    return combine(y, weights.reshape(-1), pos, ends[-1], T, k, out_dtype)
 
 
 def _act(h: Tensor) -> Tensor:
@@ -357,9 +359,11 @@ def _positions(rows: Tensor) -> Tensor:
     return torch.empty_like(rows).scatter_(0, rows, torch.arange(rows.numel(), device=rows.device))
 
 
-def _combine(y: Tensor, w: Tensor, pos: Tensor, n_valid: Tensor, T: int, k: int) -> Tensor:
-    """The block's output (T, D) in float32: for each token, the sum over its k choices of expert output times
-    routing weight (each product rounded to the model dtype, the sum exact: sum_exact's argument).
+def _combine(y: Tensor, w: Tensor, pos: Tensor, n_valid: Tensor, T: int, k: int,
+             out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """The block's output (T, D): for each token, the sum over its k choices of expert output times routing weight
+    (each product rounded to the model dtype, the sum exact: sum_exact's argument), as float32 rounded to
+    out_dtype.
 
     y holds the expert outputs in expert-sorted order, one row per computed (token, choice) pair: all T*k of them,
     or under expert parallel only this rank's first n_valid. pos maps each (token, choice) slot to its row of y;
@@ -368,7 +372,7 @@ def _combine(y: Tensor, w: Tensor, pos: Tensor, n_valid: Tensor, T: int, k: int)
     valid = pos < n_valid
     yw = _mul(y[pos.clamp(max=y.shape[0] - 1)], w[:, None])  # (T*k, D) in (token, choice) order
     yw = torch.where(valid[:, None], yw, torch.zeros((), dtype=y.dtype, device=y.device))
-    return yw.view(T, k, -1).double().sum(dim=1).float()
+    return yw.view(T, k, -1).double().sum(dim=1).float().to(out_dtype)
 
 
 _FAST: dict = {}
