@@ -592,3 +592,46 @@ def test_rank_profile_writes_a_breakdown_per_rank(tmp_path, monkeypatch):
         assert out["batches"] == 4 and out["wall_s"] > 0
         assert set(out["by_kind_s"]) == set(KINDS) and out["gpu_kernel_s"] > 0
         assert out["top_kernels"] and all(t > 0 for t, _ in out["top_kernels"])
+
+
+def test_stage_timing_logs_forward_idle_and_host_time(monkeypatch, caplog):
+    """POC_STAGE_TIMING's bookkeeping (CUDA events on the GPU; here a stand-in event on the host clock): one line
+    per batch with its forward time, the stream's idle time before it and the host time by step."""
+    import collections
+    import logging
+
+    from poc.parallel import ranks
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def query(self):
+            return True
+
+        def elapsed_time(self, other):
+            return 1e3 * (other.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    r = ranks.Rank.__new__(ranks.Rank)
+    r.stage, r._timing, r._prev_end, r._host_s = 1, collections.deque(), None, {}
+    with caplog.at_level(logging.WARNING, logger="poc.ranks"):
+        for _ in range(2):
+            t0 = time.perf_counter()
+            time.sleep(0.01)
+            r._host("command", t0)
+            r._mark(0)
+            time.sleep(0.02)
+            r._mark(1)
+            time.sleep(0.005)
+        r._log_timing()
+    lines = [m for m in caplog.messages if m.startswith("stage 1: forward")]
+    assert len(lines) == 2 and not r._timing
+    fwd = [float(m.split("forward ")[1].split(" ms")[0]) for m in lines]
+    assert all(15 < f < 500 for f in fwd)
+    assert "idle before it nan ms" in lines[0] and "'command'" in lines[0]
+    idle = float(lines[1].split("idle before it ")[1].split(" ms")[0])
+    assert 10 < idle < 500  # the 5 ms after the first forward plus the 10 ms host step before the second

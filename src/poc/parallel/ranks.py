@@ -99,7 +99,7 @@ class Rank:
         self._step_v2 = maybe_compile(Transformer.layer_step, cfg.compile_v2)
         self._profile_dir, self._profiled = os.environ.get("POC_RANK_PROFILE"), False
         timing = os.environ.get("POC_STAGE_TIMING") == "1" and self.device.type == "cuda"
-        self._timing, self._prev_end = (collections.deque() if timing else None), None
+        self._timing, self._prev_end, self._host_s = (collections.deque() if timing else None), None, {}
         self._inputs_v2 = maybe_compile(v2.inputs_from_seeds, cfg.compile_v2)
 
     # ------------------------------------------------------------------------------------ setup
@@ -226,7 +226,9 @@ class Rank:
             from poc.profiling import StepProfiler
             prof = StepProfiler(self._profile_dir, f"rank{self.rank}", self.device)
         while True:
+            t0 = time.perf_counter()
             cmd = self.next_command()
+            self._host("command", t0)
             if cmd[0] == "idle":
                 continue
             if cmd[1] != job_id:
@@ -240,8 +242,10 @@ class Rank:
                 if prof is not None:
                     prof.step()
                     self._profiled = prof.done
+            t0 = time.perf_counter()
             while len(inflight) > (depth if cmd[0] == "batch" else 0):
                 self.report(job_id, job, opts, *inflight.popleft())
+            self._host("report", t0)
             if cmd[0] == "end":
                 if prof is not None:
                     prof.close()
@@ -279,13 +283,20 @@ class Rank:
         def host_x():
             return self._inputs_v2(self._to_device(seeds), S, D, self.keys(S * D)).to(dtype)
 
+        t0 = time.perf_counter()
         x = self._stage_input(host_x, len(nonces), S, D, dtype)
+        self._host("input", t0)
         self._mark(0)
+        t0 = time.perf_counter()
         h = model(x, reflections=self.reflections(job.block_hash, cfg, dtype), last_only=True, step=self._step_v2)
+        self._host("forward launch", t0)
         self._mark(1)
         if post:
             h = v2.project(h, v2.PostProcessPlan(self._to_device(pl.pick), self._to_device(pl.haar)))
-        return self._finish(h)
+        t0 = time.perf_counter()
+        handle = self._finish(h)
+        self._host("send/collect launch", t0)
+        return handle
 
     def launch_v1(self, job: V1Job, nonces: list[int]):
         model, tgt = self.v1_model(job)
@@ -305,23 +316,34 @@ class Rank:
             out = torch.linalg.vector_norm(u.double() - tgt[None, :], dim=1)
         return self._finish(out)
 
+    def _host(self, name: str, t0: float) -> None:
+        """POC_STAGE_TIMING: add the host seconds since t0 to this batch's host time under `name`."""
+        if self._timing is not None:
+            self._host_s[name] = self._host_s.get(name, 0.0) + time.perf_counter() - t0
+
     def _mark(self, which: int) -> None:
         """POC_STAGE_TIMING=1 (CUDA): events around this rank's forward; logged when the batch is collected, with
-        the idle time since the previous batch's forward ended (a pipeline stage waiting for its input)."""
+        the idle time since the previous batch's forward ended (a pipeline stage waiting for its input) and the host
+        seconds by step since the previous forward was launched (waiting for the command broadcast, making or
+        receiving the input, launching the forward, the previous batch's send and report): a host that blocks
+        shows here."""
         if self._timing is None:
             return
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
-        self._timing.append((which, ev))
+        host = {}
+        if which == 1:  # the batch's host times so far (command wait, input/recv, forward launch) go with it
+            host, self._host_s = {k: round(1e3 * v, 1) for k, v in self._host_s.items()}, {}
+        self._timing.append((ev, host))
 
     def _log_timing(self) -> None:
         if self._timing is None:
             return
-        while len(self._timing) >= 2 and self._timing[1][1].query():
-            (_, start), (_, end) = self._timing.popleft(), self._timing.popleft()
+        while len(self._timing) >= 2 and self._timing[1][0].query():
+            (start, _), (end, host) = self._timing.popleft(), self._timing.popleft()
             idle = self._prev_end.elapsed_time(start) if self._prev_end is not None else float("nan")
-            log.warning("stage %d: forward %.1f ms, idle before it %.1f ms", self.stage, start.elapsed_time(end), idle,
-                     extra={"every_rank": True})
+            log.warning("stage %d: forward %.1f ms, idle before it %.1f ms; host ms %s", self.stage,
+                        start.elapsed_time(end), idle, host, extra={"every_rank": True})
             self._prev_end = end
 
     def report(self, job_id: int, job, opts: dict, seq: int, nonces: list[int], out, t0: float) -> None:
