@@ -7,6 +7,7 @@ device is busy with the previous batch) and `run` (device work), so the runner c
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ import torch
 from poc.model.random_init import build_v1_model
 from poc.model.transformer import Transformer
 from poc.protocol import v1, v2
+
+log = logging.getLogger("poc.compute")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -123,7 +126,12 @@ def _keep_lossy_casts() -> bool:
 
             keep_lossy.__name__ = "pointless_convert"
             keep_lossy._poc_keeps_lossy = True
-            entry.handler = keep_lossy
+            try:
+                entry.handler = keep_lossy
+            except (AttributeError, TypeError):  # a torch whose pattern entries are frozen: leave the pass alone
+                log.warning("could not guard inductor's pointless_convert pass; compiled results may differ from "
+                            "eager by bf16 rounding")
+                return False
     return found
 
 
