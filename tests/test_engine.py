@@ -143,3 +143,19 @@ def test_random_weight_model(spec):
     again, _ = e.v2_artifacts(BH, PK, list(range(6)), 16, 12, batch_size=3)
     assert [a["vector_b64"] for a in again] == [a["vector_b64"] for a in arts]  # batch size does not matter
     e.close()
+
+
+def test_a_new_compiled_shape_is_logged_once(caplog):
+    """Operators see why a first batch is slow: one line per new (batch, seq_len) of a compiled path."""
+    import logging
+
+    from poc.engine.compute import note_new_shape
+
+    with caplog.at_level(logging.INFO, logger="poc.compute"):
+        assert note_new_shape("PoC v2 (test)", 7, 33) is True
+        assert note_new_shape("PoC v2 (test)", 7, 33) is False
+        assert note_new_shape("PoC v2 (test)", 8, 33) is True
+    lines = [m for m in caplog.messages if m.startswith("PoC v2 (test): compiling")]
+    assert lines == ["PoC v2 (test): compiling for batch 7 x seq_len 33 (once per shape in this process: this batch "
+                     "takes longer)", "PoC v2 (test): compiling for batch 8 x seq_len 33 (once per shape in this "
+                     "process: this batch takes longer)"]

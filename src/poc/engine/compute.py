@@ -166,6 +166,21 @@ def maybe_compile(fn, enabled: bool, dynamic: bool = False):
     return torch.compile(fn, dynamic=dynamic)
 
 
+_SHAPES_SEEN: set = set()
+
+
+def note_new_shape(what: str, batch: int, seq_len: int) -> bool:
+    """Log, once per process and shape, that a compiled path meets a new (batch, seq_len): that batch compiles
+    first (tens of seconds on a large model; the graphs are then reused). Returns whether the shape was new."""
+    key = (what, batch, seq_len)
+    if key in _SHAPES_SEEN:
+        return False
+    _SHAPES_SEEN.add(key)
+    log.info("%s: compiling for batch %d x seq_len %d (once per shape in this process: this batch takes longer)",
+             what, batch, seq_len)
+    return True
+
+
 def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """Repeat the last row up to n rows (a short batch keeps the compiled shape; the extra rows are dropped)."""
     if t.shape[0] >= n:
@@ -237,6 +252,8 @@ class V1Compute:
         n = len(prep.nonces)
         if self.compiled and pad_to and n < pad_to:
             x, perms = _pad_rows(x, pad_to), _pad_rows(perms, pad_to)
+        if self.compiled:
+            note_new_shape("PoC v1", x.shape[0], x.shape[1])
         return Handle(prep, self._batch(x, perms)[:n], self.device)
 
     def collect(self, h: Handle) -> dict:
@@ -312,6 +329,8 @@ class V2Compute:
         n = len(prep.nonces)
         if self.compiled and pad_to and n < pad_to:
             seeds, pick, haar = (_pad_rows(t, pad_to) for t in (seeds, pick, haar))
+        if self.compiled:
+            note_new_shape(f"PoC v2 ({self.name})", seeds.shape[0], prep.seq_len)
         out = self._batch(seeds, self.keys(prep.seq_len), pick, haar, self.reflections(prep.block_hash), prep.seq_len)
         return Handle(prep, out[:n], dev)
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from poc.engine.compute import DTYPES, Handle, maybe_compile
+from poc.engine.compute import DTYPES, Handle, maybe_compile, note_new_shape
 from poc.engine.jobs import V1Job, V2Job
 from poc.model.random_weights import random_model, random_spec
 from poc.model.transformer import Transformer
@@ -286,6 +286,8 @@ class Rank:
         t0 = time.perf_counter()
         x = self._stage_input(host_x, len(nonces), S, D, dtype)
         self._host("input", t0)
+        if self.cfg.compile_v2:
+            note_new_shape("PoC v2", len(nonces), S)
         self._mark(0)
         t0 = time.perf_counter()
         h = model(x, reflections=self.reflections(job.block_hash, cfg, dtype), last_only=True, step=self._step_v2)
@@ -309,6 +311,8 @@ class Rank:
         perms = (torch.from_numpy(v1.permutations(job.block_hash, job.public_key, nonces, p.vocab_size))
                  if post else None)
         x = self._stage_input(lambda: self._to_device(x16).to(dtype), len(nonces), p.seq_len, p.dim, dtype)
+        if self.cfg.compile_v1:
+            note_new_shape("PoC v1", len(nonces), p.seq_len)
         out = model(x, last_only=True, logits=self.is_last, step=self._step_v1)
         if post:
             g = torch.gather(out.float(), 1, self._to_device(perms))
