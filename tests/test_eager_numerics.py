@@ -99,3 +99,31 @@ def test_compiled_bf16_forward_is_bit_identical_to_eager_cuda():
     # and the comparison can fail: one ulp on one input element moves the result
     x[0, 5, 3] = (x[0, 5, 3].view(torch.int16) + 1).view(BF16)
     assert not torch.equal(model(x, reflections=refl), eager)
+
+
+def test_pointless_convert_keeps_a_lossy_middle_cast():
+    """The guard on inductor's pointless_convert pass: a chain fp32 -> bf16 -> fp32 (eager rounds in the middle) is
+    left alone; a widening chain bf16 -> fp32 -> fp64 still goes to the original handler."""
+    from types import SimpleNamespace
+
+    from torch._inductor.fx_passes import joint_graph
+
+    from poc.engine.compute import _keep_lossy_casts
+
+    assert _keep_lossy_casts()  # this torch has the pass
+    handlers = [e.handler for entries in joint_graph.patterns.patterns.values() for e in entries
+                if getattr(e.handler, "__name__", "") == "pointless_convert"]
+    assert handlers and all(getattr(h, "_poc_keeps_lossy", False) for h in handlers)
+    calls = []
+    h = handlers[0]
+    assert "_orig" in (h.__kwdefaults__ or {})  # the wrapped handler rides in the _orig keyword default
+    saved = h.__kwdefaults__["_orig"]
+    h.__kwdefaults__["_orig"] = lambda *a, **k: calls.append(k)  # record instead of rewriting a graph
+    try:
+        arg32 = SimpleNamespace(meta={"val": torch.empty(2, dtype=torch.float32)})
+        assert h(None, arg=arg32, dtype1=torch.bfloat16, dtype2=torch.float32) is None and not calls
+        arg16 = SimpleNamespace(meta={"val": torch.empty(2, dtype=torch.bfloat16)})
+        h(None, arg=arg16, dtype1=torch.float32, dtype2=torch.float64)
+        assert len(calls) == 1 and calls[0]["dtype1"] is torch.float32
+    finally:
+        h.__kwdefaults__["_orig"] = saved
