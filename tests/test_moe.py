@@ -12,7 +12,8 @@ from poc.errors import InputError  # noqa: E402
 from poc.model.config import ModelConfig  # noqa: E402
 from poc.model.transformer import MLP, MoE, Transformer  # noqa: E402
 from poc.model.weights import load_model  # noqa: E402
-from tests.test_model_parity import check_reflections, hooked_hf_forward, randomize, unit_rows  # noqa: E402
+from tests.test_model_parity import (check_hidden_and_logits, check_reflections, hooked_hf_forward,  # noqa: E402
+                                     randomize, unit_rows)
 
 CASES = {  # name: config overrides; both layer kinds appear in each
     "mlp-only-layer-norm-topk": dict(num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
@@ -65,14 +66,7 @@ def test_config_and_layer_kinds(case):
 @torch.no_grad()
 def test_hidden_state_and_logits_parity(case):
     hf, ours, cfg, x = case
-    want = hf.model(inputs_embeds=x).last_hidden_state
-    got = ours(x, last_only=False)
-    assert got.shape == want.shape == (3, 11, 64)
-    assert (got - want).abs().max().item() < 1e-5
-    assert want.abs().max().item() > 0.5
-    torch.testing.assert_close(ours(x), got[:, -1], rtol=0, atol=1e-5)
-    want_logits = hf(inputs_embeds=x).logits.float()
-    assert (ours(x, last_only=False, logits=True) - want_logits).abs().max().item() < 1e-5
+    want = check_hidden_and_logits(hf, ours, x, last_rtol=0, last_atol=1e-5)
     ours.fuse()  # fused q/k/v and per-expert gate/up: same numbers up to GEMM summation order
     assert (ours(x, last_only=False) - want).abs().max().item() < 1e-5
 
