@@ -183,6 +183,20 @@ async def test_init_generate_status_busy_and_stop_delivers_everything(client, si
     assert f'poc_nonces_computed_total{{protocol="v2"}} {float(len(nonces))}' in text
 
 
+async def test_stat_test_bounds_are_closed_and_unknown_keys_ignored(client):
+    """stat_test is a plain object in the reference (extra keys ignored, any float): a threshold of 0 is valid."""
+    r = await client.post(f"{POW}/generate", json=gen_body([0, 1], wait=True))
+    arts = (await r.json())["artifacts"]
+    st = {"dist_threshold": 0.0, "p_mismatch": 0.0, "fraud_threshold": 0.0, "alpha": 0.05}
+    r = await client.post(f"{POW}/generate", json=gen_body([0, 1], wait=True, validation={"artifacts": arts},
+                                                            stat_test=st))
+    assert r.status == 200, await r.text()
+    d = await r.json()
+    assert (d["n_total"], d["n_mismatch"], d["p_value"], d["fraud_detected"]) == (2, 0, 1.0, False)
+    r = await client.post(f"{POW}/generate", json=gen_body([0], wait=True, stat_test={"p_mismatch": 1.5}))
+    assert r.status == 400 and (await r.json())["field"] == "stat_test.p_mismatch"
+
+
 # --------------------------------------------------------------------------------------------------
 # v1
 

@@ -440,15 +440,14 @@ def parse_pow_v2_generate(body: dict, cfg: ServerConfig, served: ServedModel | N
     if st is not None:
         if not isinstance(st, dict):
             raise InputError("stat_test must be a JSON object", "stat_test")
-        check_keys(st, set(), {"dist_threshold", "p_mismatch", "fraud_threshold"}, prefix="stat_test")
+        # a plain object in the reference: unknown keys are ignored and 0 is a valid bound (dist_threshold 0: any
+        # difference is a mismatch; p_mismatch 0: any mismatch is fraud; fraud_threshold 0: never fraud)
         d = v2.StatTest()
         req.stat = v2.StatTest(
-            dist_threshold=get_number(st, "dist_threshold", prefix="stat_test", default=d.dist_threshold, lo=0,
-                                      lo_open=True),
-            p_mismatch=get_number(st, "p_mismatch", prefix="stat_test", default=d.p_mismatch, lo=0, lo_open=True,
-                                  hi=1.0),
+            dist_threshold=get_number(st, "dist_threshold", prefix="stat_test", default=d.dist_threshold, lo=0),
+            p_mismatch=get_number(st, "p_mismatch", prefix="stat_test", default=d.p_mismatch, lo=0, hi=1.0),
             fraud_threshold=get_number(st, "fraud_threshold", prefix="stat_test", default=d.fraud_threshold, lo=0,
-                                       lo_open=True, hi=1.0))
+                                       hi=1.0))
     return req
 
 
