@@ -11,8 +11,11 @@ import pytest
 from aiohttp import web
 
 from poc.clients.callbacks import CallbackSender
+from poc.model.config import PRESETS
 from poc.protocol import v2
 from poc.server.app import create_app, sender_key
+from poc.server.config import parse_args
+from poc.server.schemas import ServedModel
 
 from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2
 from .test_server import PARAMS_A, QWEN3, server_config, wait_status
@@ -195,6 +198,28 @@ async def test_stat_test_bounds_are_closed_and_unknown_keys_ignored(client):
     assert (d["n_total"], d["n_mismatch"], d["p_value"], d["fraud_detected"]) == (2, 0, 1.0, False)
     r = await client.post(f"{POW}/generate", json=gen_body([0], wait=True, stat_test={"p_mismatch": 1.5}))
     assert r.status == 400 and (await r.json())["field"] == "stat_test.p_mismatch"
+
+
+def test_served_names_cover_the_hf_repo_id():
+    """check_params_match accepts the model path or a served name (spec-v2 §e); an MLNode sends the repo id."""
+    cfg = PRESETS["tiny"]
+    snap = "/root/.cache/huggingface/hub/models--Qwen--Qwen3-0.6B/snapshots/0123abcd"
+    names = ServedModel.of(snap, cfg).names
+    assert "Qwen/Qwen3-0.6B" in names and snap in names
+    assert ServedModel.of("/m/qwen3", cfg, ["Org/Tiny", "tiny"]).names[:2] == ["Org/Tiny", "tiny"]
+    c = parse_args(["--served-model-name", "Org/A", "B"], {})
+    assert c.served_model_name == ("Org/A", "B")
+    assert parse_args([], {"POC_SERVED_MODEL_NAME": "Org/A, B"}).served_model_name == ("Org/A", "B")
+
+
+async def test_served_model_name_is_accepted_as_params_model(aiohttp_client):
+    c = await aiohttp_client(create_app(server_config(model=QWEN3, served_model_name=("Org/Tiny-Qwen3",))))
+    await wait_status(c)
+    body = gen_body([0], wait=True, params={"model": "Org/Tiny-Qwen3", "seq_len": 4})
+    r = await c.post(f"{POW}/generate", json=body)
+    assert r.status == 200, await r.text()
+    r = await c.post(f"{POW}/generate", json={**body, "params": {"model": "Org/Other", "seq_len": 4}})
+    assert r.status == 409 and "Org/Tiny-Qwen3" in (await r.json())["deployed"]["model"]
 
 
 # --------------------------------------------------------------------------------------------------

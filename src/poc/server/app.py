@@ -178,7 +178,8 @@ def served_model(app: web.Application) -> ServedModel | None:
     engine = app[engine_key]
     if engine.v2 is None:
         return None
-    return ServedModel.of(app[config_key].model, engine.v2.cfg)
+    cfg = app[config_key]
+    return ServedModel.of(cfg.model, engine.v2.cfg, cfg.served_model_name)
 
 
 def check_v1_memory(app: web.Application, params, batch_size: int, dtype: str) -> None:

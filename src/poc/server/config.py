@@ -1,11 +1,12 @@
 """ServerConfig: the model server's settings, from flags, each also settable by an environment variable.
 
-    python model_server.py [--host 127.0.0.1] [--port 18000] [--model DIR] [--dtype auto|float16|bfloat16|float32]
+    python model_server.py [--host 127.0.0.1] [--port 18000] [--model DIR] [--served-model-name NAME ...]
+                           [--dtype auto|float16|bfloat16|float32]
                            [--device cpu|cuda] [--log-level info] [--spool-dir spool]
                            [--tp 1] [--pp 1] [--replicas 1] [--compile auto|on|off] [--fp8-experts keep|dequant]
 
-Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_DTYPE, POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR,
-POC_TP, POC_PP, POC_REPLICAS, POC_COMPILE, POC_FP8_EXPERTS)
+Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_SERVED_MODEL_NAME (comma-separated), POC_DTYPE,
+POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR, POC_TP, POC_PP, POC_REPLICAS, POC_COMPILE, POC_FP8_EXPERTS)
 > default.
 The other fields are limits and timings; tests override them directly.
 """
@@ -22,7 +23,7 @@ DTYPE_CHOICES = ("auto", "float16", "bfloat16", "float32")
 ENV = {"host": "POC_HOST", "port": "POC_PORT", "model": "POC_MODEL", "dtype": "POC_DTYPE", "device": "POC_DEVICE",
        "log_level": "POC_LOG_LEVEL", "spool_dir": "POC_SPOOL_DIR", "tp": "POC_TP", "pp": "POC_PP",
        "replicas": "POC_REPLICAS", "compile": "POC_COMPILE",
-       "fp8_experts": "POC_FP8_EXPERTS"}
+       "fp8_experts": "POC_FP8_EXPERTS", "served_model_name": "POC_SERVED_MODEL_NAME"}
 DEFAULT_SPOOL_DIR = "spool"  # relative to the working directory (start_server.sh: the checkout, beside ./logs)
 
 
@@ -31,6 +32,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # the PyWorker runs on the same host
     port: int = 18000
     model: str | None = None  # a HF checkpoint dir: serve PoC v2 for it (and v1); None: PoC v1 only
+    served_model_name: tuple[str, ...] = ()  # more names params.model may use (vLLM's --served-model-name)
     dtype: str = "auto"  # of the v2 checkpoint; auto: its own dtype on CUDA, float32 on CPU
     device: str | None = None  # None: cuda when available, else cpu
     log_level: str = "INFO"
@@ -107,6 +109,10 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     ap.add_argument("--port", default=env.get(ENV["port"], d.port), help=f"(env {ENV['port']})")
     ap.add_argument("--model", default=env.get(ENV["model"]) or None,
                     help=f"HF checkpoint dir for PoC v2; without it only v1 is served (env {ENV['model']})")
+    ap.add_argument("--served-model-name", nargs="+",
+                    default=[n.strip() for n in env.get(ENV["served_model_name"], "").split(",") if n.strip()],
+                    help="names params.model may use besides the checkpoint's path, e.g. the Hub repo id "
+                         f"(env {ENV['served_model_name']}, comma-separated)")
     ap.add_argument("--dtype", default=env.get(ENV["dtype"], d.dtype), help=f"{'|'.join(DTYPE_CHOICES)} (env {ENV['dtype']})")
     ap.add_argument("--device", default=env.get(ENV["device"]) or None, help=f"cpu, cuda or cuda:N (env {ENV['device']})")
     ap.add_argument("--log-level", default=env.get(ENV["log_level"], d.log_level), help=f"(env {ENV['log_level']})")
@@ -132,6 +138,7 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     level = str(a.log_level).upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise InputError(f"--log-level must be debug, info, warning or error, got {a.log_level!r}", "log_level")
-    return ServerConfig(host=a.host, port=port, model=a.model, dtype=a.dtype, device=a.device, log_level=level,
+    return ServerConfig(host=a.host, port=port, model=a.model, served_model_name=tuple(a.served_model_name),
+                        dtype=a.dtype, device=a.device, log_level=level,
                         spool_dir=a.spool_dir, compile=str(a.compile),
                         fp8_experts=str(a.fp8_experts), **par)

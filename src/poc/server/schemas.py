@@ -43,15 +43,29 @@ class ParamsMismatch(InputError):
 
 @dataclass(frozen=True)
 class ServedModel:
-    names: list[str]  # what params.model may say: the directory's basename, the path as given, its absolute path
+    names: list[str]  # what params.model may say: the served names, the directory's basename, the path as given,
+    # its absolute path, and the Hub repo id of a Hugging Face cache snapshot
     max_seq_len: int  # the model's max_position_embeddings
     hidden: int
 
     @classmethod
-    def of(cls, model_arg: str, cfg) -> "ServedModel":
+    def of(cls, model_arg: str, cfg, served_names=()) -> "ServedModel":
         p = Path(model_arg)
-        names = list(dict.fromkeys([p.name, model_arg, str(p.resolve())]))
-        return cls(names, cfg.max_seq_len, cfg.dim)
+        names = [*served_names, p.name, model_arg, str(p.resolve())]
+        repo = hub_repo_id(p)
+        if repo:
+            names.append(repo)
+        return cls(list(dict.fromkeys(names)), cfg.max_seq_len, cfg.dim)
+
+
+def hub_repo_id(path: Path) -> str | None:
+    """"Org/Name" for a Hugging Face cache snapshot (.../models--Org--Name/snapshots/<rev>), else None.
+
+    vLLM serves a Hub model under its repo id, which is what the MLNode puts in params.model."""
+    for part in (path, *path.parents):
+        if part.name.startswith("models--"):
+            return part.name.removeprefix("models--").replace("--", "/")
+    return None
 
 
 # --------------------------------------------------------------------------------------------------
