@@ -222,6 +222,54 @@ async def test_served_model_name_is_accepted_as_params_model(aiohttp_client):
     assert r.status == 409 and "Org/Tiny-Qwen3" in (await r.json())["deployed"]["model"]
 
 
+async def wait_job(client, rid: str, want: str, timeout: float = 20.0) -> dict:
+    t0 = time.monotonic()
+    while True:
+        d = await (await client.get(f"{POW}/generate/{rid}")).json()
+        if d["status"] == want:
+            return d
+        assert time.monotonic() - t0 < timeout and d["status"] in ("queued", "running"), d
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def big_queue_client(aiohttp_client):
+    c = await aiohttp_client(create_app(server_config(model=QWEN3)))
+    await wait_status(c)
+    return c
+
+
+async def test_init_generate_preempts_a_running_queued_job(big_queue_client, sink):
+    """The reference's queue waits while /init/generate runs (spec-v2 §e.1, §e.2): generation is not refused
+    because a queued /generate holds the device; that job goes back to the head of the queue."""
+    client = big_queue_client
+    r = await client.post(f"{POW}/generate", json=gen_body(range(5000), batch_size=1))
+    rid = (await r.json())["request_id"]
+    await wait_job(client, rid, "running")
+    body = {k: v for k, v in gen_body([]).items() if k != "nonces"}
+    r = await client.post(f"{POW}/init/generate", json={**body, "batch_size": 4, "url": sink.url})
+    assert r.status == 200, await r.text()
+    assert (await (await client.get(f"{POW}/status")).json())["status"] == "GENERATING"
+    assert (await (await client.get(f"{POW}/generate/{rid}")).json())["status"] == "queued"
+    await sink.wait("generated")
+    r = await client.post(f"{POW}/stop")
+    assert (await (await client.get(f"{POW}/generate/{rid}")).json())["status"] == "cancelled"
+
+
+async def test_generate_wait_goes_before_the_queue(big_queue_client):
+    """wait=true is served while a queued job runs (the reference interleaves them); the queued job still
+    completes, with every nonce."""
+    client = big_queue_client
+    r = await client.post(f"{POW}/generate", json=gen_body(range(300), batch_size=1))
+    rid = (await r.json())["request_id"]
+    await wait_job(client, rid, "running")
+    r = await client.post(f"{POW}/generate", json=gen_body(P2["nonces"], wait=True))
+    assert r.status == 200, await r.text()
+    assert [a["nonce"] for a in (await r.json())["artifacts"]] == P2["nonces"]
+    d = await wait_job(client, rid, "completed", timeout=60)
+    assert [a["nonce"] for a in d["artifacts"]] == list(range(300))
+
+
 # --------------------------------------------------------------------------------------------------
 # v1
 

@@ -6,10 +6,12 @@ POST /stop. PoC v1 (spec-v1 §4.5): POST /init, /init/generate, /init/validate, 
 /phase/validate, /validate (a ProofBatch, scored and posted to {url}/validated), GET /status, POST /stop.
 
 Fixed against the reference (spec-v2 §f 7-12): batch_size, seq_len, k_dim and nonces are range-checked (400,
-never a spinning loop or an endless retry); duplicate nonces are refused; `wait: true` while a job holds the
-device is a 409 at once, not a wait; NaN-dropped nonces are reported and not counted as processed; /stop
-delivers what was computed (the callback buffer is flushed, completed results stay readable for result_ttl)
-instead of discarding it; validation scores missing or undecodable vectors as mismatches (protocol.v2.validate).
+never a spinning loop or an endless retry); duplicate nonces are refused; `wait: true` while generation (or a
+stream) holds the device is a 409 at once, not a wait; NaN-dropped nonces are reported and not counted as
+processed; /stop delivers what was computed (the callback buffer is flushed, completed results stay readable for
+result_ttl) instead of discarding it; validation scores missing or undecodable vectors as mismatches
+(protocol.v2.validate). As in the reference, the background queue yields: /init/generate and `wait: true` take the
+device from a queued job, which goes back to the head of the queue and runs again once the device is free.
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ class QueuedJob:
     error: str | None = None
     finished_at: float | None = None
     runner: JobRunner | None = None
+    preempted: bool = False  # stopped to let generation or a wait=true request have the device; runs again
 
     def view(self) -> dict:
         d = {"status": self.status, "request_id": self.id}
@@ -181,6 +184,10 @@ class PowService:
         self._wake = asyncio.Event()
         self._worker: asyncio.Task | None = None
         self._closing = False
+        self._running: tuple[QueuedJob, object] | None = None  # the queued job on the device, and its claim
+        self._job_ended = asyncio.Event()
+        self._holdoff = 0  # preemptions in progress: the queue takes the device only when this is 0
+        self._resume = asyncio.Event()
 
     @property
     def cfg(self):
@@ -224,8 +231,30 @@ class PowService:
         if self.gen is not None and self.gen.active:
             raise InputError("Already generating: POST /api/v1/pow/stop first", None, status=409)
 
-    def _start_generation(self, protocol: str, init, job, label: str) -> None:
-        claim = claim_device(self.app, f"pow generation ({protocol})")
+    async def _claim_before_queue(self, owner: str):
+        """The device for generation or a wait=true request: a queued job holding it is stopped after its batch in
+        flight and put back at the head of the queue (the reference's queue waits while generation runs and
+        interleaves with wait=true, spec-v2 §e.2). Anything else holding the device: 409 at once."""
+        running = self._running
+        if running is None or self.app[gate_key].holder is not running[1]:
+            return claim_device(self.app, owner)
+        job, _ = running
+        self._holdoff += 1
+        try:
+            job.preempted = True
+            if job.runner is not None:
+                job.runner.stop("preempted")
+            while self._running is not None and self._running[0] is job:
+                self._job_ended.clear()
+                await self._job_ended.wait()
+            return claim_device(self.app, owner)  # before the queue can claim again (no await in between)
+        finally:
+            self._holdoff -= 1
+            if not self._holdoff:
+                self._resume.set()
+
+    async def _start_generation(self, protocol: str, init, job, label: str) -> None:
+        claim = await self._claim_before_queue(f"pow generation ({protocol})")
         self.gen = Generation(self.app, protocol, init, new_runner(self.app, job, claim, label))
         self.gen.start()
 
@@ -246,14 +275,15 @@ class PowService:
             init = schemas.parse_pow_v1_init(body, self.cfg, need_node=True)
             check_v1_memory(self.app, init.params, init.batch_size, "float16")
             self._refuse_if_generating()
-            self._start_generation("v1", init, init.job(), f"v1 pow generation node {init.node_id}/{init.node_count}")
+            await self._start_generation("v1", init, init.job(),
+                                         f"v1 pow generation node {init.node_id}/{init.node_count}")
             self.v1_init, self.v1_phase = init, "GENERATING"
             return ok("GENERATING")
         init = schemas.parse_pow_v2_init(body, self.cfg, served_model(self.app))
         check_v2_memory(self.app, init.batch_size, init.seq_len)
         self._refuse_if_generating()
-        self._start_generation("v2", init, init.job(), f"v2 pow generation node {init.node_id}/{init.node_count} "
-                                                       f"group {init.group_id}/{init.n_groups}")
+        await self._start_generation("v2", init, init.job(), f"v2 pow generation node {init.node_id}/{init.node_count} "
+                                                             f"group {init.group_id}/{init.n_groups}")
         return ok("GENERATING")
 
     async def _v1_init_body(self, request: web.Request, need_node: bool) -> schemas.PowV1Init:
@@ -282,7 +312,8 @@ class PowService:
             raise InputError("node_id and node_count were not given to /init: use /init/generate", "node_id")
         require_ready(self.app)
         self._refuse_if_generating()
-        self._start_generation("v1", init, init.job(), f"v1 pow generation node {init.node_id}/{init.node_count}")
+        await self._start_generation("v1", init, init.job(),
+                                     f"v1 pow generation node {init.node_id}/{init.node_count}")
         self.v1_phase = "GENERATING"
         return ok("GENERATING")
 
@@ -312,7 +343,8 @@ class PowService:
         req = schemas.parse_pow_v2_generate(body, self.cfg, served_model(self.app))
         check_v2_memory(self.app, req.batch_size, req.seq_len)
         if req.wait:
-            claim = claim_device(self.app, "pow /generate wait")  # 409 at once, never a blocking wait (§f 11)
+            # 409 at once while generation runs, never a blocking wait (§f 11); a queued job steps aside
+            claim = await self._claim_before_queue("pow /generate wait")
             job = QueuedJob("generate", req, len(req.nonces), status="running")
             result = await self._compute_v2(job, claim)
             return web.json_response({"status": "completed", "request_id": job.id, **result})
@@ -382,13 +414,17 @@ class PowService:
             while not self.queue:
                 self._wake.clear()
                 await self._wake.wait()
+            while self._holdoff:  # a preemption is handing the device to generation or a wait=true request
+                self._resume.clear()
+                await self._resume.wait()
             job = self.queue[0]
             claim = await gate.claim(f"pow queue {job.id[:8]}")  # waits (without blocking the loop) for the device
             if not self.queue or self.queue[0] is not job:  # cancelled by /stop meanwhile
                 claim.release()
                 continue
             self.queue.popleft()
-            job.status = "running"
+            job.status, job.preempted = "running", False
+            self._running = (job, claim)
             try:
                 if job.kind == "generate":
                     job.result = await self._compute_v2(job, claim)
@@ -398,6 +434,10 @@ class PowService:
                     job.status = "completed"
                     self._deliver(job)
             except InputError as e:
+                if job.preempted and job.status == "running":  # runs again, from its first nonce, when free
+                    job.status = "queued"
+                    self.queue.appendleft(job)
+                    continue
                 job.status = "cancelled" if job.status == "cancelled" else "failed"
                 job.error = e.message
             except Exception as e:  # one line, the queue goes on
@@ -406,8 +446,11 @@ class PowService:
             finally:
                 claim.release()
                 job.runner = None
-                job.finished_at = time.monotonic()
-                self.queued_nonces -= job.n_nonces
+                self._running = None
+                self._job_ended.set()
+                if job.status != "queued":
+                    job.finished_at = time.monotonic()
+                    self.queued_nonces -= job.n_nonces
 
     async def _compute_v2(self, job: QueuedJob, claim) -> dict:
         req: schemas.PowV2Generate = job.request
