@@ -11,6 +11,7 @@ import pytest
 from aiohttp import web
 
 from poc.clients.callbacks import CallbackSender
+from poc.errors import InputError
 from poc.model.config import PRESETS
 from poc.protocol import v2
 from poc.server.app import create_app, sender_key
@@ -268,6 +269,23 @@ async def test_generate_wait_goes_before_the_queue(big_queue_client):
     assert [a["nonce"] for a in (await r.json())["artifacts"]] == P2["nonces"]
     d = await wait_job(client, rid, "completed", timeout=60)
     assert [a["nonce"] for a in d["artifacts"]] == list(range(300))
+
+
+def test_init_generate_takes_any_node_layout_the_reference_takes():
+    """The reference's NonceIterator has no node_id < node_count check (spec-v2 §e.1): an MLNode whose node
+    numbers have gaps still generates, on the same lattice node_id + group_id*node_count + x*node_count*n_groups."""
+    from poc.server.config import ServerConfig
+    from poc.engine.jobs import take
+    from poc.server.schemas import parse_pow_v2_init
+
+    served = ServedModel(["qwen3"], 4096, 64)
+    body = {"block_hash": "b", "block_height": 1, "public_key": "p", "node_id": 3, "node_count": 2, "group_id": 2,
+            "n_groups": 2, "params": {"model": "qwen3", "seq_len": 4}}
+    init = parse_pow_v2_init(body, ServerConfig(), served)
+    assert take(init.job().nonces, 3) == [3 + 2 * 2, 3 + 2 * 2 + 4, 3 + 2 * 2 + 8]
+    for bad in ({"node_id": -1}, {"node_count": 0}, {"group_id": -1}, {"n_groups": 0}):
+        with pytest.raises(InputError):
+            parse_pow_v2_init({**body, **bad}, ServerConfig(), served)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -233,12 +233,16 @@ def get_header(obj: dict) -> tuple[str, int, str]:
     return get_str(obj, "block_hash"), get_int(obj, "block_height", lo=0), get_str(obj, "public_key")
 
 
-def get_node(obj: dict, *, groups: bool = True) -> tuple[int, int, int, int]:
-    """(node_id, node_count, group_id, n_groups), with node_id < node_count and group_id < n_groups."""
+def get_node(obj: dict, *, groups: bool = True, bounded: bool = True) -> tuple[int, int, int, int]:
+    """(node_id, node_count, group_id, n_groups), with node_id < node_count and group_id < n_groups when `bounded`.
+
+    /api/v1/pow/init/generate is not bounded: the reference takes any node_id >= 0 (an MLNode's node numbers may
+    have gaps) and the lattice formula is defined for it."""
     node_count = get_int(obj, "node_count", lo=1)
-    node_id = get_int(obj, "node_id", lo=0, hi=node_count - 1, what=" (node_count - 1)")
+    node_id = get_int(obj, "node_id", lo=0, hi=node_count - 1 if bounded else None, what=" (node_count - 1)")
     n_groups = get_int(obj, "n_groups", default=1, lo=1) if groups else 1
-    group_id = get_int(obj, "group_id", default=0, lo=0, hi=n_groups - 1, what=" (n_groups - 1)") if groups else 0
+    group_id = get_int(obj, "group_id", default=0, lo=0, hi=n_groups - 1 if bounded else None,
+                       what=" (n_groups - 1)") if groups else 0
     return node_id, node_count, group_id, n_groups
 
 
@@ -407,7 +411,7 @@ def parse_pow_v2_init(body: dict, cfg: ServerConfig, served: ServedModel | None)
     check_keys(body, {"block_hash", "block_height", "public_key", "node_id", "node_count", "params"}, strict=False)
     seq_len, k_dim = parse_v2_params(body["params"], served)
     bh, height, pk = get_header(body)
-    node_id, node_count, group_id, n_groups = get_node(body)
+    node_id, node_count, group_id, n_groups = get_node(body, bounded=False)
     return PowV2Init(bh, height, pk, node_id, node_count, group_id, n_groups,
                      get_batch_size(body, cfg, default=v2.DEFAULT_BATCH_SIZE), seq_len, k_dim, get_url(body),
                      get_bool(body, "poc_stronger_rng", default=False))
