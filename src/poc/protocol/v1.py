@@ -281,7 +281,7 @@ def permutations(block_hash: str, public_key: str, nonces: Iterable[int], vocab_
 def target(block_hash: str, vocab_size: int) -> np.ndarray:
     """(V,) float64 unit vector; depends only on block_hash and V."""
     y = get_rng(f"{block_hash}_target", 1).standard_normal((1, vocab_size))
-    y /= np.linalg.norm(y)
+    y /= np.linalg.norm(y, axis=1, keepdims=True)  # per row, as the reference: the whole-array norm is a dot
     return y[0]
 
 
