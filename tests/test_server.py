@@ -180,6 +180,19 @@ async def test_pyworker_envelope(client):
     assert lines[-1]["computed"] == 5
 
 
+def test_pyworker_envelope_with_other_keys():
+    # spec-v1 §4.0: a body with a `payload` key is the envelope, whatever else it carries
+    from poc.server.schemas import unwrap
+
+    req = v1_request()
+    assert unwrap({"auth_data": {"reqnum": 1}, "payload": req, "endpoint": "/generate", "cost": 5}) == req
+    assert unwrap({"payload": req}) == req
+    assert unwrap(req) == req
+    with pytest.raises(InputError) as e:
+        unwrap({"payload": [1], "auth_data": {}})
+    assert e.value.field == "payload"
+
+
 # --------------------------------------------------------------------------------------------------
 # /generate v2
 

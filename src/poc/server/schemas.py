@@ -81,8 +81,9 @@ def _no_constant(name: str):
 
 
 def unwrap(body: dict) -> dict:
-    """The PyWorker envelope: {"auth_data": ..., "payload": {...}} carries the request in payload."""
-    if "payload" in body and set(body) <= {"payload", "auth_data"}:
+    """The PyWorker envelope: {"auth_data": ..., "payload": {...}} carries the request in payload. As the reference,
+    any body with a `payload` key is an envelope, whatever else it holds (no request has a field of that name)."""
+    if "payload" in body:
         p = body["payload"]
         if not isinstance(p, dict):
             raise InputError("payload must be a JSON object", "payload")
