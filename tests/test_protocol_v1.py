@@ -127,3 +127,47 @@ def test_sub_batch_and_validation():
     assert v1.validate_batch(bad, [1.3], v1.DEFAULT_R_TARGET, 1e-7).n_invalid == 1
     empty = v1.validate_batch(v1.ProofBatch("pk", "bh", 7, [], [], 0), [], 1.4, 1e-7)
     assert empty.probability_honest == 1.0 and not empty.fraud_detected
+
+
+def _reference_inputs(nonces, seq_len, dim):
+    """The reference's get_inputs: fp64 normals, then torch.tensor(..., dtype=float16)."""
+    import torch
+    raw = np.concatenate([v1.get_rng(v1.input_seed(G["block_hash"], G["public_key"], n), 4)
+                          .standard_normal((1, seq_len, dim)) for n in nonces])
+    return torch.tensor(raw, dtype=torch.float16).numpy()
+
+
+def test_inputs_round_to_fp16_as_torch_does():
+    # torch converts float64 -> float16 through float32 (two roundings); numpy's astype rounds once. They differ
+    # in about 1 value in 20000: nonces 20 and 73 (S 8, D 64) each hold one such value, 0..15 none.
+    nonces = [19, 20, 73]
+    ref = _reference_inputs(nonces, 8, 64)
+    x = v1.input_embeddings(G["block_hash"], G["public_key"], nonces, 8, 64)
+    assert np.array_equal(x, ref)
+
+
+def test_input_pool_worker_rounds_as_torch_does():
+    from multiprocessing import shared_memory
+
+    from poc.engine import v1inputs
+
+    nonces, S, D, V = [20, 73], 8, 64, 16
+    shape_x, shape_p = (len(nonces), S, D), (len(nonces), V)
+    off_p = (len(nonces) * S * D * 2 + 63) // 64 * 64
+    shm = shared_memory.SharedMemory(create=True, size=off_p + len(nonces) * V * 8)
+    try:
+        v1inputs._fill(shm.name, shape_x, shape_p, off_p, list(enumerate(nonces)), G["block_hash"], G["public_key"])
+        x = np.ndarray(shape_x, dtype=np.float16, buffer=shm.buf).copy()
+    finally:
+        shm.close()
+        shm.unlink()
+    assert np.array_equal(x, _reference_inputs(nonces, S, D))
+
+
+def test_target_is_bit_exact_with_the_reference_formula():
+    # the reference normalises with np.linalg.norm(y, axis=1, keepdims=True) (a pairwise sum); the whole-array
+    # norm is a dot product, which differs in the last bit for about a third of block hashes
+    for bh, vocab in [("h0", 8196), ("h1", 256), ("h2", 1000), (G["block_hash"], 8196)]:
+        y = v1.get_rng(f"{bh}_target", 1).standard_normal((1, vocab))
+        y /= np.linalg.norm(y, axis=1, keepdims=True)
+        assert np.array_equal(v1.target(bh, vocab), y[0]), (bh, vocab)

@@ -180,6 +180,19 @@ async def test_pyworker_envelope(client):
     assert lines[-1]["computed"] == 5
 
 
+def test_pyworker_envelope_with_other_keys():
+    # spec-v1 §4.0: a body with a `payload` key is the envelope, whatever else it carries
+    from poc.server.schemas import unwrap
+
+    req = v1_request()
+    assert unwrap({"auth_data": {"reqnum": 1}, "payload": req, "endpoint": "/generate", "cost": 5}) == req
+    assert unwrap({"payload": req}) == req
+    assert unwrap(req) == req
+    with pytest.raises(InputError) as e:
+        unwrap({"payload": [1], "auth_data": {}})
+    assert e.value.field == "payload"
+
+
 # --------------------------------------------------------------------------------------------------
 # /generate v2
 
@@ -384,6 +397,17 @@ async def test_bad_input_is_refused_and_server_stays_healthy(client, path, body,
     assert err["field"] == field and err["error"]
     h = await client.get("/health")
     assert h.status == 200 and (await h.json())["status"] == "ready"
+
+
+async def test_missing_fields_message_as_the_reference(client):
+    # spec-v1 §4.0: 400 {"error": "Missing required fields: [...]"}, in the reference's field order
+    r = await client.post("/generate", json=_drop(_drop(_v1(), "start_nonce"), "block_hash"))
+    assert r.status == 400
+    err = await r.json()
+    assert err["error"] == "Missing required fields: ['block_hash', 'start_nonce']" and err["field"] == "block_hash"
+    r = await client.post("/generate", json={"block_hash": BH})
+    assert (await r.json())["error"] == ("Missing required fields: ['block_height', 'public_key', 'r_target', "
+                                         "'batch_size', 'start_nonce', 'params']")
 
 
 async def test_unknown_route_and_method_are_json(client):

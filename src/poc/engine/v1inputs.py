@@ -25,9 +25,10 @@ def _fill(shm_name: str, shape_x: tuple, shape_p: tuple, off_p: int, rows: list[
         x = np.ndarray(shape_x, dtype=np.float16, buffer=shm.buf)
         p = np.ndarray(shape_p, dtype=np.int64, buffer=shm.buf, offset=off_p)
         buf = np.empty(shape_x[1:], dtype=np.float64)
+        tmp = np.empty(shape_x[1:], dtype=np.float32)
         for row, nonce in rows:
             v1.get_rng(v1.input_seed(block_hash, public_key, nonce), 4).standard_normal(out=buf)
-            x[row] = buf
+            v1.to_fp16(buf, x[row], tmp)
             p[row] = v1.get_rng(v1.permutation_seed(block_hash, public_key, nonce), 1).permutation(shape_p[1])
         del x, p
     finally:

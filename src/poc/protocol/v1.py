@@ -252,14 +252,22 @@ def permutation_seed(block_hash: str, public_key: str, nonce: int) -> str:
     return f"{block_hash}_{public_key}_nonce_{nonce}_permutations"
 
 
+def to_fp16(x64: np.ndarray, out16: np.ndarray, tmp32: np.ndarray) -> None:
+    """float64 -> float16 as the reference's torch.tensor(x, dtype=float16): torch rounds through float32 (twice),
+    where numpy's astype rounds once; about 1 value in 20000 differs by one fp16 ulp between the two."""
+    np.copyto(tmp32, x64, casting="same_kind")
+    np.copyto(out16, tmp32, casting="same_kind")
+
+
 def input_embeddings(block_hash: str, public_key: str, nonces: Iterable[int], seq_len: int, dim: int) -> np.ndarray:
     """(B, S, D) float16: PCG64 standard normals per nonce, rounded to fp16 as the reference does."""
     nonces = list(nonces)
     out = np.empty((len(nonces), seq_len, dim), dtype=np.float16)
     buf = np.empty((seq_len, dim), dtype=np.float64)
+    tmp = np.empty((seq_len, dim), dtype=np.float32)
     for i, n in enumerate(nonces):
         get_rng(input_seed(block_hash, public_key, n), 4).standard_normal(out=buf)
-        out[i] = buf
+        to_fp16(buf, out[i], tmp)
     return out
 
 
@@ -273,7 +281,7 @@ def permutations(block_hash: str, public_key: str, nonces: Iterable[int], vocab_
 def target(block_hash: str, vocab_size: int) -> np.ndarray:
     """(V,) float64 unit vector; depends only on block_hash and V."""
     y = get_rng(f"{block_hash}_target", 1).standard_normal((1, vocab_size))
-    y /= np.linalg.norm(y)
+    y /= np.linalg.norm(y, axis=1, keepdims=True)  # per row, as the reference: the whole-array norm is a dot
     return y[0]
 
 

@@ -95,8 +95,9 @@ def _no_constant(name: str):
 
 
 def unwrap(body: dict) -> dict:
-    """The PyWorker envelope: {"auth_data": ..., "payload": {...}} carries the request in payload."""
-    if "payload" in body and set(body) <= {"payload", "auth_data"}:
+    """The PyWorker envelope: {"auth_data": ..., "payload": {...}} carries the request in payload. As the reference,
+    any body with a `payload` key is an envelope, whatever else it holds (no request has a field of that name)."""
+    if "payload" in body:
         p = body["payload"]
         if not isinstance(p, dict):
             raise InputError("payload must be a JSON object", "payload")
@@ -112,12 +113,14 @@ def _path(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def check_keys(obj: dict, required: set[str], optional: set[str] = frozenset(), prefix: str = "",
+def check_keys(obj: dict, required, optional: set[str] = frozenset(), prefix: str = "",
                strict: bool = True) -> None:
-    missing = sorted(required - set(obj))
+    """Missing fields first (the reference's message, in the order `required` lists them), then unknown ones."""
+    missing = [_path(prefix, m) for m in (required if isinstance(required, (list, tuple)) else sorted(required))
+               if m not in obj]
     if missing:
-        raise InputError(f"missing required field(s): {', '.join(_path(prefix, m) for m in missing)}",
-                         _path(prefix, missing[0]))
+        raise InputError(f"Missing required fields: {missing}", missing[0])
+    required = set(required)
     extra = sorted(set(obj) - required - optional)
     if strict and extra:
         raise InputError(f"unknown field(s): {', '.join(_path(prefix, e) for e in extra)} (allowed: "
@@ -311,9 +314,11 @@ def stride_nonces(start: int, node_id: int, node_count: int, group_id: int, n_gr
 # root routes
 
 
+V1_GENERATE_FIELDS = ("block_hash", "block_height", "public_key", "r_target", "batch_size", "start_nonce", "params")
+
+
 def parse_v1_generate(body: dict, cfg: ServerConfig) -> V1Job:
-    check_keys(body, {"block_hash", "block_height", "public_key", "r_target", "batch_size", "start_nonce", "params"},
-               {"max_nonces", "max_duration", "dtype"})
+    check_keys(body, V1_GENERATE_FIELDS, {"max_nonces", "max_duration", "dtype"})
     bh, height, pk = get_header(body)
     params = parse_v1_params(body["params"])
     r_target = get_number(body, "r_target", lo=0, lo_open=True)

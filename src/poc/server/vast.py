@@ -67,8 +67,9 @@ def parse_generate(app: web.Application, body: dict, route: str):
     """A /generate-shaped request (v1 or v2 by its params) -> (job, its line format, a log label), with every check
     that must fail before any work: schema, readiness, the memory estimate. Used by /generate and /warmup."""
     cfg = app[config_key]
-    if "params" not in body:
-        raise InputError("missing required field: params", "params")
+    if "params" not in body:  # v1 or v2 is told by params; the message names every v1 field missing, as the reference
+        missing = [k for k in schemas.V1_GENERATE_FIELDS if k not in body]
+        raise InputError(f"Missing required fields: {missing}", "params")
     proto = schemas.protocol_of(body["params"])
     require_ready(app)
     if proto == "v1":
