@@ -306,3 +306,36 @@ async def test_pow_callbacks_are_spooled_and_delivered_after_a_restart(aiohttp_c
     assert len(sink.got["generated"]) == spooled and len(set(sink.keys)) == spooled
     nonces = sorted(n for p in sink.got["generated"] for n in p["nonces"])
     assert nonces == list(range(len(nonces)))  # every computed nonce, once
+
+
+async def test_a_transient_spool_read_error_delays_a_batch_and_loses_nothing(tmp_path, orch):
+    """A backlog goes out as one /results/batch; one record failing to read back (EMFILE: too many open files)
+    must not acknowledge the whole group unsent: that record waits for a retry, the others go out."""
+    import errno
+
+    url = f"{orch.url}/api/workers/w1"
+    orch.reject_results = True
+    s = CallbackSender(timeout=2, backoff_base=0.05, backoff_max=0.2, spool_dir=str(tmp_path))
+    await s.start()
+    real, failed = s.spool.read, []
+
+    def flaky(e):
+        if e.id == "r2" and not failed:
+            failed.append(e.id)
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(e)
+
+    s.spool.read = flaky
+    try:
+        for i in range(5):
+            assert await s.put("results", url, {"idempotency_id": f"r{i}", "first_nonce": i, "last_nonce": i}, f"r{i}")
+        await asyncio.sleep(0.3)  # refused a few times: a backlog that goes out together
+        orch.reject_results = False
+        assert await s.flush(10) == 0
+        assert failed == ["r2"]
+        assert sorted(orch.accepted) == [f"r{i}" for i in range(5)]  # r2 too, once it could be read
+    finally:
+        await s.close(0.1)
+    c = Spool(tmp_path)
+    assert c.open() == []  # nothing is left unacknowledged on disk either
+    c.close()
