@@ -306,3 +306,144 @@ async def test_pow_callbacks_are_spooled_and_delivered_after_a_restart(aiohttp_c
     assert len(sink.got["generated"]) == spooled and len(set(sink.keys)) == spooled
     nonces = sorted(n for p in sink.got["generated"] for n in p["nonces"])
     assert nonces == list(range(len(nonces)))  # every computed nonce, once
+
+
+async def test_a_transient_spool_read_error_delays_a_batch_and_loses_nothing(tmp_path, orch):
+    """A backlog goes out as one /results/batch; one record failing to read back (EMFILE: too many open files)
+    must not acknowledge the whole group unsent: that record waits for a retry, the others go out."""
+    import errno
+
+    url = f"{orch.url}/api/workers/w1"
+    orch.reject_results = True
+    s = CallbackSender(timeout=2, backoff_base=0.05, backoff_max=0.2, spool_dir=str(tmp_path))
+    await s.start()
+    real, failed = s.spool.read, []
+
+    def flaky(e):
+        if e.id == "r2" and not failed:
+            failed.append(e.id)
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(e)
+
+    s.spool.read = flaky
+    try:
+        for i in range(5):
+            assert await s.put("results", url, {"idempotency_id": f"r{i}", "first_nonce": i, "last_nonce": i}, f"r{i}")
+        await asyncio.sleep(0.3)  # refused a few times: a backlog that goes out together
+        orch.reject_results = False
+        assert await s.flush(10) == 0
+        assert failed == ["r2"]
+        assert sorted(orch.accepted) == [f"r{i}" for i in range(5)]  # r2 too, once it could be read
+    finally:
+        await s.close(0.1)
+    c = Spool(tmp_path)
+    assert c.open() == []  # nothing is left unacknowledged on disk either
+    c.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# replicas: results out of order
+
+
+class TwoReplicaEngine:
+    """What DistEngine does with two replicas, made deterministic: batches are dealt in nonce order, DEPTH=2
+    ahead, to replicas A and B; results arrive in completion order. A is stuck on its first batch while B races
+    ahead (A completes only when B has nothing left); a stop reports each replica's launched batch and drops its
+    queued one (A's, the job's third batch, lies before B's launched one). The launched batches are reported
+    B's first on odd stops (the last result to arrive is then the oldest) and A's first on even ones."""
+
+    @staticmethod
+    def make(base):
+        import numpy as np
+
+        from poc.engine.jobs import BatchResult, JobSummary, take
+
+        class Engine(base):
+            stops = 0
+
+            def _run(self, job, emit, stop):
+                self.v1_compute(job.params, job.block_hash, job.dtype)  # as the ranks: the model for the job
+                queues = {"A": [], "B": []}
+                n = 0
+
+                def deal(r):
+                    nonces = take(job.nonces, job.batch_size)
+                    if nonces:
+                        queues[r].append(nonces)
+
+                def report(nonces):
+                    nonlocal n
+                    n += 1
+                    emit(BatchResult(index=n, nonces=nonces, elapsed=0.0, batch_seconds=0.0,
+                                     dist=np.zeros(len(nonces))))
+
+                for _ in range(2):
+                    deal("A")
+                    deal("B")
+                while True:
+                    if stop.is_set():
+                        Engine.stops += 1
+                        for r in ("BA" if Engine.stops % 2 else "AB"):  # launched: reported; queued: dropped
+                            if queues[r]:
+                                report(queues[r][0])
+                        return JobSummary("stopped", n, 0, 0.0)
+                    r = "B" if queues["B"] else "A"
+                    if not queues[r]:
+                        return JobSummary("exhausted", n, 0, 0.0)
+                    report(queues[r].pop(0))
+                    deal(r)
+                    time.sleep(0.005)
+
+        return Engine
+
+
+async def test_pooled_with_replicas_out_of_order_covers_the_range_once(aiohttp_client, tmp_path, orch, monkeypatch):
+    """A new public key mid-range stops the job and continues the range under it. With replicas, the last result
+    to arrive is not the furthest nonce computed, and dropped batches may lie before a computed one: the resumed
+    job must compute exactly the nonces not yet computed (no hole, no batch twice)."""
+    from poc.engine.engine import Engine
+    from poc.server import app as app_mod
+
+    monkeypatch.setattr(app_mod, "Engine", TwoReplicaEngine.make(Engine))
+    orch.connect_reply = {"status": "ok", "block_hash": BH, "block_height": 7, "params": PARAMS_A, "r_target": R}
+    orch.ready_reply = {"public_key": "key-A", "nonce_range_start": 0, "nonce_range_end": 4999}
+
+    def on_result(n):
+        if n in (5, 40):  # twice mid-range: the key changes, the range goes on
+            orch.commands.append({"type": "compute", "public_key": f"key-{n}"})
+
+    orch.on_result = on_result
+    client, lines = await start_session(aiohttp_client, tmp_path, orch, {"batch_size": 10})
+    await lines.wait(status("range_complete"), 60)
+    await wait_until(lambda: client.server.app[sender_key].pending == 0, 10, "results acknowledged")
+    orch.commands.append({"type": "shutdown"})
+    out = await lines.finish()
+    assert sum(1 for d in out if d.get("status") == "public_key_set") == 2
+    spans = sorted(orch.spans())
+    assert covers_exactly(spans, 0, 4999), [(a, b) for (a, b), (c, _) in zip(spans, spans[1:]) if b + 1 != c][:5]
+    results = [d for d in out if is_result(d)]
+    assert sum(d["batch_computed"] for d in results) == 5000
+
+
+def test_computed_spans_gaps_and_a_batch_straddling_them():
+    import numpy as np
+
+    from poc.engine.jobs import BatchResult
+    from poc.server.pooled import add_spans, split_runs, uncomputed
+
+    spans = []
+    for batch in ([20, 21, 22], [0, 1, 2], [5, 6], [3, 4], [30, 31]):  # out of order, some adjacent
+        add_spans(spans, batch)
+    assert spans == [[0, 6], [20, 22], [30, 31]]
+    it = uncomputed(spans, 0, 33)
+    add_spans(spans, [7, 8])  # a later batch of the running job: the iterator keeps its snapshot
+    assert list(it) == [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 23, 24, 25, 26, 27, 28, 29, 32, 33]
+    assert list(uncomputed([[0, 9]], 0, 9)) == [] and list(uncomputed([], 5, 7)) == [5, 6, 7]
+    b = BatchResult(index=3, nonces=[18, 19, 23, 24], elapsed=1.0, batch_seconds=0.1, dist=np.arange(4.0))
+    parts = split_runs(b)
+    assert [p.nonces for p in parts] == [[18, 19], [23, 24]]
+    assert [list(p.dist) for p in parts] == [[0.0, 1.0], [2.0, 3.0]]
+    v2b = BatchResult(index=1, nonces=[1, 2, 9], elapsed=0, batch_seconds=0,
+                      artifacts=[{"nonce": 1}, {"nonce": 9}], dropped=[2])
+    assert [(p.artifacts, p.dropped) for p in split_runs(v2b)] == [([{"nonce": 1}], [2]), ([{"nonce": 9}], [])]
+    assert split_runs(b)[0] is not b and split_runs(parts[0]) == [parts[0]]

@@ -7,8 +7,10 @@ The /api/v1/pow routes are in test_server_pow.py, the subprocess tests in test_s
 import asyncio
 import json
 import logging
+import re
 import time
 
+import aiohttp
 import numpy as np
 import pytest
 
@@ -241,6 +243,62 @@ async def test_disconnect_stops_the_job(client):
     await asyncio.sleep(0.3)
     text = await (await client.get("/metrics")).text()
     assert metric(text, 'poc_nonces_computed_total{protocol="v1"}') == computed  # nothing runs any more
+
+
+@pytest.mark.parametrize("cancel", [False, True], ids=["production", "handler_cancellation"])
+async def test_disconnect_logs_the_batches_computed_after_it(aiohttp_client, caplog, cancel):
+    """The batch on the device when the client goes is computed all the same; it cannot reach the client, and the
+    log says so (how many batches and nonces, which) instead of dropping it silently. Both ways a server meets a
+    gone client: model_server.py's web.run_app (no handler cancellation: the stream notices on its next write or
+    check) and aiohttp's TestServer (the handler is cancelled, leaving batches in the runner's queue)."""
+    from .fakes import LoopbackApp
+
+    caplog.set_level(logging.INFO, logger="poc.server")
+    app = create_app(server_config())
+    engine = app[engine_key]
+    real = engine.v1_compute
+
+    def slow(*a, **kw):  # a batch takes longer than the progress interval, as a large batch on a GPU does
+        c = real(*a, **kw)
+        collect = c.collect
+        c.collect = lambda h: (time.sleep(0.4), collect(h))[1]
+        return c
+
+    engine.v1_compute = slow
+    req = v1_request(batch_size=1, max_nonces=None, max_duration=60)
+    if cancel:
+        client = await aiohttp_client(app)
+        await wait_status(client)
+        r = await client.post("/generate", json=req)
+        await first_batch_line(r)
+        r.close()  # the next batch is on the device: it is computed after the client went
+        await wait_status(client, ("ready",), timeout=5)
+    else:
+        srv = await LoopbackApp(app).start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                t0 = time.monotonic()
+                while (await (await http.get(srv.url + "/health")).json())["status"] != "ready":
+                    assert time.monotonic() - t0 < 10
+                    await asyncio.sleep(0.02)
+                r = await http.post(srv.url + "/generate", json=req)
+                await first_batch_line(r)
+                r.close()
+                t0 = time.monotonic()
+                while (await (await http.get(srv.url + "/health")).json())["status"] != "ready":
+                    assert time.monotonic() - t0 < 5
+                    await asyncio.sleep(0.02)
+        finally:
+            await srv.stop()
+    msgs = [rec.getMessage() for rec in caplog.records]
+    done = [m for m in msgs if m.startswith("job done")][-1]
+    assert "reason disconnect" in done
+    computed = int(done.split("computed ")[1].split(",")[0])
+    lost = [m for m in msgs if "never reached the client" in m]
+    assert len(lost) == 1, msgs[-5:]
+    m = re.match(r"(\d+) computed batch\(es\), (\d+) nonces \((\d+)\.\.(\d+)\)", lost[0])
+    n_batches, n_nonces, first, last = map(int, m.groups())
+    assert n_batches == n_nonces >= 1 and first >= 1 and last == computed - 1  # batch 1: nonce k is batch k+1
 
 
 async def test_second_job_gets_409_at_once(client):

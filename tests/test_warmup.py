@@ -89,3 +89,40 @@ async def test_warmup_bad_params_and_bad_requests(client):
     assert r.status == 400 and (await r.json())["error"] == "callback_url is required"
     r = await client.post("/warmup", json={"callback_url": "ftp://x"})
     assert r.status == 400
+
+
+async def test_params_arriving_after_the_client_went_start_no_job(tmp_path, caplog):
+    """model_server.py's server (web.run_app: handlers are not cancelled on disconnect). The client leaves while
+    the worker waits; the next poll hands over the params: no job may start for nobody (a v1 model build and
+    batches on the device, all lost), and polling stops."""
+    import asyncio
+    import logging
+
+    import aiohttp
+
+    from .fakes import LoopbackApp
+
+    caplog.set_level(logging.INFO)
+    job = v1_request(batch_size=4, max_nonces=None, max_duration=5.0, r_target=2.0)
+    ctl = FakeController(params=job, ready_after=1)
+    await ctl.start()
+    cfg = server_config(spool_dir=str(tmp_path / "spool"), warmup_poll_interval=POLL, warmup_max_duration=30.0,
+                        progress_interval=60.0)
+    srv = await LoopbackApp(create_app(cfg)).start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            while (await (await http.get(srv.url + "/health")).json())["status"] != "ready":
+                await asyncio.sleep(0.02)
+            r = await http.post(srv.url + "/warmup", json={"callback_url": ctl.url, "job_id": "gone"})
+            assert (await r.content.readline()).startswith(b'{"status": "warmup_ready"')
+            assert b"warmup_waiting" in await r.content.readline()
+            r.close()  # gone before the params arrive (the controller has them at the next poll)
+            await asyncio.sleep(6 * POLL)
+            assert (await (await http.get(srv.url + "/health")).json())["status"] == "ready"
+    finally:
+        await srv.stop()
+        await ctl.stop()
+    msgs = [rec.getMessage() for rec in caplog.records]
+    assert len(ctl.polls) == 2
+    assert not [m for m in msgs if m.startswith("job started")], msgs
+    assert any("went away" in m and "params" in m for m in msgs), msgs

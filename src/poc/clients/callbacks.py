@@ -248,8 +248,10 @@ class CallbackSender:
             while not self._ready:
                 self._wake.clear()
                 await self._wake.wait()
-            group = self._take()
-            ok, why = await self._post(group)
+            group, bodies = await self._read(self._take())
+            if not group:
+                continue
+            ok, why = await self._post(group, bodies)
             if ok:
                 await self._acknowledge(group)
                 continue
@@ -285,7 +287,7 @@ class CallbackSender:
             self._ready.append(item)
             self._wake.set()
 
-    async def _acknowledge(self, group: list[_Item]) -> None:
+    async def _acknowledge(self, group: list[_Item], outcome: str = "sent") -> None:
         entries = [i.entry for i in group if i.entry is not None]
         if entries:
             try:
@@ -299,25 +301,37 @@ class CallbackSender:
             fut = self._acked.pop(i.idempotency_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(True)
-        self._count(group[0].kind, "sent", len(group))
+        self._count(group[0].kind, outcome, len(group))
 
-    async def _payload(self, item: _Item) -> dict:
-        if item.payload is not None:
-            return item.payload
-        return await self._run_io(self.spool.read, item.entry)
+    async def _read(self, group: list[_Item]) -> tuple[list[_Item], list[dict]]:
+        """The group's payloads. A record whose read fails (EMFILE, EIO) is retried later on its own; one that
+        reads back but does not decode can never be sent: it is acknowledged locally, with a warning. Either
+        way the rest of the group goes out now (never acknowledged unsent with it)."""
+        keep, bodies = [], []
+        for item in group:
+            if item.payload is not None:
+                keep.append(item)
+                bodies.append(item.payload)
+                continue
+            try:
+                bodies.append(await self._run_io(self.spool.read, item.entry))
+                keep.append(item)
+            except OSError as e:
+                why = f"spool read failed {describe(e)}"
+                self._warn(item, 1, why, self._retry_later(item, why))
+            except (ValueError, KeyError) as e:
+                log.warning("spool record %s %s cannot be decoded %s: dropped (acknowledged locally)", item.kind,
+                            item.idempotency_id, describe(e))
+                await self._acknowledge([item], "dropped")
+        return keep, bodies
 
-    async def _post(self, group: list[_Item]) -> tuple[bool, str]:
+    async def _post(self, group: list[_Item], bodies: list[dict]) -> tuple[bool, str]:
         first = group[0]
         base = first.url.rstrip("/")
-        try:
-            if len(group) == 1:
-                url, body = f"{base}/{first.kind}", await self._payload(first)
-            else:
-                url, body = f"{base}/{first.kind}/batch", {"results": [await self._payload(i) for i in group]}
-        except (OSError, ValueError, KeyError) as e:  # the record cannot be read back: nothing to send, ever
-            log.warning("spool read failed for %s %s %s: acknowledging it locally", first.kind, first.idempotency_id,
-                        describe(e))
-            return True, ""
+        if len(group) == 1:
+            url, body = f"{base}/{first.kind}", bodies[0]
+        else:
+            url, body = f"{base}/{first.kind}/batch", {"results": bodies}
         headers = {"Idempotency-Key": first.idempotency_id if len(group) == 1 else
                    ",".join(i.idempotency_id for i in group)}
         try:

@@ -7,7 +7,8 @@ Session: connect (with retry) -> poll GET config every pooled_poll_interval unti
 the model -> ready (with retry) -> compute the assigned range, batch by batch, until "shutdown", max_duration or
 the server stops -> flush -> /shutdown {"stats"}. Fixed against the reference (spec-v1 §6):
 - F1b: every nonce of the range is computed, exactly once (the engine's iterator is the range; a job stopped for
-  a command resumes after the last batch it computed);
+  a command resumes with the nonces not yet computed: with replicas, results arrive out of order and a stop
+  drops batches dealt but not launched, so "after the last result" would skip some and repeat others);
 - F3/F14: lines are written as they happen; results go through the durable CallbackSender (spooled on disk and
   fsynced before the send, re-sent with backoff until the orchestrator answers {"status": "ok"}, replayed after a
   restart; one `idempotency_id` per batch, also the Idempotency-Key header), so the orchestrator's speed never
@@ -34,6 +35,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 from aiohttp import web
@@ -136,8 +138,8 @@ class PooledSession:
         self.assignment: Assignment | None = None
         self.bad_config: InputError | None = None
         self.announce: list[dict] = []  # status lines of applied changes, written before the next job starts
-        self.resume: dict[tuple, int] = {}  # work -> the next nonce to compute
-        self.epoch = 0  # bumped by switch_job: a batch of the job it stopped must not move `resume` any more
+        self.computed: dict[tuple, list[list[int]]] = {}  # work -> the nonces computed, as sorted [lo, hi] spans
+        self.epoch = 0  # bumped by switch_job: a batch of the job it stopped must not count as computed any more
         self.finished: set[tuple] = set()  # works whose range is exhausted
         self.counters_for: tuple | None = None
         self.batch_number = self.total_computed = self.total_valid = 0
@@ -316,8 +318,9 @@ class PooledSession:
         if self.counters_for != a.work:
             self.counters_for = a.work
             self.batch_number = self.total_computed = self.total_valid = 0
-        start = self.resume.get(a.work, a.range_start)
-        nonces = v1.range_nonces(start, a.range_end, 0, 1)
+        spans = self.computed.get(a.work, [])
+        start = next(uncomputed(spans, a.range_start, a.range_end), a.range_end + 1)
+        nonces = uncomputed(spans, a.range_start, a.range_end)
         lim = Limits(max_nonces=None, max_duration=None)  # the session keeps time
         if a.protocol == "v1":
             job = V1Job(block_hash=a.block_hash, public_key=a.public_key, block_height=a.block_height, params=a.params,
@@ -348,14 +351,21 @@ class PooledSession:
             runner.close()
         return summary
 
-    async def _result(self, a: Assignment, b: BatchResult, current: bool = True) -> None:
-        """One batch -> one result: durable in the spool first, then the line (so a streamed result is never lost)."""
-        if not b.nonces:
+    async def _result(self, a: Assignment, batch: BatchResult, current: bool = True) -> None:
+        """One batch -> one result per contiguous run of its nonces (a batch of a resumed job may straddle nonces
+        computed earlier): durable in the spool first, then the line (so a streamed result is never lost)."""
+        if not batch.nonces:
             return
+        if current:
+            add_spans(self.computed.setdefault(a.work, []), batch.nonces)
+        for b in split_runs(batch):
+            if self.end_reason == "error":
+                return
+            await self._one_result(a, b)
+
+    async def _one_result(self, a: Assignment, b: BatchResult) -> None:
         self.batch_number += 1
         self.total_computed += len(b.nonces)
-        if current:
-            self.resume[a.work] = b.nonces[-1] + 1
         head = {"worker_id": 0, "public_key": a.public_key, "block_hash": a.block_hash, "block_height": a.block_height}
         if a.protocol == "v1":
             keep = np.flatnonzero(b.dist < a.r_target)
@@ -472,7 +482,7 @@ class PooledSession:
             pass
         elif new.work == cur.work:  # only the key changed
             if typ == "switch_job":  # restart the range under the new key, counters reset (§4.3)
-                self.resume.pop(new.work, None)
+                self.computed.pop(new.work, None)
                 self.epoch += 1
                 self.finished.discard(new.work)
                 self.counters_for = None
@@ -528,6 +538,57 @@ class PooledSession:
         stronger = schemas.get_bool(c, "poc_stronger_rng", default=False)
         return Assignment(proto, bh, height, pk, r_target, p, json.dumps(params, sort_keys=True), start, end, bs,
                           stronger)
+
+
+def add_spans(spans: list[list[int]], nonces: list[int]) -> None:
+    """Merge a batch's nonces into sorted, disjoint [lo, hi] spans (few: gaps come only from dropped batches)."""
+    for n in sorted(nonces):
+        if spans and spans[-1][0] <= n <= spans[-1][1] + 1:
+            spans[-1][1] = max(spans[-1][1], n)
+        else:
+            spans.append([n, n])
+            spans.sort()
+    merged: list[list[int]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    spans[:] = merged
+
+
+def uncomputed(spans: list[list[int]], start: int, end: int) -> Iterator[int]:
+    """The nonces of [start, end] outside `spans`, in order. The spans are copied here, on the loop: the engine
+    thread iterates while the loop adds this job's batches to them."""
+    snapshot = [(lo, hi) for lo, hi in spans]
+
+    def gen():
+        n = start
+        for lo, hi in snapshot:
+            if lo > n:
+                yield from range(n, min(lo, end + 1))
+            n = max(n, hi + 1)
+            if n > end:
+                return
+        yield from range(n, end + 1)
+
+    return gen()
+
+
+def split_runs(b: BatchResult) -> list[BatchResult]:
+    """The batch as one BatchResult per run of consecutive nonces (itself when it is one run)."""
+    cuts = [i for i in range(1, len(b.nonces)) if b.nonces[i] != b.nonces[i - 1] + 1]
+    if not cuts:
+        return [b]
+    out = []
+    for i, j in zip([0, *cuts], [*cuts, len(b.nonces)]):
+        ns = b.nonces[i:j]
+        lo, hi = ns[0], ns[-1]
+        arts = None if b.artifacts is None else [x for x in b.artifacts if lo <= x["nonce"] <= hi]
+        out.append(BatchResult(index=b.index, nonces=ns, elapsed=b.elapsed, batch_seconds=b.batch_seconds,
+                               dist=None if b.dist is None else b.dist[i:j], artifacts=arts,
+                               dropped=[n for n in b.dropped if lo <= n <= hi]))
+    return out
 
 
 def result_id(a: Assignment, first: int, last: int, count: int) -> str:

@@ -129,6 +129,9 @@ class JobRunner:
         self.future: asyncio.Future | None = None
         self.summary: JobSummary | None = None
         self.arrived_computed = self.arrived_valid = 0  # counted as batches reach the loop (logs, metrics)
+        self.lost: list[BatchResult] = []  # computed, but its consumer had gone (see undelivered())
+        self._q: asyncio.Queue | None = None
+        self._ends = 0  # the thread's end and the consumer's: the loss is reported after both
 
     def stop(self, reason: str = "stopped") -> None:
         if self.stop_reason is None:
@@ -177,6 +180,29 @@ class JobRunner:
             s.dropped += len(b.dropped)
         s.valid += self._valid(b)
 
+    def undelivered(self, b: BatchResult) -> None:
+        """The consumer could not pass this batch on (its client had gone): counted, and logged at the end."""
+        self.lost.append(b)
+
+    def _ended(self) -> None:
+        """Called when the thread ended and when the consumer left; the second call logs what never reached the
+        consumer's client: batches marked undelivered() and batches the consumer left behind in the queue."""
+        self._ends += 1
+        if self._ends < 2:
+            return
+        while self._q is not None and not self._q.empty():
+            item = self._q.get_nowait()
+            if isinstance(item, BatchResult) and item.nonces:
+                self.lost.append(item)
+        if not self.lost:
+            return
+        nonces = [n for b in self.lost for n in b.nonces]
+        self.metrics.error("undelivered")
+        log.warning("%d computed batch(es), %d nonces (%d..%d), never reached the client: it had gone (%s; the "
+                    "stream's done line, if it got one, counts only what it was sent)", len(self.lost), len(nonces),
+                    min(nonces), max(nonces), self.stats.label)
+        self.lost = []
+
     def _rate_line(self) -> None:
         s = self.stats
         log.info("rate: %.1f nonces/s, computed %d, valid %d (%s)", s.rate, s.computed, s.valid, s.label)
@@ -184,6 +210,7 @@ class JobRunner:
     async def events(self) -> AsyncIterator[tuple[str, object]]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+        self._q = q
 
         def emit(b: BatchResult) -> None:  # on the worker thread
             loop.call_soon_threadsafe(self._arrive, q, b)
@@ -199,6 +226,7 @@ class JobRunner:
             self._finish(summary)
             self.claim.release()
             q.put_nowait(_DONE)
+            self._ended()
 
         self.started = True
         self.registry.add(self)
@@ -230,6 +258,7 @@ class JobRunner:
                     yield "progress", s.as_json()
         finally:
             self.stop_event.set()  # a consumer that left early (client gone, task cancelled) stops the job
+            self._ended()
 
     def _finish(self, summary: JobSummary) -> None:
         s = self.stats

@@ -118,8 +118,8 @@ async def _pump(w: NdjsonWriter, runner: JobRunner, make_line) -> None:
         async for kind, item in events:
             if kind == "batch":
                 line = make_line(item, runner)
-                if line is not None:
-                    await w.write(line)
+                if w.gone or (line is not None and not await w.write(line)):
+                    runner.undelivered(item)  # computed after the client went: logged at the job's end
             elif kind == "progress":
                 await w.write({"status": "progress", **item})
             else:

@@ -96,8 +96,13 @@ async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: s
                             line["detail"] = "the answer is not JSON"
                         if isinstance(data, dict) and data.get("status") == "ready":
                             if isinstance(data.get("params"), dict):
-                                await w.write({"status": "warmup_params_received",
-                                               "elapsed": round(time.monotonic() - t0, 3)})
+                                if not await w.write({"status": "warmup_params_received",
+                                                      "elapsed": round(time.monotonic() - t0, 3)}):
+                                    # no job for nobody: its model build and batches would all be lost
+                                    log.warning("warmup %s: the client went away before the params arrived; no "
+                                                "job is started (the controller handed them out: give them to "
+                                                "another worker)", job_id)
+                                    return None
                                 return data["params"]
                             line["detail"] = "status ready without a params object"
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
