@@ -509,7 +509,7 @@ async def test_server_with_a_killed_rank(aiohttp_client, monkeypatch):
     async def until(state: str) -> dict:
         for _ in range(2400):  # up to ~2 min: two rank processes import torch on a loaded 2-core CI machine
             code, h = await health()
-            if h["status"] == state:
+            if h["state"] == state:
                 return h
             await asyncio.sleep(0.05)
         raise AssertionError(h)

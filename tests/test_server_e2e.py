@@ -145,7 +145,7 @@ async def test_client_disconnect_stops_the_job(server):
         t0 = time.monotonic()
         while True:
             async with http.get(server.url + "/health") as h:
-                if (await h.json())["status"] == "ready":
+                if (await h.json())["state"] == "ready":
                     break
             assert time.monotonic() - t0 < 3, "the job kept running after the client left"
             await asyncio.sleep(0.05)

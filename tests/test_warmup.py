@@ -36,7 +36,7 @@ async def test_warmup_streams_each_line_as_produced_and_calls_complete(client):
         t1, w1, _ = await out.wait(status("warmup_waiting"))
         t2, w2, _ = await out.wait(lambda d: d.get("status") == "warmup_waiting" and d["poll_count"] == 2)
         assert w1["poll_count"] == 1 and 0.5 * POLL < t2 - t1 < 3 * POLL
-        assert (await wait_status(client))["status"] == "ready"  # the device stays free while it waits
+        assert (await wait_status(client))["state"] == "ready"  # the device stays free while it waits
         lines = await out.finish(20)
     finally:
         await ctl.stop()
@@ -111,14 +111,14 @@ async def test_params_arriving_after_the_client_went_start_no_job(tmp_path, capl
     srv = await LoopbackApp(create_app(cfg)).start()
     try:
         async with aiohttp.ClientSession() as http:
-            while (await (await http.get(srv.url + "/health")).json())["status"] != "ready":
+            while (await (await http.get(srv.url + "/health")).json())["state"] != "ready":
                 await asyncio.sleep(0.02)
             r = await http.post(srv.url + "/warmup", json={"callback_url": ctl.url, "job_id": "gone"})
             assert (await r.content.readline()).startswith(b'{"status": "warmup_ready"')
             assert b"warmup_waiting" in await r.content.readline()
             r.close()  # gone before the params arrive (the controller has them at the next poll)
             await asyncio.sleep(6 * POLL)
-            assert (await (await http.get(srv.url + "/health")).json())["status"] == "ready"
+            assert (await (await http.get(srv.url + "/health")).json())["state"] == "ready"
     finally:
         await srv.stop()
         await ctl.stop()

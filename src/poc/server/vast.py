@@ -38,19 +38,23 @@ def setup(app: web.Application) -> None:
 
 
 async def health(request: web.Request) -> web.Response:
-    """loading | ready | busy | broken, plus the model, the device and the running job; 503 unless ready/busy."""
+    """`state` loading | ready | busy | broken, plus the model, the device and the running job; 503 unless ready/busy.
+
+    `status` is the reference's field (spec-v1 §4.0: always "healthy" there): "healthy" with the 200, so a client
+    written for the reference keeps working, and the state itself with a 503 (loading, broken)."""
     app = request.app
     engine = app[engine_key]
     state = engine.state
     if state == "ready" and app[gate_key].busy:
         state = "busy"
     runners = list(app[runners_key])
-    body = {"status": state, "model": model_label(app), "device": str(engine.device),
+    ok = state in ("ready", "busy")
+    body = {"status": "healthy" if ok else state, "state": state, "model": model_label(app), "device": str(engine.device),
             "cuda_broken": engine.state == "broken" and engine.device.type == "cuda",
             "job": ({"label": runners[0].stats.label, **runners[0].stats.as_json()} if runners else None)}
     if engine.state == "broken":
         body["reason"] = engine.broken_reason
-    return web.json_response(body, status=200 if state in ("ready", "busy") else 503)
+    return web.json_response(body, status=200 if ok else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
