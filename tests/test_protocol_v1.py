@@ -191,6 +191,29 @@ def test_distances_through_the_input_pool_equal_the_plain_path():
     assert np.array_equal(a, b), (a, b)
 
 
+def test_too_small_dev_shm_falls_back_to_in_process_inputs(monkeypatch, caplog):
+    # Docker's default /dev/shm is 64 MB: slots that do not fit would SIGBUS the workers mid-batch
+    import collections
+    import logging
+
+    import torch
+
+    from poc.engine import v1inputs
+    from poc.engine.compute import V1Compute
+
+    monkeypatch.setattr(v1inputs.shutil, "disk_usage", lambda path: collections.namedtuple("U", "total used free")(
+        2**20, 2**20 - 1000, 1000))
+    with pytest.raises(v1inputs.PoolUnavailable, match="--shm-size"):
+        v1inputs.check_shm(10**6)
+    p = v1.V1Params.from_json({**G["sets"][V1_SETS[0]]["params"], "seq_len": 8})
+    c = V1Compute(p, G["block_hash"], torch.float32, torch.device("cpu"), input_workers=2)
+    with caplog.at_level(logging.WARNING, logger="poc.compute"):
+        prep = c.prepare(G["public_key"], [20, 73])
+    assert c._pool is None and c.input_workers == 0 and prep.x.dtype == torch.float16
+    assert "drawn in this process" in caplog.text and "GiB free" in caplog.text
+    assert np.array_equal(prep.x.numpy(), _reference_inputs([20, 73], 8, p.dim))
+
+
 def test_target_is_bit_exact_with_the_reference_formula():
     # the reference normalises with np.linalg.norm(y, axis=1, keepdims=True) (a pairwise sum); the whole-array
     # norm is a dot product, which differs in the last bit for about a third of block hashes

@@ -224,12 +224,17 @@ class V1Compute:
         p = self.params
         if self.input_workers > 0 and len(nonces) > 1:
             if self._pool is None or self._pool.batch < len(nonces):
-                from poc.engine.v1inputs import V1InputPool
+                from poc.engine.v1inputs import PoolUnavailable, V1InputPool
                 self.close()
-                self._pool = V1InputPool(len(nonces), p.seq_len, p.dim, p.vocab_size, self.input_workers,
-                                         executor=self._executor)
-            x, perms = self._pool.fill(self.block_hash, public_key, list(nonces))
-            return V1Prepared(list(nonces), torch.from_numpy(x), torch.from_numpy(perms))
+                try:
+                    self._pool = V1InputPool(len(nonces), p.seq_len, p.dim, p.vocab_size, self.input_workers,
+                                             executor=self._executor)
+                except PoolUnavailable as e:
+                    log.warning("v1 inputs drawn in this process, slower: %s", e)
+                    self.input_workers = 0
+            if self._pool is not None:
+                x, perms = self._pool.fill(self.block_hash, public_key, list(nonces))
+                return V1Prepared(list(nonces), torch.from_numpy(x), torch.from_numpy(perms))
         x = torch.from_numpy(v1.input_embeddings(self.block_hash, public_key, nonces, p.seq_len, p.dim))
         perms = torch.from_numpy(v1.permutations(self.block_hash, public_key, nonces, p.vocab_size))
         if self.device.type == "cuda":

@@ -11,12 +11,20 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 from concurrent.futures import ProcessPoolExecutor, wait
 from multiprocessing import shared_memory
 
 import numpy as np
 
 from poc.protocol import v1
+
+
+SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux (a container's default is only 64 MB)
+
+
+class PoolUnavailable(RuntimeError):
+    """The slots do not fit in shared memory: the caller draws the inputs in its own process instead."""
 
 
 def _fill(shm_name: str, shape_x: tuple, shape_p: tuple, off_p: int, rows: list[tuple[int, int]],
@@ -33,6 +41,18 @@ def _fill(shm_name: str, shape_x: tuple, shape_p: tuple, off_p: int, rows: list[
         del x, p
     finally:
         shm.close()
+
+
+def check_shm(need: int) -> None:
+    """Refuse slots that /dev/shm cannot hold: the pages are only allocated when a worker writes them, so a too
+    small /dev/shm (Docker's default 64 MB) would kill the workers with SIGBUS in the middle of a batch."""
+    try:
+        free = shutil.disk_usage(SHM_DIR).free
+    except OSError:
+        return  # no /dev/shm to ask (not Linux): nothing known to check against
+    if need > free * 0.9:
+        raise PoolUnavailable(f"the v1 input slots need {need / 2**30:.2f} GiB of shared memory, {SHM_DIR} has "
+                              f"{free / 2**30:.2f} GiB free (docker run --shm-size, e.g. 16g)")
 
 
 def make_executor(workers: int) -> ProcessPoolExecutor:
@@ -56,6 +76,7 @@ class V1InputPool:
         nx = batch * seq_len * dim * 4
         self.off_p = (nx + 63) // 64 * 64
         size = self.off_p + batch * vocab * 8
+        check_shm(size * slots)
         self.slots = [shared_memory.SharedMemory(create=True, size=size) for _ in range(slots)]
         self.next_slot = 0
         self.workers = workers or max(1, min(32, (os.cpu_count() or 2) - 2))
