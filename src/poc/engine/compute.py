@@ -195,7 +195,7 @@ def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
 @dataclass
 class V1Prepared:
     nonces: list[int]
-    x: torch.Tensor  # (B, S, D) float16, or float32 from the input pool (rounded to float16 on the device); host
+    x: torch.Tensor  # (B, S, D) float16, host (pinned on CUDA)
     perms: torch.Tensor  # (B, V) int64, host
 
 
@@ -241,9 +241,8 @@ class V1Compute:
             x, perms = x.pin_memory(), perms.pin_memory()
         return V1Prepared(list(nonces), x, perms)
 
-    def _batch(self, x: torch.Tensor, perms: torch.Tensor) -> torch.Tensor:
-        # fp16 first, as the reference (the input pool's float32 gets its second rounding here, on the device)
-        logits = self.model(x.to(torch.float16).to(self.dtype), last_only=True, logits=True, step=self._step)
+    def _batch(self, x16: torch.Tensor, perms: torch.Tensor) -> torch.Tensor:
+        logits = self.model(x16.to(self.dtype), last_only=True, logits=True, step=self._step)  # fp16 first
         return self._post(logits, perms)
 
     def _distances(self, logits: torch.Tensor, perms: torch.Tensor) -> torch.Tensor:
