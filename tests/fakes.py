@@ -388,3 +388,64 @@ class ServerProcess:
                 self.proc.wait()
         self._out.close()
         return self.proc.returncode
+
+
+# --------------------------------------------------------------------------------------------------
+# an engine with replicas, made deterministic
+
+
+class TwoReplicaEngine:
+    """What DistEngine does with two replicas, made deterministic: batches are dealt in nonce order, DEPTH=2
+    ahead, to replicas A and B; results arrive in completion order. A is stuck on its first batch while B races
+    ahead (A completes only when B has nothing left); a stop reports each replica's launched batch and drops its
+    queued one (A's, the job's third batch, lies before B's launched one). The launched batches are reported
+    B's first on odd stops (the last result to arrive is then the oldest) and A's first on even ones.
+    v1 batches carry zero distances (every nonce a hit), v2 batches an artifact per nonce."""
+
+    @staticmethod
+    def make(base):
+        import numpy as np
+
+        from poc.engine.jobs import BatchResult, JobSummary, V1Job, take
+
+        class Engine(base):
+            stops = 0
+
+            def _run(self, job, emit, stop):
+                if isinstance(job, V1Job):
+                    self.v1_compute(job.params, job.block_hash, job.dtype)  # as the ranks: the model for the job
+                queues = {"A": [], "B": []}
+                n = 0
+
+                def deal(r):
+                    nonces = take(job.nonces, job.batch_size)
+                    if nonces:
+                        queues[r].append(nonces)
+
+                def report(nonces):
+                    nonlocal n
+                    n += 1
+                    if isinstance(job, V1Job):
+                        out = {"dist": np.zeros(len(nonces))}
+                    else:
+                        out = {"artifacts": [{"nonce": x, "vector_b64": ""} for x in nonces]}
+                    emit(BatchResult(index=n, nonces=nonces, elapsed=0.0, batch_seconds=0.0, **out))
+
+                for _ in range(2):
+                    deal("A")
+                    deal("B")
+                while True:
+                    if stop.is_set():
+                        Engine.stops += 1
+                        for r in ("BA" if Engine.stops % 2 else "AB"):  # launched: reported; queued: dropped
+                            if queues[r]:
+                                report(queues[r][0])
+                        return JobSummary("stopped", n, 0, 0.0)
+                    r = "B" if queues["B"] else "A"
+                    if not queues[r]:
+                        return JobSummary("exhausted", n, 0, 0.0)
+                    report(queues[r].pop(0))
+                    deal(r)
+                    time.sleep(0.005)
+
+        return Engine

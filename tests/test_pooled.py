@@ -20,7 +20,8 @@ from poc.clients.callbacks import CallbackSender
 from poc.clients.spool import Spool
 from poc.server.app import create_app, sender_key
 
-from .fakes import FakeOrchestrator, Lines, ServerProcess, covers_exactly, is_result, status, wait_until
+from .fakes import (FakeOrchestrator, Lines, ServerProcess, TwoReplicaEngine, covers_exactly, is_result, status,
+                    wait_until)
 from .golden import V1_GOLDEN as G1
 from .test_server import PARAMS_A, server_config, wait_status
 
@@ -348,58 +349,6 @@ async def test_a_transient_spool_read_error_delays_a_batch_and_loses_nothing(tmp
 
 # --------------------------------------------------------------------------------------------------
 # replicas: results out of order
-
-
-class TwoReplicaEngine:
-    """What DistEngine does with two replicas, made deterministic: batches are dealt in nonce order, DEPTH=2
-    ahead, to replicas A and B; results arrive in completion order. A is stuck on its first batch while B races
-    ahead (A completes only when B has nothing left); a stop reports each replica's launched batch and drops its
-    queued one (A's, the job's third batch, lies before B's launched one). The launched batches are reported
-    B's first on odd stops (the last result to arrive is then the oldest) and A's first on even ones."""
-
-    @staticmethod
-    def make(base):
-        import numpy as np
-
-        from poc.engine.jobs import BatchResult, JobSummary, take
-
-        class Engine(base):
-            stops = 0
-
-            def _run(self, job, emit, stop):
-                self.v1_compute(job.params, job.block_hash, job.dtype)  # as the ranks: the model for the job
-                queues = {"A": [], "B": []}
-                n = 0
-
-                def deal(r):
-                    nonces = take(job.nonces, job.batch_size)
-                    if nonces:
-                        queues[r].append(nonces)
-
-                def report(nonces):
-                    nonlocal n
-                    n += 1
-                    emit(BatchResult(index=n, nonces=nonces, elapsed=0.0, batch_seconds=0.0,
-                                     dist=np.zeros(len(nonces))))
-
-                for _ in range(2):
-                    deal("A")
-                    deal("B")
-                while True:
-                    if stop.is_set():
-                        Engine.stops += 1
-                        for r in ("BA" if Engine.stops % 2 else "AB"):  # launched: reported; queued: dropped
-                            if queues[r]:
-                                report(queues[r][0])
-                        return JobSummary("stopped", n, 0, 0.0)
-                    r = "B" if queues["B"] else "A"
-                    if not queues[r]:
-                        return JobSummary("exhausted", n, 0, 0.0)
-                    report(queues[r].pop(0))
-                    deal(r)
-                    time.sleep(0.005)
-
-        return Engine
 
 
 async def test_pooled_with_replicas_out_of_order_covers_the_range_once(aiohttp_client, tmp_path, orch, monkeypatch):

@@ -225,6 +225,74 @@ async def test_v2_node_layout_and_start_nonce(client):
     assert [next(it) for _ in range(3)] == [3, 7, 11]
 
 
+@pytest.mark.parametrize("proto", ["v1", "v2"])
+async def test_next_nonce_with_replicas_is_the_first_nonce_not_computed(aiohttp_client, monkeypatch, proto):
+    """With replicas, results arrive out of order and a stop drops batches dealt but not computed (here the
+    job's third batch, while later ones were computed): the done line's next_nonce must resume at the first
+    nonce of the job's own sequence not computed (v2: its node lattice), never past it; so must the last v1
+    batch line's."""
+    from poc.engine.engine import Engine
+    from poc.server import app as app_mod
+    from poc.server.app import runners_key
+
+    from .fakes import TwoReplicaEngine
+
+    monkeypatch.setattr(app_mod, "Engine", TwoReplicaEngine.make(Engine))
+    c = await aiohttp_client(create_app(server_config(**({"model": QWEN3} if proto == "v2" else {}))))
+    await wait_status(c)
+    if proto == "v1":  # nonces 0, 1, 2, ...; batch 3 is 20..29
+        req, seq, key = v1_request(batch_size=10), list(range(10_000)), "nonces"
+    else:  # node 1 of 3 from 5: 7, 10, 13, ...; batch 3 is 25, 28, 31
+        req, key = v2_request(node_id=1, node_count=3, start_nonce=5, batch_size=3), "artifacts"
+        it = stride_nonces(5, 1, 3, 0, 1)
+        seq = [next(it) for _ in range(10_000)]
+    del req["max_nonces"]  # the job runs until it is stopped
+    r = await c.post("/generate", json=req)
+    lines = []
+    while sum(key in d for d in lines) < 6:
+        lines.append(json.loads(await r.content.readline()))
+    next(iter(c.server.app[runners_key])).stop()
+    lines += [d for _, d in await read_lines(r)]
+    batches = [d for d in lines if key in d]
+    got = {n for d in batches for n in (d["nonces"] if proto == "v1" else [a["nonce"] for a in d["artifacts"]])}
+    first_missing = next(n for n in seq if n not in got)
+    third = 2 * req["batch_size"]  # the third batch's first nonce is seq[third]
+    assert first_missing == seq[third] and max(got) > first_missing  # a gap: computed nonces past a dropped batch
+    done = lines[-1]
+    assert done["status"] == "done" and done["reason"] == "stopped"
+    assert done["next_nonce"] == seq[third - 1] + 1  # as with one engine: past the last nonce before the gap
+    if proto == "v1":
+        assert done["next_nonce"] == first_missing and batches[-1]["next_nonce"] == first_missing
+    else:
+        assert next(stride_nonces(done["next_nonce"], 1, 3, 0, 1)) == first_missing
+
+
+def test_job_order_positions_and_the_resume_point():
+    """JobOrder places dealt nonces in the job's sequence; next_nonce is past the computed prefix of it."""
+    from poc.engine.jobs import take
+    from poc.server.stream import JobOrder, JobStats, add_spans
+
+    def stats_after(nonces, batches, dealt):
+        order = JobOrder(nonces)
+        dealt_batches = [take(order, dealt[0]) for _ in range(dealt[1])]
+        s = JobStats("v2", "t", order=order)
+        for i in batches:  # the computed batches, in arrival order
+            add_spans(s.done_spans, [order.position(n) for n in dealt_batches[i]])
+        return s
+
+    assert stats_after(stride_nonces(5, 1, 3, 0, 1), [], (3, 4)).next_nonce is None
+    assert stats_after(stride_nonces(5, 1, 3, 0, 1), [0, 1, 2], (3, 4)).next_nonce == 32  # in order: largest + 1
+    assert stats_after(stride_nonces(5, 1, 3, 0, 1), [1, 3, 0], (3, 4)).next_nonce == 23  # batch 2 (25..31) dropped
+    assert stats_after(stride_nonces(5, 1, 3, 0, 1), [1, 3], (3, 4)).next_nonce == 7  # nothing before the gap
+    assert stats_after(v1.worker_nonces(40, 0, 1), [2, 0, 1], (5, 4)).next_nonce == 55
+    order = JobOrder(iter([3, 4, 5, 10, 20, 30, 31, 40]))  # three runs
+    assert [order.position(n) for n in order] == list(range(8)) and [order.nonce(i) for i in range(8)] == \
+        [3, 4, 5, 10, 20, 30, 31, 40]
+    assert [order.position(n) for n in (2, 6, 25, 41)] == [None] * 4
+    order = JobOrder(iter([5, 3]))  # not increasing: not tracked
+    assert list(order) == [5, 3] and order.position(5) is None
+
+
 # --------------------------------------------------------------------------------------------------
 # stop conditions
 

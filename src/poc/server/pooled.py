@@ -48,7 +48,7 @@ from poc.server import schemas
 from poc.server.app import (check_v1_memory, check_v2_memory, claim_device, config_key, engine_key, new_runner,
                             require_ready, sender_key, served_model)
 from poc.server.logs import describe
-from poc.server.stream import JobRunner, NdjsonWriter
+from poc.server.stream import JobRunner, NdjsonWriter, add_spans
 
 log = logging.getLogger("poc.pooled")
 
@@ -538,23 +538,6 @@ class PooledSession:
         stronger = schemas.get_bool(c, "poc_stronger_rng", default=False)
         return Assignment(proto, bh, height, pk, r_target, p, json.dumps(params, sort_keys=True), start, end, bs,
                           stronger)
-
-
-def add_spans(spans: list[list[int]], nonces: list[int]) -> None:
-    """Merge a batch's nonces into sorted, disjoint [lo, hi] spans (few: gaps come only from dropped batches)."""
-    for n in sorted(nonces):
-        if spans and spans[-1][0] <= n <= spans[-1][1] + 1:
-            spans[-1][1] = max(spans[-1][1], n)
-        else:
-            spans.append([n, n])
-            spans.sort()
-    merged: list[list[int]] = []
-    for lo, hi in spans:
-        if merged and lo <= merged[-1][1] + 1:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
-    spans[:] = merged
 
 
 def uncomputed(spans: list[list[int]], start: int, end: int) -> Iterator[int]:

@@ -5,18 +5,22 @@ loop with `loop.call_soon_threadsafe(queue.put_nowait, ...)`; the thread's compl
 emit, so draining the queue after it loses no batch. Setting `stop` (client gone, /stop, SIGTERM) ends the job
 after the batch in flight. `DeviceGate` is the server's single "who holds the device" flag: a second GPU job is
 refused (409) before its response starts, and the claim is released only when the worker thread has ended.
+The job's nonces are dealt through a `JobOrder`, so each computed batch takes its place in the job's own sequence
+and `next_nonce` resumes at the first nonce not computed, whatever order the batches (replicas) arrived in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import dataclasses
 import json
 import logging
 import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Iterator
 
 from aiohttp import web
 
@@ -81,6 +85,87 @@ class DeviceGate:
 
 
 # --------------------------------------------------------------------------------------------------
+# what was computed, in the job's own order
+
+
+def add_spans(spans: list[list[int]], nonces: Iterable[int]) -> None:
+    """Merge nonces into sorted, disjoint [lo, hi] spans (few: gaps come only from dropped batches)."""
+    new: list[list[int]] = []
+    for n in sorted(nonces):
+        if new and n <= new[-1][1] + 1:
+            new[-1][1] = max(new[-1][1], n)
+        else:
+            new.append([n, n])
+    merged: list[list[int]] = []
+    for lo, hi in sorted(spans + new):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    spans[:] = merged
+
+
+class JobOrder:
+    """A job's nonce iterator that records the order it deals its nonces in, as arithmetic runs (one run for the
+    /generate sequences: start, start+1, ... or a v2 node lattice), so that a computed nonce has a position in the
+    job's own sequence. The engine thread deals, the loop looks up: hence the lock. A sequence that is not
+    increasing (explicit nonce lists) is not tracked."""
+
+    def __init__(self, nonces: Iterator[int]):
+        self._it = iter(nonces)
+        self._lock = threading.Lock()
+        self._firsts: list[int] = []  # per run, its first nonce (increasing)
+        self._starts: list[int] = []  # per run, the position of its first nonce
+        self._runs: list[list[int]] = []  # per run, [first nonce, step, count]
+        self.ordered = True
+
+    def __iter__(self) -> "JobOrder":
+        return self
+
+    def __next__(self) -> int:
+        n = next(self._it)
+        with self._lock:
+            if self.ordered:
+                self._record(n)
+        return n
+
+    def _record(self, n: int) -> None:
+        if self._runs:
+            r = self._runs[-1]
+            last = r[0] + r[1] * (r[2] - 1)
+            if n <= last:
+                self.ordered = False
+                return
+            if r[2] == 1:  # the run's second nonce sets its step
+                r[1] = n - last
+            if n - last == r[1]:
+                r[2] += 1
+                return
+        self._starts.append(self._starts[-1] + self._runs[-1][2] if self._runs else 0)
+        self._firsts.append(n)
+        self._runs.append([n, 0, 1])
+
+    def position(self, n: int) -> int | None:
+        """n's index in the job's sequence, None when it was not dealt (or the sequence is not tracked)."""
+        with self._lock:
+            i = bisect.bisect_right(self._firsts, n) - 1
+            if not self.ordered or i < 0:
+                return None
+            (first, step, count), start = self._runs[i], self._starts[i]
+        if n == first:
+            return start
+        k, rem = divmod(n - first, step) if step else (0, 1)
+        return start + k if rem == 0 and k < count else None
+
+    def nonce(self, position: int) -> int:
+        """The nonce dealt at `position`."""
+        with self._lock:
+            i = bisect.bisect_right(self._starts, position) - 1
+            (first, step, _), start = self._runs[i], self._starts[i]
+        return first + (position - start) * step
+
+
+# --------------------------------------------------------------------------------------------------
 # one job on a worker thread
 
 
@@ -92,8 +177,20 @@ class JobStats:
     valid: int = 0  # v1: dist < r_target; v2: artifacts (finite vectors)
     dropped: int = 0  # v2: nonces whose vector was NaN/Inf (reported, not counted as valid)
     batches: int = 0
-    last_nonce: int | None = None  # the largest nonce computed
+    order: JobOrder | None = None  # the job's nonces as dealt
+    done_spans: list[list[int]] = field(default_factory=list)  # positions in `order` computed, as [lo, hi] spans
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def next_nonce(self) -> int | None:
+        """The resume point: past the last nonce before the first one (in the job's own order) not computed, so a
+        job started from it loses nothing. With one engine and results in order that is the largest nonce computed
+        + 1; with replicas (out of order) or a stop that dropped a dealt batch, nonces computed beyond the gap are
+        computed again by the resumed job."""
+        if not self.done_spans or self.order is None:
+            return None
+        lo, hi = self.done_spans[0]
+        return self.order.nonce(0) if lo > 0 else self.order.nonce(hi) + 1
 
     @property
     def elapsed(self) -> float:
@@ -120,8 +217,10 @@ class JobRunner:
 
     def __init__(self, engine: "Engine", job, claim: Claim, *, label: str, metrics: "Metrics",
                  registry: set["JobRunner"], progress_interval: float = 2.0, rate_log_interval: float = 5.0):
-        self.engine, self.job, self.claim, self.metrics, self.registry = engine, job, claim, metrics, registry
-        self.stats = JobStats(job.protocol, label)
+        order = JobOrder(job.nonces)  # the engine deals from it: computed batches get their place in the job
+        self.engine, self.claim, self.metrics, self.registry = engine, claim, metrics, registry
+        self.job = dataclasses.replace(job, nonces=order)
+        self.stats = JobStats(job.protocol, label, order=order)
         self.progress_interval, self.rate_log_interval = progress_interval, rate_log_interval
         self.stop_event = threading.Event()
         self.stop_reason: str | None = None
@@ -174,8 +273,12 @@ class JobRunner:
         s = self.stats
         s.batches += 1
         s.computed += len(b.nonces)
-        if b.nonces:
-            s.last_nonce = max(b.nonces) if s.last_nonce is None else max(s.last_nonce, max(b.nonces))
+        if b.nonces and s.order is not None:
+            lo, hi = s.order.position(b.nonces[0]), s.order.position(b.nonces[-1])
+            if lo is not None and hi is not None and hi - lo == len(b.nonces) - 1:  # a batch is a run of the order
+                add_spans(s.done_spans, range(lo, hi + 1))
+            else:
+                add_spans(s.done_spans, [p for p in map(s.order.position, b.nonces) if p is not None])
         if not isinstance(self.job, V1Job):
             s.dropped += len(b.dropped)
         s.valid += self._valid(b)
@@ -274,11 +377,12 @@ class JobRunner:
 
 
 def done_line(summary: JobSummary, stats: JobStats) -> dict:
-    """The final line; `next_nonce` (past the largest nonce computed) as start_nonce resumes the job."""
+    """The final line; `next_nonce` as start_nonce resumes the job (JobStats.next_nonce: nothing is skipped, nonces
+    computed past a gap may be computed again)."""
     d = {"status": "done", "reason": summary.reason}
     d.update(stats.as_json())
-    if stats.last_nonce is not None:
-        d["next_nonce"] = stats.last_nonce + 1
+    if stats.next_nonce is not None:
+        d["next_nonce"] = stats.next_nonce
     return d
 
 

@@ -151,7 +151,7 @@ class V1Lines:
                 "nonces": [b.nonces[i] for i in keep], "dist": [float(b.dist[i]) for i in keep], "node_id": 0,
                 "batch_number": self.emitted, "batch_computed": len(b.nonces), "batch_valid": int(keep.size),
                 "total_computed": s.computed, "total_valid": s.valid, "elapsed_seconds": int(b.elapsed),
-                "next_nonce": max(b.nonces) + 1, "aggregated_batch_number": self.emitted,
+                "next_nonce": s.next_nonce, "aggregated_batch_number": self.emitted,
                 "aggregated_total_computed": s.computed, "aggregated_total_valid": s.valid, "n_workers": 1}
 
 
