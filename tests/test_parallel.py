@@ -361,7 +361,7 @@ def test_v1_params_that_do_not_split_are_refused(dist_engine):
 def test_job_stream_limits_and_replicas(dist_engine):
     """run(): max_nonces exact; two replicas never repeat a nonce and together cover the stream's prefix."""
     use_model(dist_engine, "qwen3")
-    out, replicas = [], []
+    out = []
     job = V2Job(BH, PK, 1, SEQ, K, v1.node_nonces(1, 3, 0, 1), 3, limits=Limits(max_nonces=20, max_duration=None))
     s = dist_engine.run(job, out.append, threading.Event())
     got = [n for b in out for n in b.nonces]
