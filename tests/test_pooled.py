@@ -248,6 +248,24 @@ def test_spool_replays_unacknowledged_records_skips_a_torn_one_and_deletes_acked
     s3.close()
 
 
+def test_spool_acks_by_position_and_still_reads_an_older_spools_id_acks(tmp_path):
+    s = Spool(tmp_path)
+    s.open()
+    e1, e2, e3 = (s.append("x", "generated", u, {"u": u}) for u in ("http://a", "http://b", "http://c"))
+    s.ack([e1])  # only url a's "x": b's and c's stay pending
+    s.close()
+    with open(tmp_path / "seg-00000001.acks", "a") as f:
+        f.write("nope\n")  # an older spool's line: an id
+    s2 = Spool(tmp_path)
+    assert [(e.url, e.id) for e in s2.open()] == [("http://b", "x"), ("http://c", "x")]
+    s2.close()
+    with open(tmp_path / "seg-00000001.acks", "a") as f:
+        f.write("x\n")  # an older spool acked every "x" of the segment
+    s3 = Spool(tmp_path)
+    assert s3.open() == [] and s3.segments() == [3]
+    s3.close()
+
+
 async def test_sender_spools_first_then_replays_after_restart_in_batches(tmp_path, orch):
     url = f"{orch.url}/api/workers/w1"
     orch.reject_results = True
@@ -272,6 +290,40 @@ async def test_sender_spools_first_then_replays_after_restart_in_batches(tmp_pat
     await c.start()
     assert c.replayed == 0
     await c.close(0.1)
+
+
+async def test_the_same_id_to_two_urls_is_two_records_before_and_after_a_restart(aiohttp_server, tmp_path):
+    """Records are keyed by (destination, idempotency id): a record for url2 is never folded into one for url1
+    that carries the same id, neither while url1's is pending nor when both are replayed after a restart."""
+    from .test_server_pow import Sink
+
+    s1, s2 = Sink(fail_first=10**6), Sink(fail_first=10**6)
+    url1 = str((await aiohttp_server(s1.app)).make_url("/cb"))
+    url2 = str((await aiohttp_server(s2.app)).make_url("/cb"))
+    a = CallbackSender(timeout=2, backoff_base=0.05, backoff_max=0.2, spool_dir=str(tmp_path))
+    await a.start()
+    assert await a.put("generated", url1, {"to": 1, "n": "x"}, "x")
+    assert await a.put("generated", url2, {"to": 2, "n": "x"}, "x")  # another destination: another record
+    assert await a.put("generated", url1, {"to": 1, "n": "y"}, "y")
+    assert a.pending == 3 and a.pending_for(url1) == 2 and a.pending_for(url2) == 1
+    await a.close(0.1)  # both unreachable: all three stay on disk
+    s2.fail_first = 0
+    b = CallbackSender(timeout=2, backoff_base=0.05, backoff_max=0.2, spool_dir=str(tmp_path))
+    await b.start()
+    try:
+        assert b.replayed == 3
+        await wait_until(lambda: len(s2.got["generated"]) == 1, 5, "url2's record")
+        assert await b.put("generated", url2, {"to": 2, "n": "y"}, "y")  # url1's "y" is still pending
+        await wait_until(lambda: len(s2.got["generated"]) == 2, 5, "url2's new record")
+        s1.fail_first = 0
+        assert await b.flush(5) == 0
+    finally:
+        await b.close(0.1)
+    assert sorted((p["to"], p["n"]) for p in s1.got["generated"]) == [(1, "x"), (1, "y")]
+    assert sorted((p["to"], p["n"]) for p in s2.got["generated"]) == [(2, "x"), (2, "y")]
+    c = Spool(tmp_path)
+    assert c.open() == []  # every record acknowledged on disk, each by its own destination
+    c.close()
 
 
 async def test_pow_callbacks_are_spooled_and_delivered_after_a_restart(aiohttp_client, tmp_path):

@@ -5,7 +5,8 @@
 the record is durable. With a spool directory (`spool_dir`, see spool.py) every record is appended and fsynced
 before the first send, re-sent until acknowledged, and replayed by `start()` after a restart; without one (unit
 tests, `ServerConfig.spool_dir=None`) records live in memory only. A few sender tasks POST {url}/{kind} with an
-`Idempotency-Key` header (the orchestrator's results also carry `idempotency_id` in the body, so it can drop
+`Idempotency-Key` header (a record is its (url, id) pair: the same id to two destinations is two records, never
+merged or deduplicated into one; the orchestrator's results also carry `idempotency_id` in the body, so it can drop
 repeats); a failure is retried on a timer with capped, jittered exponential backoff, never by sleeping in a
 loop that holds others up, and never given up. Several pending orchestrator results for one worker go out as
 one POST {url}/results/batch. Memory holds, per pending record, its id, kind, url and disk position (spool) or
@@ -47,6 +48,10 @@ class _Item:
     created: float = field(default_factory=time.monotonic)
     last_error: str = ""
 
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.url, self.idempotency_id
+
 
 class CallbackSender:
     def __init__(self, *, timeout: float = 10.0, max_pending: int = 10_000, backoff_base: float = 1.0,
@@ -59,12 +64,13 @@ class CallbackSender:
         self.pending = 0  # reserved + stored, not yet acknowledged
         self.delivered = 0
         self.replayed = 0
-        self._items: dict[str, _Item] = {}  # stored (durable) and not yet acknowledged, by idempotency id
-        self._reserved: dict[str, str] = {}  # id -> url, being written to the spool
+        # a record is (url, idempotency id): the same id to two destinations is two records
+        self._items: dict[tuple[str, str], _Item] = {}  # stored (durable) and not yet acknowledged
+        self._reserved: set[tuple[str, str]] = set()  # being written to the spool
         self._ready: deque[_Item] = deque()
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
-        self._acked: dict[str, asyncio.Future] = {}  # wait_acked() waiters
+        self._acked: dict[tuple[str, str], asyncio.Future] = {}  # wait_acked() waiters
         self._workers: list[asyncio.Task] = []
         self._stores: set[asyncio.Task] = set()
         self._timers: set[asyncio.TimerHandle] = set()
@@ -84,7 +90,7 @@ class CallbackSender:
         if self.spool is not None:
             for e in await self._run_io(self.spool.open):
                 item = _Item(e.kind, e.url, e.id, entry=e)
-                self._items[e.id] = item
+                self._items[item.key] = item
                 self._ready.append(item)
                 self._add(1)
             self.replayed = len(self._items)
@@ -142,14 +148,15 @@ class CallbackSender:
         if not self._running:
             log.warning("callback %s to %s refused: the sender is not running", kind, url)
             return None
-        if idempotency_id in self._items or idempotency_id in self._reserved:
+        key = (url, idempotency_id)
+        if key in self._items or key in self._reserved:
             return "dup"  # already on its way: the same record once is enough
         if self.pending >= self.max_pending:
             self._count(kind, "dropped")
             log.warning("callback queue full (%d pending): %s payload %s to %s not queued", self.pending, kind,
                         idempotency_id, url)
             return None
-        self._reserved[idempotency_id] = url
+        self._reserved.add(key)
         self._add(1)
         return "new"
 
@@ -167,8 +174,8 @@ class CallbackSender:
             else:
                 item.payload = payload
         finally:
-            self._reserved.pop(idempotency_id, None)
-        self._items[idempotency_id] = item
+            self._reserved.discard(item.key)
+        self._items[item.key] = item
         self._ready.append(item)
         self._wake.set()
 
@@ -186,7 +193,7 @@ class CallbackSender:
     def pending_for(self, url: str) -> int:
         """Records for this url not yet acknowledged (being written included)."""
         return (sum(1 for i in self._items.values() if i.url == url)
-                + sum(1 for u in self._reserved.values() if u == url))
+                + sum(1 for u, _ in self._reserved if u == url))
 
     async def flush_url(self, url: str, timeout: float) -> int:
         """Wait until nothing for `url` is pending, or `timeout`; the number still pending for it."""
@@ -195,21 +202,22 @@ class CallbackSender:
             await asyncio.sleep(0.02)
         return n
 
-    async def wait_acked(self, idempotency_id: str, timeout: float) -> bool:
+    async def wait_acked(self, url: str, idempotency_id: str, timeout: float) -> bool:
         """True once that record was acknowledged (or is not pending at all), False after `timeout`."""
-        if idempotency_id not in self._items and idempotency_id not in self._reserved:
+        key = (url, idempotency_id)
+        if key not in self._items and key not in self._reserved:
             return True
-        fut = self._acked.get(idempotency_id)
+        fut = self._acked.get(key)
         if fut is None:
-            fut = self._acked[idempotency_id] = asyncio.get_running_loop().create_future()
+            fut = self._acked[key] = asyncio.get_running_loop().create_future()
         try:
             await asyncio.wait_for(asyncio.shield(fut), timeout)
             return True
         except asyncio.TimeoutError:
             return False
 
-    def last_error(self, idempotency_id: str) -> str:
-        i = self._items.get(idempotency_id)
+    def last_error(self, url: str, idempotency_id: str) -> str:
+        i = self._items.get((url, idempotency_id))
         return i.last_error if i else ""
 
     # ------------------------------------------------------------------------------------- sending
@@ -283,7 +291,7 @@ class CallbackSender:
     def _requeue(self, item: _Item) -> None:
         now = time.monotonic()
         self._timers = {t for t in self._timers if not t.cancelled() and t.when() > now}
-        if self._running and item.idempotency_id in self._items:
+        if self._running and item.key in self._items:
             self._ready.append(item)
             self._wake.set()
 
@@ -295,10 +303,10 @@ class CallbackSender:
             except OSError as e:  # delivered all the same; a restart would send it once more (idempotent)
                 log.warning("spool ack write failed %s", describe(e))
         for i in group:
-            if self._items.pop(i.idempotency_id, None) is not None:
+            if self._items.pop(i.key, None) is not None:
                 self._add(-1)
                 self.delivered += 1
-            fut = self._acked.pop(i.idempotency_id, None)
+            fut = self._acked.pop(i.key, None)
             if fut is not None and not fut.done():
                 fut.set_result(True)
         self._count(group[0].kind, outcome, len(group))

@@ -3,10 +3,13 @@
 One directory (--spool-dir, env POC_SPOOL_DIR):
 
     seg-00000001.jsonl   records, one JSON line each: {"id", "kind", "url", "payload", "created"}
-    seg-00000001.acks    the ids of that segment's records that were acknowledged, one per line
+    seg-00000001.acks    that segment's acknowledged records, one per line: "@<byte offset>" of the record
+                         (an older spool's lines hold an id: every record of the segment with that id)
 
-`append()` writes a record and fsyncs it before the caller may send it; `ack()` appends the ids to the segment's
-ack file once the consumer answered (no fsync: a lost ack costs one repeat, which the idempotency id absorbs, and
+A record is identified by (url, id): the same idempotency id addressed to two destinations is two records, and
+is acknowledged by position, so one destination's ack never covers the other's. `append()` writes a record and
+fsyncs it before the caller may send it; `ack()` appends the positions to the segment's ack file once the
+consumer answered (no fsync: a lost ack costs one repeat, which the idempotency id absorbs, and
 plain writes survive a kill -9 of the process). `open()` reads every segment and returns its records minus its
 acks: they are replayed. Appends go to a fresh segment that is rotated every `segment_records` records; a closed
 segment whose records are all acknowledged is deleted with its ack file, so the disk holds the pending records
@@ -48,7 +51,7 @@ class Entry:
 class _Segment:
     n: int
     records: int = 0
-    unacked: set[str] = field(default_factory=set)
+    unacked: set[int] = field(default_factory=set)  # offsets of the records not yet acknowledged
     closed: bool = False
 
 
@@ -78,22 +81,22 @@ class Spool:
         """Create the directory, read what an earlier process left, and return its unacknowledged records."""
         self.dir.mkdir(parents=True, exist_ok=True)
         pending: list[Entry] = []
-        seen: set[str] = set()
+        seen: set[tuple[str, str]] = set()
         numbers = sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _SEG.match(p.name)))
         for n in numbers:
             seg = _Segment(n, closed=True)
             self._segs[n] = seg
-            acks = self._read_acks(n)
-            dup: list[str] = []
+            acked_ids, acked_at = self._read_acks(n)
+            dup: list[int] = []
             for e in self._scan(n):
                 seg.records += 1
-                if e.id in acks:
+                if e.offset in acked_at or e.id in acked_ids:
                     continue
-                if e.id in seen:  # the same record spooled twice: one copy is enough
-                    dup.append(e.id)
+                if (e.url, e.id) in seen:  # the same record spooled twice: one copy is enough
+                    dup.append(e.offset)
                 else:
-                    seen.add(e.id)
-                    seg.unacked.add(e.id)
+                    seen.add((e.url, e.id))
+                    seg.unacked.add(e.offset)
                     pending.append(e)
             if dup:
                 self._write_acks(n, dup)
@@ -120,11 +123,19 @@ class Spool:
             pos = end + 1
         return out
 
-    def _read_acks(self, n: int) -> set[str]:
+    def _read_acks(self, n: int) -> tuple[set[str], set[int]]:
+        """The segment's acknowledgements: legacy ids, and record offsets ("@123")."""
+        ids, offsets = set(), set()
         try:
-            return {s for s in self._ack_path(n).read_text(errors="replace").split("\n") if s}
+            lines = self._ack_path(n).read_text(errors="replace").split("\n")
         except FileNotFoundError:
-            return set()
+            return ids, offsets
+        for s in lines:
+            if s.startswith("@") and s[1:].isdigit():
+                offsets.add(int(s[1:]))
+            elif s and not s.startswith("@"):
+                ids.add(s)
+        return ids, offsets
 
     def _new_segment(self, n: int) -> None:
         if self._fd is not None:
@@ -152,7 +163,7 @@ class Spool:
         os.fsync(self._fd)
         self._offset += len(line)
         self._cur.records += 1
-        self._cur.unacked.add(id)
+        self._cur.unacked.add(off)
         return Entry(id, kind, url, self._cur.n, off, len(line) - 1, created)
 
     def read(self, e: Entry) -> dict:
@@ -164,21 +175,21 @@ class Spool:
 
     def ack(self, entries: list[Entry]) -> None:
         """Mark records delivered; deletes every closed segment that has nothing left to send."""
-        by_seg: dict[int, list[str]] = {}
+        by_seg: dict[int, list[int]] = {}
         for e in entries:
-            by_seg.setdefault(e.seg, []).append(e.id)
-        for n, ids in by_seg.items():
+            by_seg.setdefault(e.seg, []).append(e.offset)
+        for n, offsets in by_seg.items():
             seg = self._segs.get(n)
             if seg is None:
                 continue  # already deleted (acknowledged twice)
-            self._write_acks(n, ids)
-            seg.unacked.difference_update(ids)
+            self._write_acks(n, offsets)
+            seg.unacked.difference_update(offsets)
             self._maybe_delete(seg)
 
-    def _write_acks(self, n: int, ids: list[str]) -> None:
+    def _write_acks(self, n: int, offsets: list[int]) -> None:
         fd = os.open(self._ack_path(n), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            _write_all(fd, "".join(i + "\n" for i in ids).encode())
+            _write_all(fd, "".join(f"@{o}\n" for o in offsets).encode())
         finally:
             os.close(fd)
 
