@@ -15,6 +15,7 @@ import time
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from poc.clients.callbacks import CallbackSender
 from poc.clients.spool import Spool
@@ -323,6 +324,56 @@ async def test_the_same_id_to_two_urls_is_two_records_before_and_after_a_restart
     assert sorted((p["to"], p["n"]) for p in s2.got["generated"]) == [(2, "x"), (2, "y")]
     c = Spool(tmp_path)
     assert c.open() == []  # every record acknowledged on disk, each by its own destination
+    c.close()
+
+
+async def test_a_permanent_refusal_goes_to_the_dead_letter_file_after_a_few_attempts(aiohttp_server, tmp_path,
+                                                                                     caplog):
+    """404/400/410/422 are retried a bounded number of times, then moved to dead-letter.jsonl with one ERROR line
+    (no PyWorker crash marker in it) and a metric; 429 (and 408/409/425, 5xx, no connection) is retried on."""
+    import json
+    import logging
+
+    from poc.server.metrics import Metrics
+
+    seen = {"gone": 0, "slow": 0}
+
+    async def gone(request):
+        seen["gone"] += 1
+        return web.json_response({"detail": "no such node"}, status=404)
+
+    async def slow(request):
+        seen["slow"] += 1
+        return web.json_response({"detail": "later"}, status=429)
+
+    rx = web.Application()
+    rx.router.add_post("/gone/generated", gone)
+    rx.router.add_post("/slow/generated", slow)
+    srv = await aiohttp_server(rx)
+    m = Metrics()
+    s = CallbackSender(timeout=2, backoff_base=0.02, backoff_max=0.05, spool_dir=str(tmp_path), metrics=m,
+                       refusal_limit=3)
+    await s.start()
+    try:
+        caplog.set_level(logging.INFO, logger="poc.callbacks")
+        assert await s.put("generated", str(srv.make_url("/gone")), {"artifacts": [1]}, "g1")
+        assert await s.put("generated", str(srv.make_url("/slow")), {"artifacts": [2]}, "s1")
+        await wait_until(lambda: s.pending_for(str(srv.make_url("/gone"))) == 0, 5, "the refused record dead-lettered")
+        await wait_until(lambda: seen["slow"] > 5, 5, "429 retried past the refusal limit")
+        assert seen["gone"] == 3 and s.pending == 1  # the 429 record is still pending
+    finally:
+        await s.close(0.1)
+    dead = [json.loads(x) for x in (tmp_path / "dead-letter.jsonl").read_text().splitlines()]
+    assert len(dead) == 1
+    d = dead[0]
+    assert (d["id"], d["kind"], d["url"], d["status"], d["payload"]) == (
+        "g1", "generated", str(srv.make_url("/gone")), 404, {"artifacts": [1]})
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1 and "g1" in lines[0] and str(srv.make_url("/gone")) in lines[0] and "404" in lines[0]
+    assert "Traceback" not in lines[0] and "Error:" not in lines[0]
+    assert m.registry.get_sample_value("poc_callbacks_total", {"kind": "generated", "outcome": "dead_letter"}) == 1
+    c = Spool(tmp_path)
+    assert [e.id for e in c.open()] == ["s1"]  # the dead-lettered record is not replayed; the 429 one is
     c.close()
 
 

@@ -8,7 +8,13 @@ tests, `ServerConfig.spool_dir=None`) records live in memory only. A few sender 
 `Idempotency-Key` header (a record is its (url, id) pair: the same id to two destinations is two records, never
 merged or deduplicated into one; the orchestrator's results also carry `idempotency_id` in the body, so it can drop
 repeats); a failure is retried on a timer with capped, jittered exponential backoff, never by sleeping in a
-loop that holds others up, and never given up. Several pending orchestrator results for one worker go out as
+loop that holds others up. Connection errors, timeouts, 5xx and 408/409/425/429 are retried until acknowledged.
+A permanent refusal (any other 4xx: 400, 401, 403, 404, 410, 422, ...) is retried too, in case a restarting
+consumer or proxy answered it, but after `refusal_limit` (5) of them in a row the record is moved to
+dead-letter.jsonl in the spool directory (one JSON line: id, kind, url, status, reason, dead_at, payload; fsynced,
+never replayed, kept for an operator), with one ERROR line naming kind, id, url and status, and counted as
+poc_callbacks_total{outcome="dead_letter"} and poc_errors_total{kind="callback_dead_letter"}; without a spool
+directory only the line and the counts remain. Several pending orchestrator results for one worker go out as
 one POST {url}/results/batch. Memory holds, per pending record, its id, kind, url and disk position (spool) or
 its payload (memory mode), and `max_pending` bounds the count: a payload refused at that bound is counted and
 logged, not lost silently. What is pending at exit stays in the spool for the next start.
@@ -35,6 +41,12 @@ log = logging.getLogger("poc.callbacks")
 KINDS = {"generated": None, "validated": None, "warmup/complete": None, "results": "ok"}
 BATCH_KIND = "results"  # several pending of this kind to one url go out as {url}/results/batch
 WARN_EVERY = 5.0  # seconds between failure lines per url
+RETRYABLE_4XX = {408, 409, 425, 429}  # timeout, conflict, too early, too many requests: worth another try
+
+
+def permanent(status: int | None) -> bool:
+    """A 4xx that says the request itself is refused (400, 404, 410, 422, ...): repeating it will not help."""
+    return status is not None and 400 <= status < 500 and status not in RETRYABLE_4XX
 
 
 @dataclass
@@ -45,6 +57,7 @@ class _Item:
     payload: dict | None = None  # memory mode, or a spool write that failed
     entry: Entry | None = None  # spool mode
     attempts: int = 0
+    refusals: int = 0  # permanent refusals in a row
     created: float = field(default_factory=time.monotonic)
     last_error: str = ""
 
@@ -56,10 +69,12 @@ class _Item:
 class CallbackSender:
     def __init__(self, *, timeout: float = 10.0, max_pending: int = 10_000, backoff_base: float = 1.0,
                  backoff_max: float = 30.0, concurrency: int = 4, metrics=None, spool_dir: str | None = None,
-                 segment_records: int = 1000, batch_max: int = 50):
+                 segment_records: int = 1000, batch_max: int = 50, refusal_limit: int = 5):
         self.timeout, self.max_pending = timeout, max_pending
         self.backoff_base, self.backoff_max = backoff_base, backoff_max
         self.concurrency, self.metrics, self.batch_max = concurrency, metrics, batch_max
+        self.refusal_limit = max(1, refusal_limit)
+        self.dead_lettered = 0
         self.spool = Spool(spool_dir, segment_records) if spool_dir else None
         self.pending = 0  # reserved + stored, not yet acknowledged
         self.delivered = 0
@@ -211,8 +226,7 @@ class CallbackSender:
         if fut is None:
             fut = self._acked[key] = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(asyncio.shield(fut), timeout)
-            return True
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             return False
 
@@ -232,8 +246,8 @@ class CallbackSender:
     def _count(self, kind: str, outcome: str, n: int = 1) -> None:
         if self.metrics is not None:
             self.metrics.callbacks.labels(kind, outcome).inc(n)
-            if outcome == "dropped":
-                self.metrics.error("callback_dropped")
+            if outcome in ("dropped", "dead_letter"):
+                self.metrics.error(f"callback_{outcome}")
 
     async def _run_io(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
@@ -259,10 +273,21 @@ class CallbackSender:
             group, bodies = await self._read(self._take())
             if not group:
                 continue
-            ok, why = await self._post(group, bodies)
+            ok, why, status = await self._post(group, bodies)
             if ok:
                 await self._acknowledge(group)
                 continue
+            if permanent(status):
+                for item in group:
+                    item.refusals += 1
+                dead = [(i, b) for i, b in zip(group, bodies) if i.refusals >= self.refusal_limit]
+                if dead and await self._dead_letter(dead, status, why):
+                    group = [i for i in group if i.refusals < self.refusal_limit]
+                    if not group:
+                        continue
+            else:
+                for item in group:
+                    item.refusals = 0
             delays = [self._retry_later(item, why) for item in group]
             self._warn(group[0], len(group), why, min(delays))
 
@@ -305,11 +330,32 @@ class CallbackSender:
         for i in group:
             if self._items.pop(i.key, None) is not None:
                 self._add(-1)
-                self.delivered += 1
+                self.delivered += outcome != "dead_letter"
             fut = self._acked.pop(i.key, None)
             if fut is not None and not fut.done():
-                fut.set_result(True)
+                fut.set_result(outcome != "dead_letter")
         self._count(group[0].kind, outcome, len(group))
+
+    async def _dead_letter(self, dead: list[tuple[_Item, dict]], status: int, why: str) -> bool:
+        """Move permanently refused records to the spool's dead-letter file, one ERROR line each; False (they are
+        retried) when that file cannot be written."""
+        if self.spool is not None:
+            try:
+                await self._run_io(self.spool.dead_letter, [(i.kind, i.url, i.idempotency_id, b) for i, b in dead],
+                                   status, why)
+            except (OSError, TypeError, ValueError) as e:
+                log.warning("dead-letter write failed %s: %d refused record(s) stay pending", describe(e), len(dead))
+                return False
+            where = f"moved to {self.spool.dead_letter_path}"
+        else:
+            where = "not kept (no spool directory)"
+        for i, _ in dead:
+            log.error("callback %s %s to %s refused permanently (HTTP %d, %d time(s) in a row): %s", i.kind,
+                      i.idempotency_id, i.url, status, i.refusals, where)
+        items = [i for i, _ in dead]
+        await self._acknowledge(items, "dead_letter")  # off the spool: wait_acked() says False
+        self.dead_lettered += len(items)
+        return True
 
     async def _read(self, group: list[_Item]) -> tuple[list[_Item], list[dict]]:
         """The group's payloads. A record whose read fails (EMFILE, EIO) is retried later on its own; one that
@@ -333,7 +379,8 @@ class CallbackSender:
                 await self._acknowledge([item], "dropped")
         return keep, bodies
 
-    async def _post(self, group: list[_Item], bodies: list[dict]) -> tuple[bool, str]:
+    async def _post(self, group: list[_Item], bodies: list[dict]) -> tuple[bool, str, int | None]:
+        """(acknowledged, why not, the HTTP status if one came back)."""
         first = group[0]
         base = first.url.rstrip("/")
         if len(group) == 1:
@@ -346,17 +393,17 @@ class CallbackSender:
             async with self._session.post(url, json=body, headers=headers) as r:
                 raw = await r.read()
                 if r.status >= 300:
-                    return False, f"HTTP {r.status}"
+                    return False, f"HTTP {r.status}", r.status
                 want = KINDS[first.kind]
                 if want is None:
-                    return True, ""
+                    return True, "", r.status
                 try:
                     answer = await r.json(content_type=None) if raw else None
                 except ValueError:
                     answer = None
                 status = answer.get("status") if isinstance(answer, dict) else None
                 if str(status).lower() == want:
-                    return True, ""
-                return False, f"HTTP {r.status} without status {want!r}"
+                    return True, "", r.status
+                return False, f"HTTP {r.status} without status {want!r}", r.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            return False, describe(e)
+            return False, describe(e), None

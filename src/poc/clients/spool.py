@@ -5,6 +5,7 @@ One directory (--spool-dir, env POC_SPOOL_DIR):
     seg-00000001.jsonl   records, one JSON line each: {"id", "kind", "url", "payload", "created"}
     seg-00000001.acks    that segment's acknowledged records, one per line: "@<byte offset>" of the record
                          (an older spool's lines hold an id: every record of the segment with that id)
+    dead-letter.jsonl    records a consumer refused for good (callbacks.py's refusal policy): never replayed
 
 A record is identified by (url, id): the same idempotency id addressed to two destinations is two records, and
 is acknowledged by position, so one destination's ack never covers the other's. `append()` writes a record and
@@ -32,6 +33,7 @@ from pathlib import Path
 log = logging.getLogger("poc.spool")
 
 _SEG = re.compile(r"^seg-(\d{8})\.jsonl$")
+DEAD_LETTER = "dead-letter.jsonl"  # records a consumer refused for good (never replayed; kept for an operator)
 
 
 @dataclass
@@ -185,6 +187,23 @@ class Spool:
             self._write_acks(n, offsets)
             seg.unacked.difference_update(offsets)
             self._maybe_delete(seg)
+
+    @property
+    def dead_letter_path(self) -> Path:
+        return self.dir / DEAD_LETTER
+
+    def dead_letter(self, records: list[tuple[str, str, str, object]], status: int, reason: str) -> None:
+        """Append (kind, url, id, payload) records a consumer refused for good to dead-letter.jsonl, fsynced."""
+        now = time.time()
+        data = b"".join(json.dumps({"id": i, "kind": k, "url": u, "status": status, "reason": reason, "dead_at": now,
+                                    "payload": p}, separators=(",", ":")).encode() + b"\n"
+                        for k, u, i, p in records)
+        fd = os.open(self.dead_letter_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _write_acks(self, n: int, offsets: list[int]) -> None:
         fd = os.open(self._ack_path(n), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
