@@ -401,14 +401,86 @@ async def test_pow_callbacks_are_spooled_and_delivered_after_a_restart(aiohttp_c
     try:
         b = await aiohttp_client(create_app(cfg))
         await wait_status(b)
-        await wait_until(lambda: len(sink.got["generated"]) >= spooled, 10, "the spooled callbacks")
-        assert b.server.app[sender_key].replayed == spooled
-        assert await b.server.app[sender_key].flush(5) == 0
+        assert b.server.app[sender_key].replayed == spooled  # one record per batch
+        assert await b.server.app[sender_key].flush(10) == 0
     finally:
         await rx.stop()
-    assert len(sink.got["generated"]) == spooled and len(set(sink.keys)) == spooled
+    posts = len(sink.got["generated"])
+    assert 1 <= posts < spooled and len(set(sink.keys)) == posts  # replayed merged, each record once
     nonces = sorted(n for p in sink.got["generated"] for n in p["nonces"])
     assert nonces == list(range(len(nonces)))  # every computed nonce, once
+
+
+V1_INIT = {"node_id": 0, "node_count": 1, "block_hash": BH, "block_height": 5, "public_key": "pk", "batch_size": 8,
+           "r_target": 2.0, "params": dict(PARAMS_A)}  # r_target 2.0: every nonce is reported
+
+
+async def test_pow_generation_spools_each_batch_as_computed_so_a_kill9_mid_interval_loses_none(aiohttp_client,
+                                                                                              tmp_path):
+    """callback_interval is 60 s, so nothing is due to be posted yet; a copy of the spool taken mid-interval (what
+    kill -9 would leave) already holds every computed batch, and a server started on it delivers them once, merged."""
+    import shutil
+
+    from .fakes import LoopbackApp
+    from .test_server_pow import Sink
+
+    sink = Sink()
+    rx = LoopbackApp(sink.app)  # not started: nothing would be acknowledged anyway
+    a = await aiohttp_client(create_app(pooled_config(tmp_path, callback_interval=60.0, shutdown_flush_seconds=0.1)))
+    await wait_status(a)
+    assert (await a.post("/api/v1/pow/init/generate", json={**V1_INIT, "url": rx.url + "/cb"})).status == 200
+    await wait_until(lambda: a.server.app[sender_key].pending >= 3, 10, "batches spooled as they are computed")
+    snapshot = tmp_path / "killed"
+    shutil.copytree(tmp_path / "spool", snapshot)  # a torn last record, if any, is skipped at replay
+    await a.post("/api/v1/pow/stop")
+    await a.close()
+    await rx.start()
+    try:
+        b = await aiohttp_client(create_app(pooled_config(tmp_path, spool_dir=str(snapshot))))
+        await wait_status(b)
+        sender = b.server.app[sender_key]
+        n = sender.replayed
+        assert n >= 3
+        assert await sender.flush(10) == 0
+        await b.close()
+    finally:
+        await rx.stop()
+    posts = sink.got["generated"]
+    assert 1 <= len(posts) < n  # merged, as the reference posts, not one POST per batch
+    assert len(set(sink.keys)) == len(posts)
+    nonces = sorted(x for p in posts for x in p["nonces"])
+    assert nonces == list(range(len(nonces))) and len(nonces) >= n  # the first batches, each nonce once
+    assert {(p["public_key"], p["block_hash"], p["node_id"]) for p in posts} == {("pk", BH, 0)}
+    c = CallbackSender(spool_dir=str(snapshot))
+    await c.start()
+    assert c.replayed == 0  # exactly once: nothing left to replay
+    await c.close(0.1)
+
+
+async def test_pow_generation_posts_merged_batches_every_interval(aiohttp_client, tmp_path):
+    """Each batch is spooled as it arrives, but the receiver gets one merged POST per callback_interval."""
+    from poc.server.pow import pow_key
+
+    from .fakes import LoopbackApp
+    from .test_server_pow import Sink
+
+    sink = Sink()
+    rx = await LoopbackApp(sink.app).start()
+    try:
+        a = await aiohttp_client(create_app(pooled_config(tmp_path, callback_interval=0.4)))
+        await wait_status(a)
+        assert (await a.post("/api/v1/pow/init/generate", json={**V1_INIT, "url": rx.url + "/cb"})).status == 200
+        await asyncio.sleep(1.0)
+        gen = a.server.app[pow_key].gen
+        await a.post("/api/v1/pow/stop")
+        assert await a.server.app[sender_key].flush(5) == 0
+        stats = gen.runner.stats
+    finally:
+        await rx.stop()
+    posts = sink.got["generated"]
+    assert 2 <= len(posts) <= 5 and len(posts) < stats.batches, (len(posts), stats.batches)
+    nonces = sorted(x for p in posts for x in p["nonces"])
+    assert nonces == list(range(stats.computed))  # every computed nonce, once
 
 
 async def test_a_transient_spool_read_error_delays_a_batch_and_loses_nothing(tmp_path, orch):

@@ -2,7 +2,12 @@
 {callback_url}/warmup/complete and the orchestrator's {url}/results, off the event loop's critical path.
 
 `submit(kind, url, payload, idempotency_id)` takes a payload and returns at once; `await put(...)` returns once
-the record is durable. With a spool directory (`spool_dir`, see spool.py) every record is appended and fsynced
+the record is durable. With `merge=KEY` a record is spooled at once but held: `release(KEY)` lets everything held
+under KEY go out, merged into one POST {url}/{kind} per url (up to `batch_max` records: list fields such as
+artifacts, nonces, dist and dropped_nonces concatenated in order, the rest taken from the first record; the
+Idempotency-Key lists the ids it carries). /api/v1/pow generation spools each batch as it is computed this way and
+releases every callback_interval, so a kill -9 loses no computed batch and the MLNode still gets merged posts;
+held records found in the spool at start are replayed, merged, at once. A failed group is retried as a unit. With a spool directory (`spool_dir`, see spool.py) every record is appended and fsynced
 before the first send, re-sent until acknowledged, and replayed by `start()` after a restart; without one (unit
 tests, `ServerConfig.spool_dir=None`) records live in memory only. A few sender tasks POST {url}/{kind} with an
 `Idempotency-Key` header (a record is its (url, id) pair: the same id to two destinations is two records, never
@@ -26,7 +31,7 @@ import asyncio
 import logging
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -58,6 +63,7 @@ class _Item:
     entry: Entry | None = None  # spool mode
     attempts: int = 0
     refusals: int = 0  # permanent refusals in a row
+    merge: str | None = None  # sent merged with the other records of this key once released
     created: float = field(default_factory=time.monotonic)
     last_error: str = ""
 
@@ -83,6 +89,8 @@ class CallbackSender:
         self._items: dict[tuple[str, str], _Item] = {}  # stored (durable) and not yet acknowledged
         self._reserved: set[tuple[str, str]] = set()  # being written to the spool
         self._ready: deque[_Item] = deque()
+        self._held: dict[str, list[_Item]] = {}  # merge key -> stored records waiting for release()
+        self._released: OrderedDict[str, None] = OrderedDict()  # keys released for good (bounded: the last 1000)
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._acked: dict[tuple[str, str], asyncio.Future] = {}  # wait_acked() waiters
@@ -104,7 +112,7 @@ class CallbackSender:
         self._io = ThreadPoolExecutor(1, thread_name_prefix="poc-spool")  # one thread: appends stay in order
         if self.spool is not None:
             for e in await self._run_io(self.spool.open):
-                item = _Item(e.kind, e.url, e.id, entry=e)
+                item = _Item(e.kind, e.url, e.id, entry=e, merge=e.merge)  # held ones too: their owner is gone
                 self._items[item.key] = item
                 self._ready.append(item)
                 self._add(1)
@@ -137,12 +145,12 @@ class CallbackSender:
 
     # -------------------------------------------------------------------------------------- intake
 
-    def submit(self, kind: str, url: str, payload: dict, idempotency_id: str) -> bool:
+    def submit(self, kind: str, url: str, payload: dict, idempotency_id: str, merge: str | None = None) -> bool:
         """Take one POST to {url}/{kind}; False (counted, logged) when `max_pending` payloads already wait."""
         r = self._reserve(kind, url, idempotency_id)
         if r != "new":
             return r is not None
-        t = asyncio.get_running_loop().create_task(self._store(kind, url, payload, idempotency_id))
+        t = asyncio.get_running_loop().create_task(self._store(kind, url, payload, idempotency_id, merge))
         self._stores.add(t)
         t.add_done_callback(self._stores.discard)
         return True
@@ -175,12 +183,23 @@ class CallbackSender:
         self._add(1)
         return "new"
 
-    async def _store(self, kind: str, url: str, payload: dict, idempotency_id: str) -> None:
-        item = _Item(kind, url, idempotency_id)
+    def release(self, merge: str, final: bool = False) -> None:
+        """Send what is held under `merge`; with `final`, records still being written go out as soon as stored."""
+        if final:
+            self._released[merge] = None
+            while len(self._released) > 1000:
+                self._released.popitem(last=False)
+        held = self._held.pop(merge, None)
+        if held:
+            self._ready.extend(held)
+            self._wake.set()
+
+    async def _store(self, kind: str, url: str, payload: dict, idempotency_id: str, merge: str | None = None) -> None:
+        item = _Item(kind, url, idempotency_id, merge=merge)
         try:
             if self.spool is not None:
                 try:
-                    item.entry = await self._run_io(self.spool.append, idempotency_id, kind, url, payload)
+                    item.entry = await self._run_io(self.spool.append, idempotency_id, kind, url, payload, merge)
                 except (OSError, TypeError, ValueError) as e:  # disk full, unserialisable: send from memory
                     item.payload = payload
                     self._count(kind, "spool_error")
@@ -191,6 +210,9 @@ class CallbackSender:
         finally:
             self._reserved.discard(item.key)
         self._items[item.key] = item
+        if merge is not None and merge not in self._released:
+            self._held.setdefault(merge, []).append(item)
+            return
         self._ready.append(item)
         self._wake.set()
 
@@ -253,16 +275,20 @@ class CallbackSender:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
     def _take(self) -> list[_Item]:
-        """The next item, with (for orchestrator results) up to batch_max - 1 more ready for the same url."""
+        """The next item, with up to batch_max - 1 more ready for the same url: orchestrator results (one
+        /results/batch) or records of the same merge key (one merged POST, in the order they were taken)."""
         first = self._ready.popleft()
         group = [first]
-        if first.kind == BATCH_KIND and self._ready:
+        if (first.kind == BATCH_KIND or first.merge is not None) and self._ready:
             rest = deque()
             while self._ready and len(group) < self.batch_max:
                 i = self._ready.popleft()
-                (group if i.kind == BATCH_KIND and i.url == first.url else rest).append(i)
+                same = i.kind == first.kind and i.url == first.url and i.merge == first.merge
+                (group if same else rest).append(i)
             rest.extend(self._ready)
             self._ready = rest
+        if first.merge is not None:
+            group.sort(key=lambda i: i.created)  # a retried group may be queued behind newer records
         return group
 
     async def _work(self) -> None:
@@ -288,16 +314,17 @@ class CallbackSender:
             else:
                 for item in group:
                     item.refusals = 0
-            delays = [self._retry_later(item, why) for item in group]
-            self._warn(group[0], len(group), why, min(delays))
+            self._warn(group[0], len(group), why, self._retry_later(group, why))
 
-    def _retry_later(self, item: _Item, why: str) -> float:
-        item.attempts += 1
-        item.last_error = why
-        d = min(self.backoff_max, self.backoff_base * 2.0 ** (item.attempts - 1))
+    def _retry_later(self, group: list[_Item], why: str) -> float:
+        """Queue the group again, as a unit (a merged POST is retried whole), after a jittered backoff."""
+        for item in group:
+            item.attempts += 1
+            item.last_error = why
+        d = min(self.backoff_max, self.backoff_base * 2.0 ** (max(i.attempts for i in group) - 1))
         delay = d / 2 + random.random() * d / 2  # jittered: many records after one outage do not retry in step
-        self._count(item.kind, "retried")
-        h = asyncio.get_running_loop().call_later(delay, self._requeue, item)
+        self._count(group[0].kind, "retried", len(group))
+        h = asyncio.get_running_loop().call_later(delay, self._requeue, group)
         self._timers.add(h)
         return delay
 
@@ -313,11 +340,12 @@ class CallbackSender:
                     "retrying with backoff (next in %.1f s)", item.kind, item.url, why, self._failed.pop(key),
                     self.pending, delay)
 
-    def _requeue(self, item: _Item) -> None:
+    def _requeue(self, group: list[_Item]) -> None:
         now = time.monotonic()
         self._timers = {t for t in self._timers if not t.cancelled() and t.when() > now}
-        if self._running and item.key in self._items:
-            self._ready.append(item)
+        live = [i for i in group if i.key in self._items]
+        if self._running and live:
+            self._ready.extend(live)
             self._wake.set()
 
     async def _acknowledge(self, group: list[_Item], outcome: str = "sent") -> None:
@@ -372,7 +400,7 @@ class CallbackSender:
                 keep.append(item)
             except OSError as e:
                 why = f"spool read failed {describe(e)}"
-                self._warn(item, 1, why, self._retry_later(item, why))
+                self._warn(item, 1, why, self._retry_later([item], why))
             except (ValueError, KeyError) as e:
                 log.warning("spool record %s %s cannot be decoded %s: dropped (acknowledged locally)", item.kind,
                             item.idempotency_id, describe(e))
@@ -385,6 +413,8 @@ class CallbackSender:
         base = first.url.rstrip("/")
         if len(group) == 1:
             url, body = f"{base}/{first.kind}", bodies[0]
+        elif first.merge is not None:
+            url, body = f"{base}/{first.kind}", merge_payloads(bodies)
         else:
             url, body = f"{base}/{first.kind}/batch", {"results": bodies}
         headers = {"Idempotency-Key": first.idempotency_id if len(group) == 1 else
@@ -407,3 +437,11 @@ class CallbackSender:
                 return False, f"HTTP {r.status} without status {want!r}", r.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             return False, describe(e), None
+
+
+def merge_payloads(bodies: list[dict]) -> dict:
+    """One payload from several of one merge key: list fields concatenated in order, the others from the first."""
+    out = dict(bodies[0])
+    for k in {k for b in bodies for k, v in b.items() if isinstance(v, list)}:
+        out[k] = [x for b in bodies for x in (b.get(k) or [])]
+    return out

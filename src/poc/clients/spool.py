@@ -2,7 +2,8 @@
 
 One directory (--spool-dir, env POC_SPOOL_DIR):
 
-    seg-00000001.jsonl   records, one JSON line each: {"id", "kind", "url", "payload", "created"}
+    seg-00000001.jsonl   records, one JSON line each: {"id", "kind", "url", "payload", "created"}, plus "merge" for
+                         a record that goes out merged with the others of its key (callbacks.py)
     seg-00000001.acks    that segment's acknowledged records, one per line: "@<byte offset>" of the record
                          (an older spool's lines hold an id: every record of the segment with that id)
     dead-letter.jsonl    records a consumer refused for good (callbacks.py's refusal policy): never replayed
@@ -47,6 +48,7 @@ class Entry:
     offset: int
     length: int
     created: float
+    merge: str | None = None
 
 
 @dataclass
@@ -119,7 +121,8 @@ class Spool:
             line = data[pos:end]
             try:
                 rec = json.loads(line)
-                out.append(Entry(rec["id"], rec["kind"], rec["url"], n, pos, end - pos, float(rec.get("created", 0))))
+                out.append(Entry(rec["id"], rec["kind"], rec["url"], n, pos, end - pos, float(rec.get("created", 0)),
+                                 rec.get("merge")))
             except (ValueError, KeyError, TypeError):
                 log.warning("spool %s: skipping an unreadable record at byte %d", self._rec_path(n).name, pos)
             pos = end + 1
@@ -151,22 +154,24 @@ class Spool:
 
     # --------------------------------------------------------------------------------------- records
 
-    def append(self, id: str, kind: str, url: str, payload) -> Entry:
+    def append(self, id: str, kind: str, url: str, payload, merge: str | None = None) -> Entry:
         """Write one record and fsync it; the caller sends only after this returned."""
         if self._fd is None:
             raise RuntimeError("spool is not open")
         if self._cur.records >= self.segment_records:
             self._new_segment(self._cur.n + 1)
         created = time.time()
-        line = json.dumps({"id": id, "kind": kind, "url": url, "payload": payload, "created": created},
-                          separators=(",", ":")).encode() + b"\n"
+        rec = {"id": id, "kind": kind, "url": url, "payload": payload, "created": created}
+        if merge is not None:
+            rec["merge"] = merge
+        line = json.dumps(rec, separators=(",", ":")).encode() + b"\n"
         off = self._offset
         _write_all(self._fd, line)
         os.fsync(self._fd)
         self._offset += len(line)
         self._cur.records += 1
         self._cur.unacked.add(off)
-        return Entry(id, kind, url, self._cur.n, off, len(line) - 1, created)
+        return Entry(id, kind, url, self._cur.n, off, len(line) - 1, created, merge)
 
     def read(self, e: Entry) -> dict:
         """The record's payload, from disk."""
