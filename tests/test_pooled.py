@@ -429,7 +429,10 @@ async def test_pow_generation_spools_each_batch_as_computed_so_a_kill9_mid_inter
     a = await aiohttp_client(create_app(pooled_config(tmp_path, callback_interval=60.0, shutdown_flush_seconds=0.1)))
     await wait_status(a)
     assert (await a.post("/api/v1/pow/init/generate", json={**V1_INIT, "url": rx.url + "/cb"})).status == 200
-    await wait_until(lambda: a.server.app[sender_key].pending >= 3, 10, "batches spooled as they are computed")
+    def on_disk():  # complete records: what a kill -9 now would leave
+        return sum(p.read_bytes().count(b"\n") for p in (tmp_path / "spool").glob("seg-*.jsonl"))
+
+    await wait_until(lambda: on_disk() >= 3, 10, "batches spooled as they are computed")
     snapshot = tmp_path / "killed"
     shutil.copytree(tmp_path / "spool", snapshot)  # a torn last record, if any, is skipped at replay
     await a.post("/api/v1/pow/stop")
