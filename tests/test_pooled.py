@@ -15,6 +15,7 @@ import time
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from poc.clients.callbacks import CallbackSender
 from poc.clients.spool import Spool
@@ -254,6 +255,24 @@ def test_spool_replays_unacknowledged_records_skips_a_torn_one_and_deletes_acked
     s3.close()
 
 
+def test_spool_acks_by_position_and_still_reads_an_older_spools_id_acks(tmp_path):
+    s = Spool(tmp_path)
+    s.open()
+    e1, e2, e3 = (s.append("x", "generated", u, {"u": u}) for u in ("http://a", "http://b", "http://c"))
+    s.ack([e1])  # only url a's "x": b's and c's stay pending
+    s.close()
+    with open(tmp_path / "seg-00000001.acks", "a") as f:
+        f.write("nope\n")  # an older spool's line: an id
+    s2 = Spool(tmp_path)
+    assert [(e.url, e.id) for e in s2.open()] == [("http://b", "x"), ("http://c", "x")]
+    s2.close()
+    with open(tmp_path / "seg-00000001.acks", "a") as f:
+        f.write("x\n")  # an older spool acked every "x" of the segment
+    s3 = Spool(tmp_path)
+    assert s3.open() == [] and s3.segments() == [3]
+    s3.close()
+
+
 async def test_sender_spools_first_then_replays_after_restart_in_batches(tmp_path, orch):
     url = f"{orch.url}/api/workers/w1"
     orch.reject_results = True
@@ -280,6 +299,90 @@ async def test_sender_spools_first_then_replays_after_restart_in_batches(tmp_pat
     await c.close(0.1)
 
 
+async def test_the_same_id_to_two_urls_is_two_records_before_and_after_a_restart(aiohttp_server, tmp_path):
+    """Records are keyed by (destination, idempotency id): a record for url2 is never folded into one for url1
+    that carries the same id, neither while url1's is pending nor when both are replayed after a restart."""
+    from .test_server_pow import Sink
+
+    s1, s2 = Sink(fail_first=10**6), Sink(fail_first=10**6)
+    url1 = str((await aiohttp_server(s1.app)).make_url("/cb"))
+    url2 = str((await aiohttp_server(s2.app)).make_url("/cb"))
+    a = CallbackSender(timeout=2, backoff_base=0.05, backoff_max=0.2, spool_dir=str(tmp_path))
+    await a.start()
+    assert await a.put("generated", url1, {"to": 1, "n": "x"}, "x")
+    assert await a.put("generated", url2, {"to": 2, "n": "x"}, "x")  # another destination: another record
+    assert await a.put("generated", url1, {"to": 1, "n": "y"}, "y")
+    assert a.pending == 3 and a.pending_for(url1) == 2 and a.pending_for(url2) == 1
+    await a.close(0.1)  # both unreachable: all three stay on disk
+    s2.fail_first = 0
+    b = CallbackSender(timeout=2, backoff_base=0.05, backoff_max=0.2, spool_dir=str(tmp_path))
+    await b.start()
+    try:
+        assert b.replayed == 3
+        await wait_until(lambda: len(s2.got["generated"]) == 1, 5, "url2's record")
+        assert await b.put("generated", url2, {"to": 2, "n": "y"}, "y")  # url1's "y" is still pending
+        await wait_until(lambda: len(s2.got["generated"]) == 2, 5, "url2's new record")
+        s1.fail_first = 0
+        assert await b.flush(5) == 0
+    finally:
+        await b.close(0.1)
+    assert sorted((p["to"], p["n"]) for p in s1.got["generated"]) == [(1, "x"), (1, "y")]
+    assert sorted((p["to"], p["n"]) for p in s2.got["generated"]) == [(2, "x"), (2, "y")]
+    c = Spool(tmp_path)
+    assert c.open() == []  # every record acknowledged on disk, each by its own destination
+    c.close()
+
+
+async def test_a_permanent_refusal_goes_to_the_dead_letter_file_after_a_few_attempts(aiohttp_server, tmp_path,
+                                                                                     caplog):
+    """404/400/410/422 are retried a bounded number of times, then moved to dead-letter.jsonl with one ERROR line
+    (no PyWorker crash marker in it) and a metric; 429 (and 408/409/425, 5xx, no connection) is retried on."""
+    import json
+    import logging
+
+    from poc.server.metrics import Metrics
+
+    seen = {"gone": 0, "slow": 0}
+
+    async def gone(request):
+        seen["gone"] += 1
+        return web.json_response({"detail": "no such node"}, status=404)
+
+    async def slow(request):
+        seen["slow"] += 1
+        return web.json_response({"detail": "later"}, status=429)
+
+    rx = web.Application()
+    rx.router.add_post("/gone/generated", gone)
+    rx.router.add_post("/slow/generated", slow)
+    srv = await aiohttp_server(rx)
+    m = Metrics()
+    s = CallbackSender(timeout=2, backoff_base=0.02, backoff_max=0.05, spool_dir=str(tmp_path), metrics=m,
+                       refusal_limit=3)
+    await s.start()
+    try:
+        caplog.set_level(logging.INFO, logger="poc.callbacks")
+        assert await s.put("generated", str(srv.make_url("/gone")), {"artifacts": [1]}, "g1")
+        assert await s.put("generated", str(srv.make_url("/slow")), {"artifacts": [2]}, "s1")
+        await wait_until(lambda: s.pending_for(str(srv.make_url("/gone"))) == 0, 5, "the refused record dead-lettered")
+        await wait_until(lambda: seen["slow"] > 5, 5, "429 retried past the refusal limit")
+        assert seen["gone"] == 3 and s.pending == 1  # the 429 record is still pending
+    finally:
+        await s.close(0.1)
+    dead = [json.loads(x) for x in (tmp_path / "dead-letter.jsonl").read_text().splitlines()]
+    assert len(dead) == 1
+    d = dead[0]
+    assert (d["id"], d["kind"], d["url"], d["status"], d["payload"]) == (
+        "g1", "generated", str(srv.make_url("/gone")), 404, {"artifacts": [1]})
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1 and "g1" in lines[0] and str(srv.make_url("/gone")) in lines[0] and "404" in lines[0]
+    assert "Traceback" not in lines[0] and "Error:" not in lines[0]
+    assert m.registry.get_sample_value("poc_callbacks_total", {"kind": "generated", "outcome": "dead_letter"}) == 1
+    c = Spool(tmp_path)
+    assert [e.id for e in c.open()] == ["s1"]  # the dead-lettered record is not replayed; the 429 one is
+    c.close()
+
+
 async def test_pow_callbacks_are_spooled_and_delivered_after_a_restart(aiohttp_client, tmp_path):
     """/api/v1/pow generation posts to a callback receiver that is down; the server stops; a new server on the
     same spool delivers every payload once the receiver is up (the same durability as /pooled's results)."""
@@ -304,14 +407,89 @@ async def test_pow_callbacks_are_spooled_and_delivered_after_a_restart(aiohttp_c
     try:
         b = await aiohttp_client(create_app(cfg))
         await wait_status(b)
-        await wait_until(lambda: len(sink.got["generated"]) >= spooled, 10, "the spooled callbacks")
-        assert b.server.app[sender_key].replayed == spooled
-        assert await b.server.app[sender_key].flush(5) == 0
+        assert b.server.app[sender_key].replayed == spooled  # one record per batch
+        assert await b.server.app[sender_key].flush(10) == 0
     finally:
         await rx.stop()
-    assert len(sink.got["generated"]) == spooled and len(set(sink.keys)) == spooled
+    posts = len(sink.got["generated"])
+    assert 1 <= posts < spooled and len(set(sink.keys)) == posts  # replayed merged, each record once
     nonces = sorted(n for p in sink.got["generated"] for n in p["nonces"])
     assert nonces == list(range(len(nonces)))  # every computed nonce, once
+
+
+V1_INIT = {"node_id": 0, "node_count": 1, "block_hash": BH, "block_height": 5, "public_key": "pk", "batch_size": 8,
+           "r_target": 2.0, "params": dict(PARAMS_A)}  # r_target 2.0: every nonce is reported
+
+
+async def test_pow_generation_spools_each_batch_as_computed_so_a_kill9_mid_interval_loses_none(aiohttp_client,
+                                                                                              tmp_path):
+    """callback_interval is 60 s, so nothing is due to be posted yet; a copy of the spool taken mid-interval (what
+    kill -9 would leave) already holds every computed batch, and a server started on it delivers them once, merged."""
+    import shutil
+
+    from .fakes import LoopbackApp
+    from .test_server_pow import Sink
+
+    sink = Sink()
+    rx = LoopbackApp(sink.app)  # not started: nothing would be acknowledged anyway
+    a = await aiohttp_client(create_app(pooled_config(tmp_path, callback_interval=60.0, shutdown_flush_seconds=0.1)))
+    await wait_status(a)
+    assert (await a.post("/api/v1/pow/init/generate", json={**V1_INIT, "url": rx.url + "/cb"})).status == 200
+    def on_disk():  # complete records: what a kill -9 now would leave
+        return sum(p.read_bytes().count(b"\n") for p in (tmp_path / "spool").glob("seg-*.jsonl"))
+
+    await wait_until(lambda: on_disk() >= 3, 10, "batches spooled as they are computed")
+    snapshot = tmp_path / "killed"
+    shutil.copytree(tmp_path / "spool", snapshot)  # a torn last record, if any, is skipped at replay
+    await a.post("/api/v1/pow/stop")
+    await a.close()
+    await rx.start()
+    try:
+        b = await aiohttp_client(create_app(pooled_config(tmp_path, spool_dir=str(snapshot))))
+        await wait_status(b)
+        sender = b.server.app[sender_key]
+        n = sender.replayed
+        assert n >= 3
+        assert await sender.flush(10) == 0
+        await b.close()
+    finally:
+        await rx.stop()
+    posts = sink.got["generated"]
+    assert 1 <= len(posts) < n  # merged, as the reference posts, not one POST per batch
+    assert len(set(sink.keys)) == len(posts)
+    nonces = sorted(x for p in posts for x in p["nonces"])
+    assert nonces == list(range(len(nonces))) and len(nonces) >= n  # the first batches, each nonce once
+    assert {(p["public_key"], p["block_hash"], p["node_id"]) for p in posts} == {("pk", BH, 0)}
+    c = CallbackSender(spool_dir=str(snapshot))
+    await c.start()
+    assert c.replayed == 0  # exactly once: nothing left to replay
+    await c.close(0.1)
+
+
+async def test_pow_generation_posts_merged_batches_every_interval(aiohttp_client, tmp_path):
+    """Each batch is spooled as it arrives, but the receiver gets one merged POST per callback_interval."""
+    from poc.server.pow import pow_key
+
+    from .fakes import LoopbackApp
+    from .test_server_pow import Sink
+
+    sink = Sink()
+    rx = await LoopbackApp(sink.app).start()
+    try:
+        a = await aiohttp_client(create_app(pooled_config(tmp_path, callback_interval=0.4)))
+        await wait_status(a)
+        assert (await a.post("/api/v1/pow/init/generate", json={**V1_INIT, "url": rx.url + "/cb"})).status == 200
+        await asyncio.sleep(1.0)
+        gen = a.server.app[pow_key].gen
+        await a.post("/api/v1/pow/stop")
+        assert await a.server.app[sender_key].flush(5) == 0
+        stats = gen.runner.stats
+    finally:
+        await rx.stop()
+    posts = sink.got["generated"]
+    assert 2 <= len(posts) <= 5 and len(posts) < stats.batches, (len(posts), stats.batches)
+    nonces = sorted(x for p in posts for x in p["nonces"])
+    assert nonces == list(range(stats.computed))  # every computed nonce, once
 
 
 async def test_a_transient_spool_read_error_delays_a_batch_and_loses_nothing(tmp_path, orch):

@@ -343,3 +343,26 @@ async def test_callback_sender_retries_with_the_same_key(aiohttp_server):
         await full.close(timeout=0.1)
     finally:
         await sender.close(1)
+
+
+async def test_callback_sender_holds_merge_records_until_released_and_retries_the_merged_post_whole(aiohttp_server):
+    s = Sink(fail_first=1)
+    srv = await aiohttp_server(s.app)
+    url = str(srv.make_url("/cb"))
+    sender = CallbackSender(timeout=2, backoff_base=0.05)
+    await sender.start()
+    try:
+        head = {"public_key": "pk", "node_id": 0}
+        assert sender.submit("generated", url, {**head, "artifacts": [1, 2]}, "g-1", merge="g")
+        assert sender.submit("generated", url, {**head, "artifacts": [3], "dropped_nonces": [9]}, "g-2", merge="g")
+        assert sender.submit("generated", url, {**head, "artifacts": [4]}, "g-3", merge="g")
+        await asyncio.sleep(0.2)
+        assert s.got["generated"] == [] and s.fail_first == 1 and sender.pending == 3  # held: not even tried
+        sender.release("g", final=True)
+        assert await sender.flush(5) == 0
+        assert s.got["generated"] == [{**head, "artifacts": [1, 2, 3, 4], "dropped_nonces": [9]}]
+        assert s.keys == ["g-1,g-2,g-3"] and s.fail_first == 0  # the refused merged POST was re-sent as it was
+        assert sender.submit("generated", url, {**head, "artifacts": [5]}, "g-4", merge="g")  # after the end
+        assert await sender.flush(5) == 0 and s.got["generated"][-1]["artifacts"] == [5]
+    finally:
+        await sender.close(1)

@@ -2,12 +2,24 @@
 {callback_url}/warmup/complete and the orchestrator's {url}/results, off the event loop's critical path.
 
 `submit(kind, url, payload, idempotency_id)` takes a payload and returns at once; `await put(...)` returns once
-the record is durable. With a spool directory (`spool_dir`, see spool.py) every record is appended and fsynced
+the record is durable. With `merge=KEY` a record is spooled at once but held: `release(KEY)` lets everything held
+under KEY go out, merged into one POST {url}/{kind} per url (up to `batch_max` records: list fields such as
+artifacts, nonces, dist and dropped_nonces concatenated in order, the rest taken from the first record; the
+Idempotency-Key lists the ids it carries). /api/v1/pow generation spools each batch as it is computed this way and
+releases every callback_interval, so a kill -9 loses no computed batch and the MLNode still gets merged posts;
+held records found in the spool at start are replayed, merged, at once. A failed group is retried as a unit. With a spool directory (`spool_dir`, see spool.py) every record is appended and fsynced
 before the first send, re-sent until acknowledged, and replayed by `start()` after a restart; without one (unit
 tests, `ServerConfig.spool_dir=None`) records live in memory only. A few sender tasks POST {url}/{kind} with an
-`Idempotency-Key` header (the orchestrator's results also carry `idempotency_id` in the body, so it can drop
+`Idempotency-Key` header (a record is its (url, id) pair: the same id to two destinations is two records, never
+merged or deduplicated into one; the orchestrator's results also carry `idempotency_id` in the body, so it can drop
 repeats); a failure is retried on a timer with capped, jittered exponential backoff, never by sleeping in a
-loop that holds others up, and never given up. Several pending orchestrator results for one worker go out as
+loop that holds others up. Connection errors, timeouts, 5xx and 408/409/425/429 are retried until acknowledged.
+A permanent refusal (any other 4xx: 400, 401, 403, 404, 410, 422, ...) is retried too, in case a restarting
+consumer or proxy answered it, but after `refusal_limit` (5) of them in a row the record is moved to
+dead-letter.jsonl in the spool directory (one JSON line: id, kind, url, status, reason, dead_at, payload; fsynced,
+never replayed, kept for an operator), with one ERROR line naming kind, id, url and status, and counted as
+poc_callbacks_total{outcome="dead_letter"} and poc_errors_total{kind="callback_dead_letter"}; without a spool
+directory only the line and the counts remain. Several pending orchestrator results for one worker go out as
 one POST {url}/results/batch. Memory holds, per pending record, its id, kind, url and disk position (spool) or
 its payload (memory mode), and `max_pending` bounds the count: a payload refused at that bound is counted and
 logged, not lost silently. What is pending at exit stays in the spool for the next start.
@@ -19,7 +31,7 @@ import asyncio
 import logging
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -34,6 +46,12 @@ log = logging.getLogger("poc.callbacks")
 KINDS = {"generated": None, "validated": None, "warmup/complete": None, "results": "ok"}
 BATCH_KIND = "results"  # several pending of this kind to one url go out as {url}/results/batch
 WARN_EVERY = 5.0  # seconds between failure lines per url
+RETRYABLE_4XX = {408, 409, 425, 429}  # timeout, conflict, too early, too many requests: worth another try
+
+
+def permanent(status: int | None) -> bool:
+    """A 4xx that says the request itself is refused (400, 404, 410, 422, ...): repeating it will not help."""
+    return status is not None and 400 <= status < 500 and status not in RETRYABLE_4XX
 
 
 @dataclass
@@ -44,27 +62,38 @@ class _Item:
     payload: dict | None = None  # memory mode, or a spool write that failed
     entry: Entry | None = None  # spool mode
     attempts: int = 0
+    refusals: int = 0  # permanent refusals in a row
+    merge: str | None = None  # sent merged with the other records of this key once released
     created: float = field(default_factory=time.monotonic)
     last_error: str = ""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.url, self.idempotency_id
 
 
 class CallbackSender:
     def __init__(self, *, timeout: float = 10.0, max_pending: int = 10_000, backoff_base: float = 1.0,
                  backoff_max: float = 30.0, concurrency: int = 4, metrics=None, spool_dir: str | None = None,
-                 segment_records: int = 1000, batch_max: int = 50):
+                 segment_records: int = 1000, batch_max: int = 50, refusal_limit: int = 5):
         self.timeout, self.max_pending = timeout, max_pending
         self.backoff_base, self.backoff_max = backoff_base, backoff_max
         self.concurrency, self.metrics, self.batch_max = concurrency, metrics, batch_max
+        self.refusal_limit = max(1, refusal_limit)
+        self.dead_lettered = 0
         self.spool = Spool(spool_dir, segment_records) if spool_dir else None
         self.pending = 0  # reserved + stored, not yet acknowledged
         self.delivered = 0
         self.replayed = 0
-        self._items: dict[str, _Item] = {}  # stored (durable) and not yet acknowledged, by idempotency id
-        self._reserved: dict[str, str] = {}  # id -> url, being written to the spool
+        # a record is (url, idempotency id): the same id to two destinations is two records
+        self._items: dict[tuple[str, str], _Item] = {}  # stored (durable) and not yet acknowledged
+        self._reserved: set[tuple[str, str]] = set()  # being written to the spool
         self._ready: deque[_Item] = deque()
+        self._held: dict[str, list[_Item]] = {}  # merge key -> stored records waiting for release()
+        self._released: OrderedDict[str, None] = OrderedDict()  # keys released for good (bounded: the last 1000)
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
-        self._acked: dict[str, asyncio.Future] = {}  # wait_acked() waiters
+        self._acked: dict[tuple[str, str], asyncio.Future] = {}  # wait_acked() waiters
         self._workers: list[asyncio.Task] = []
         self._stores: set[asyncio.Task] = set()
         self._timers: set[asyncio.TimerHandle] = set()
@@ -83,8 +112,8 @@ class CallbackSender:
         self._io = ThreadPoolExecutor(1, thread_name_prefix="poc-spool")  # one thread: appends stay in order
         if self.spool is not None:
             for e in await self._run_io(self.spool.open):
-                item = _Item(e.kind, e.url, e.id, entry=e)
-                self._items[e.id] = item
+                item = _Item(e.kind, e.url, e.id, entry=e, merge=e.merge)  # held ones too: their owner is gone
+                self._items[item.key] = item
                 self._ready.append(item)
                 self._add(1)
             self.replayed = len(self._items)
@@ -116,12 +145,12 @@ class CallbackSender:
 
     # -------------------------------------------------------------------------------------- intake
 
-    def submit(self, kind: str, url: str, payload: dict, idempotency_id: str) -> bool:
+    def submit(self, kind: str, url: str, payload: dict, idempotency_id: str, merge: str | None = None) -> bool:
         """Take one POST to {url}/{kind}; False (counted, logged) when `max_pending` payloads already wait."""
         r = self._reserve(kind, url, idempotency_id)
         if r != "new":
             return r is not None
-        t = asyncio.get_running_loop().create_task(self._store(kind, url, payload, idempotency_id))
+        t = asyncio.get_running_loop().create_task(self._store(kind, url, payload, idempotency_id, merge))
         self._stores.add(t)
         t.add_done_callback(self._stores.discard)
         return True
@@ -142,23 +171,35 @@ class CallbackSender:
         if not self._running:
             log.warning("callback %s to %s refused: the sender is not running", kind, url)
             return None
-        if idempotency_id in self._items or idempotency_id in self._reserved:
+        key = (url, idempotency_id)
+        if key in self._items or key in self._reserved:
             return "dup"  # already on its way: the same record once is enough
         if self.pending >= self.max_pending:
             self._count(kind, "dropped")
             log.warning("callback queue full (%d pending): %s payload %s to %s not queued", self.pending, kind,
                         idempotency_id, url)
             return None
-        self._reserved[idempotency_id] = url
+        self._reserved.add(key)
         self._add(1)
         return "new"
 
-    async def _store(self, kind: str, url: str, payload: dict, idempotency_id: str) -> None:
-        item = _Item(kind, url, idempotency_id)
+    def release(self, merge: str, final: bool = False) -> None:
+        """Send what is held under `merge`; with `final`, records still being written go out as soon as stored."""
+        if final:
+            self._released[merge] = None
+            while len(self._released) > 1000:
+                self._released.popitem(last=False)
+        held = self._held.pop(merge, None)
+        if held:
+            self._ready.extend(held)
+            self._wake.set()
+
+    async def _store(self, kind: str, url: str, payload: dict, idempotency_id: str, merge: str | None = None) -> None:
+        item = _Item(kind, url, idempotency_id, merge=merge)
         try:
             if self.spool is not None:
                 try:
-                    item.entry = await self._run_io(self.spool.append, idempotency_id, kind, url, payload)
+                    item.entry = await self._run_io(self.spool.append, idempotency_id, kind, url, payload, merge)
                 except (OSError, TypeError, ValueError) as e:  # disk full, unserialisable: send from memory
                     item.payload = payload
                     self._count(kind, "spool_error")
@@ -167,8 +208,11 @@ class CallbackSender:
             else:
                 item.payload = payload
         finally:
-            self._reserved.pop(idempotency_id, None)
-        self._items[idempotency_id] = item
+            self._reserved.discard(item.key)
+        self._items[item.key] = item
+        if merge is not None and merge not in self._released:
+            self._held.setdefault(merge, []).append(item)
+            return
         self._ready.append(item)
         self._wake.set()
 
@@ -186,7 +230,7 @@ class CallbackSender:
     def pending_for(self, url: str) -> int:
         """Records for this url not yet acknowledged (being written included)."""
         return (sum(1 for i in self._items.values() if i.url == url)
-                + sum(1 for u in self._reserved.values() if u == url))
+                + sum(1 for u, _ in self._reserved if u == url))
 
     async def flush_url(self, url: str, timeout: float) -> int:
         """Wait until nothing for `url` is pending, or `timeout`; the number still pending for it."""
@@ -195,21 +239,21 @@ class CallbackSender:
             await asyncio.sleep(0.02)
         return n
 
-    async def wait_acked(self, idempotency_id: str, timeout: float) -> bool:
+    async def wait_acked(self, url: str, idempotency_id: str, timeout: float) -> bool:
         """True once that record was acknowledged (or is not pending at all), False after `timeout`."""
-        if idempotency_id not in self._items and idempotency_id not in self._reserved:
+        key = (url, idempotency_id)
+        if key not in self._items and key not in self._reserved:
             return True
-        fut = self._acked.get(idempotency_id)
+        fut = self._acked.get(key)
         if fut is None:
-            fut = self._acked[idempotency_id] = asyncio.get_running_loop().create_future()
+            fut = self._acked[key] = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(asyncio.shield(fut), timeout)
-            return True
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             return False
 
-    def last_error(self, idempotency_id: str) -> str:
-        i = self._items.get(idempotency_id)
+    def last_error(self, url: str, idempotency_id: str) -> str:
+        i = self._items.get((url, idempotency_id))
         return i.last_error if i else ""
 
     # ------------------------------------------------------------------------------------- sending
@@ -224,23 +268,27 @@ class CallbackSender:
     def _count(self, kind: str, outcome: str, n: int = 1) -> None:
         if self.metrics is not None:
             self.metrics.callbacks.labels(kind, outcome).inc(n)
-            if outcome == "dropped":
-                self.metrics.error("callback_dropped")
+            if outcome in ("dropped", "dead_letter"):
+                self.metrics.error(f"callback_{outcome}")
 
     async def _run_io(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
     def _take(self) -> list[_Item]:
-        """The next item, with (for orchestrator results) up to batch_max - 1 more ready for the same url."""
+        """The next item, with up to batch_max - 1 more ready for the same url: orchestrator results (one
+        /results/batch) or records of the same merge key (one merged POST, in the order they were taken)."""
         first = self._ready.popleft()
         group = [first]
-        if first.kind == BATCH_KIND and self._ready:
+        if (first.kind == BATCH_KIND or first.merge is not None) and self._ready:
             rest = deque()
             while self._ready and len(group) < self.batch_max:
                 i = self._ready.popleft()
-                (group if i.kind == BATCH_KIND and i.url == first.url else rest).append(i)
+                same = i.kind == first.kind and i.url == first.url and i.merge == first.merge
+                (group if same else rest).append(i)
             rest.extend(self._ready)
             self._ready = rest
+        if first.merge is not None:
+            group.sort(key=lambda i: i.created)  # a retried group may be queued behind newer records
         return group
 
     async def _work(self) -> None:
@@ -251,20 +299,32 @@ class CallbackSender:
             group, bodies = await self._read(self._take())
             if not group:
                 continue
-            ok, why = await self._post(group, bodies)
+            ok, why, status = await self._post(group, bodies)
             if ok:
                 await self._acknowledge(group)
                 continue
-            delays = [self._retry_later(item, why) for item in group]
-            self._warn(group[0], len(group), why, min(delays))
+            if permanent(status):
+                for item in group:
+                    item.refusals += 1
+                dead = [(i, b) for i, b in zip(group, bodies) if i.refusals >= self.refusal_limit]
+                if dead and await self._dead_letter(dead, status, why):
+                    group = [i for i in group if i.refusals < self.refusal_limit]
+                    if not group:
+                        continue
+            else:
+                for item in group:
+                    item.refusals = 0
+            self._warn(group[0], len(group), why, self._retry_later(group, why))
 
-    def _retry_later(self, item: _Item, why: str) -> float:
-        item.attempts += 1
-        item.last_error = why
-        d = min(self.backoff_max, self.backoff_base * 2.0 ** (item.attempts - 1))
+    def _retry_later(self, group: list[_Item], why: str) -> float:
+        """Queue the group again, as a unit (a merged POST is retried whole), after a jittered backoff."""
+        for item in group:
+            item.attempts += 1
+            item.last_error = why
+        d = min(self.backoff_max, self.backoff_base * 2.0 ** (max(i.attempts for i in group) - 1))
         delay = d / 2 + random.random() * d / 2  # jittered: many records after one outage do not retry in step
-        self._count(item.kind, "retried")
-        h = asyncio.get_running_loop().call_later(delay, self._requeue, item)
+        self._count(group[0].kind, "retried", len(group))
+        h = asyncio.get_running_loop().call_later(delay, self._requeue, group)
         self._timers.add(h)
         return delay
 
@@ -280,11 +340,12 @@ class CallbackSender:
                     "retrying with backoff (next in %.1f s)", item.kind, item.url, why, self._failed.pop(key),
                     self.pending, delay)
 
-    def _requeue(self, item: _Item) -> None:
+    def _requeue(self, group: list[_Item]) -> None:
         now = time.monotonic()
         self._timers = {t for t in self._timers if not t.cancelled() and t.when() > now}
-        if self._running and item.idempotency_id in self._items:
-            self._ready.append(item)
+        live = [i for i in group if i.key in self._items]
+        if self._running and live:
+            self._ready.extend(live)
             self._wake.set()
 
     async def _acknowledge(self, group: list[_Item], outcome: str = "sent") -> None:
@@ -295,13 +356,34 @@ class CallbackSender:
             except OSError as e:  # delivered all the same; a restart would send it once more (idempotent)
                 log.warning("spool ack write failed %s", describe(e))
         for i in group:
-            if self._items.pop(i.idempotency_id, None) is not None:
+            if self._items.pop(i.key, None) is not None:
                 self._add(-1)
-                self.delivered += 1
-            fut = self._acked.pop(i.idempotency_id, None)
+                self.delivered += outcome != "dead_letter"
+            fut = self._acked.pop(i.key, None)
             if fut is not None and not fut.done():
-                fut.set_result(True)
+                fut.set_result(outcome != "dead_letter")
         self._count(group[0].kind, outcome, len(group))
+
+    async def _dead_letter(self, dead: list[tuple[_Item, dict]], status: int, why: str) -> bool:
+        """Move permanently refused records to the spool's dead-letter file, one ERROR line each; False (they are
+        retried) when that file cannot be written."""
+        if self.spool is not None:
+            try:
+                await self._run_io(self.spool.dead_letter, [(i.kind, i.url, i.idempotency_id, b) for i, b in dead],
+                                   status, why)
+            except (OSError, TypeError, ValueError) as e:
+                log.warning("dead-letter write failed %s: %d refused record(s) stay pending", describe(e), len(dead))
+                return False
+            where = f"moved to {self.spool.dead_letter_path}"
+        else:
+            where = "not kept (no spool directory)"
+        for i, _ in dead:
+            log.error("callback %s %s to %s refused permanently (HTTP %d, %d time(s) in a row): %s", i.kind,
+                      i.idempotency_id, i.url, status, i.refusals, where)
+        items = [i for i, _ in dead]
+        await self._acknowledge(items, "dead_letter")  # off the spool: wait_acked() says False
+        self.dead_lettered += len(items)
+        return True
 
     async def _read(self, group: list[_Item]) -> tuple[list[_Item], list[dict]]:
         """The group's payloads. A record whose read fails (EMFILE, EIO) is retried later on its own; one that
@@ -318,18 +400,21 @@ class CallbackSender:
                 keep.append(item)
             except OSError as e:
                 why = f"spool read failed {describe(e)}"
-                self._warn(item, 1, why, self._retry_later(item, why))
+                self._warn(item, 1, why, self._retry_later([item], why))
             except (ValueError, KeyError) as e:
                 log.warning("spool record %s %s cannot be decoded %s: dropped (acknowledged locally)", item.kind,
                             item.idempotency_id, describe(e))
                 await self._acknowledge([item], "dropped")
         return keep, bodies
 
-    async def _post(self, group: list[_Item], bodies: list[dict]) -> tuple[bool, str]:
+    async def _post(self, group: list[_Item], bodies: list[dict]) -> tuple[bool, str, int | None]:
+        """(acknowledged, why not, the HTTP status if one came back)."""
         first = group[0]
         base = first.url.rstrip("/")
         if len(group) == 1:
             url, body = f"{base}/{first.kind}", bodies[0]
+        elif first.merge is not None:
+            url, body = f"{base}/{first.kind}", merge_payloads(bodies)
         else:
             url, body = f"{base}/{first.kind}/batch", {"results": bodies}
         headers = {"Idempotency-Key": first.idempotency_id if len(group) == 1 else
@@ -338,17 +423,25 @@ class CallbackSender:
             async with self._session.post(url, json=body, headers=headers) as r:
                 raw = await r.read()
                 if r.status >= 300:
-                    return False, f"HTTP {r.status}"
+                    return False, f"HTTP {r.status}", r.status
                 want = KINDS[first.kind]
                 if want is None:
-                    return True, ""
+                    return True, "", r.status
                 try:
                     answer = await r.json(content_type=None) if raw else None
                 except ValueError:
                     answer = None
                 status = answer.get("status") if isinstance(answer, dict) else None
                 if str(status).lower() == want:
-                    return True, ""
-                return False, f"HTTP {r.status} without status {want!r}"
+                    return True, "", r.status
+                return False, f"HTTP {r.status} without status {want!r}", r.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            return False, describe(e)
+            return False, describe(e), None
+
+
+def merge_payloads(bodies: list[dict]) -> dict:
+    """One payload from several of one merge key: list fields concatenated in order, the others from the first."""
+    out = dict(bodies[0])
+    for k in {k for b in bodies for k, v in b.items() if isinstance(v, list)}:
+        out[k] = [x for b in bodies for x in (b.get(k) or [])]
+    return out

@@ -2,11 +2,16 @@
 
 One directory (--spool-dir, env POC_SPOOL_DIR):
 
-    seg-00000001.jsonl   records, one JSON line each: {"id", "kind", "url", "payload", "created"}
-    seg-00000001.acks    the ids of that segment's records that were acknowledged, one per line
+    seg-00000001.jsonl   records, one JSON line each: {"id", "kind", "url", "payload", "created"}, plus "merge" for
+                         a record that goes out merged with the others of its key (callbacks.py)
+    seg-00000001.acks    that segment's acknowledged records, one per line: "@<byte offset>" of the record
+                         (an older spool's lines hold an id: every record of the segment with that id)
+    dead-letter.jsonl    records a consumer refused for good (callbacks.py's refusal policy): never replayed
 
-`append()` writes a record and fsyncs it before the caller may send it; `ack()` appends the ids to the segment's
-ack file once the consumer answered (no fsync: a lost ack costs one repeat, which the idempotency id absorbs, and
+A record is identified by (url, id): the same idempotency id addressed to two destinations is two records, and
+is acknowledged by position, so one destination's ack never covers the other's. `append()` writes a record and
+fsyncs it before the caller may send it; `ack()` appends the positions to the segment's ack file once the
+consumer answered (no fsync: a lost ack costs one repeat, which the idempotency id absorbs, and
 plain writes survive a kill -9 of the process). `open()` reads every segment and returns its records minus its
 acks: they are replayed. Appends go to a fresh segment that is rotated every `segment_records` records; a closed
 segment whose records are all acknowledged is deleted with its ack file, so the disk holds the pending records
@@ -29,6 +34,7 @@ from pathlib import Path
 log = logging.getLogger("poc.spool")
 
 _SEG = re.compile(r"^seg-(\d{8})\.jsonl$")
+DEAD_LETTER = "dead-letter.jsonl"  # records a consumer refused for good (never replayed; kept for an operator)
 
 
 @dataclass
@@ -42,13 +48,14 @@ class Entry:
     offset: int
     length: int
     created: float
+    merge: str | None = None
 
 
 @dataclass
 class _Segment:
     n: int
     records: int = 0
-    unacked: set[str] = field(default_factory=set)
+    unacked: set[int] = field(default_factory=set)  # offsets of the records not yet acknowledged
     closed: bool = False
 
 
@@ -78,22 +85,22 @@ class Spool:
         """Create the directory, read what an earlier process left, and return its unacknowledged records."""
         self.dir.mkdir(parents=True, exist_ok=True)
         pending: list[Entry] = []
-        seen: set[str] = set()
+        seen: set[tuple[str, str]] = set()
         numbers = sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _SEG.match(p.name)))
         for n in numbers:
             seg = _Segment(n, closed=True)
             self._segs[n] = seg
-            acks = self._read_acks(n)
-            dup: list[str] = []
+            acked_ids, acked_at = self._read_acks(n)
+            dup: list[int] = []
             for e in self._scan(n):
                 seg.records += 1
-                if e.id in acks:
+                if e.offset in acked_at or e.id in acked_ids:
                     continue
-                if e.id in seen:  # the same record spooled twice: one copy is enough
-                    dup.append(e.id)
+                if (e.url, e.id) in seen:  # the same record spooled twice: one copy is enough
+                    dup.append(e.offset)
                 else:
-                    seen.add(e.id)
-                    seg.unacked.add(e.id)
+                    seen.add((e.url, e.id))
+                    seg.unacked.add(e.offset)
                     pending.append(e)
             if dup:
                 self._write_acks(n, dup)
@@ -114,17 +121,26 @@ class Spool:
             line = data[pos:end]
             try:
                 rec = json.loads(line)
-                out.append(Entry(rec["id"], rec["kind"], rec["url"], n, pos, end - pos, float(rec.get("created", 0))))
+                out.append(Entry(rec["id"], rec["kind"], rec["url"], n, pos, end - pos, float(rec.get("created", 0)),
+                                 rec.get("merge")))
             except (ValueError, KeyError, TypeError):
                 log.warning("spool %s: skipping an unreadable record at byte %d", self._rec_path(n).name, pos)
             pos = end + 1
         return out
 
-    def _read_acks(self, n: int) -> set[str]:
+    def _read_acks(self, n: int) -> tuple[set[str], set[int]]:
+        """The segment's acknowledgements: legacy ids, and record offsets ("@123")."""
+        ids, offsets = set(), set()
         try:
-            return {s for s in self._ack_path(n).read_text(errors="replace").split("\n") if s}
+            lines = self._ack_path(n).read_text(errors="replace").split("\n")
         except FileNotFoundError:
-            return set()
+            return ids, offsets
+        for s in lines:
+            if s.startswith("@") and s[1:].isdigit():
+                offsets.add(int(s[1:]))
+            elif s and not s.startswith("@"):
+                ids.add(s)
+        return ids, offsets
 
     def _new_segment(self, n: int) -> None:
         if self._fd is not None:
@@ -138,22 +154,24 @@ class Spool:
 
     # --------------------------------------------------------------------------------------- records
 
-    def append(self, id: str, kind: str, url: str, payload) -> Entry:
+    def append(self, id: str, kind: str, url: str, payload, merge: str | None = None) -> Entry:
         """Write one record and fsync it; the caller sends only after this returned."""
         if self._fd is None:
             raise RuntimeError("spool is not open")
         if self._cur.records >= self.segment_records:
             self._new_segment(self._cur.n + 1)
         created = time.time()
-        line = json.dumps({"id": id, "kind": kind, "url": url, "payload": payload, "created": created},
-                          separators=(",", ":")).encode() + b"\n"
+        rec = {"id": id, "kind": kind, "url": url, "payload": payload, "created": created}
+        if merge is not None:
+            rec["merge"] = merge
+        line = json.dumps(rec, separators=(",", ":")).encode() + b"\n"
         off = self._offset
         _write_all(self._fd, line)
         os.fsync(self._fd)
         self._offset += len(line)
         self._cur.records += 1
-        self._cur.unacked.add(id)
-        return Entry(id, kind, url, self._cur.n, off, len(line) - 1, created)
+        self._cur.unacked.add(off)
+        return Entry(id, kind, url, self._cur.n, off, len(line) - 1, created, merge)
 
     def read(self, e: Entry) -> dict:
         """The record's payload, from disk."""
@@ -164,21 +182,38 @@ class Spool:
 
     def ack(self, entries: list[Entry]) -> None:
         """Mark records delivered; deletes every closed segment that has nothing left to send."""
-        by_seg: dict[int, list[str]] = {}
+        by_seg: dict[int, list[int]] = {}
         for e in entries:
-            by_seg.setdefault(e.seg, []).append(e.id)
-        for n, ids in by_seg.items():
+            by_seg.setdefault(e.seg, []).append(e.offset)
+        for n, offsets in by_seg.items():
             seg = self._segs.get(n)
             if seg is None:
                 continue  # already deleted (acknowledged twice)
-            self._write_acks(n, ids)
-            seg.unacked.difference_update(ids)
+            self._write_acks(n, offsets)
+            seg.unacked.difference_update(offsets)
             self._maybe_delete(seg)
 
-    def _write_acks(self, n: int, ids: list[str]) -> None:
+    @property
+    def dead_letter_path(self) -> Path:
+        return self.dir / DEAD_LETTER
+
+    def dead_letter(self, records: list[tuple[str, str, str, object]], status: int, reason: str) -> None:
+        """Append (kind, url, id, payload) records a consumer refused for good to dead-letter.jsonl, fsynced."""
+        now = time.time()
+        data = b"".join(json.dumps({"id": i, "kind": k, "url": u, "status": status, "reason": reason, "dead_at": now,
+                                    "payload": p}, separators=(",", ":")).encode() + b"\n"
+                        for k, u, i, p in records)
+        fd = os.open(self.dead_letter_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _write_acks(self, n: int, offsets: list[int]) -> None:
         fd = os.open(self._ack_path(n), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            _write_all(fd, "".join(i + "\n" for i in ids).encode())
+            _write_all(fd, "".join(f"@{o}\n" for o in offsets).encode())
         finally:
             os.close(fd)
 

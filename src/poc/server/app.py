@@ -65,7 +65,8 @@ def create_app(config: ServerConfig) -> web.Application:
     app[sender_key] = CallbackSender(timeout=config.callback_timeout, max_pending=config.callback_max_pending,
                                      backoff_base=config.callback_backoff, metrics=metrics,
                                      backoff_max=config.callback_backoff_max, spool_dir=config.spool_dir,
-                                     segment_records=config.spool_segment_records)
+                                     segment_records=config.spool_segment_records,
+                                     refusal_limit=config.callback_refusal_limit)
     app[listening_key] = asyncio.Event()
     app[tasks_key] = {}
     vast.setup(app)

@@ -63,6 +63,7 @@ class ServerConfig:
     spool_dir: str | None = None
     spool_segment_records: int = 1000  # records per spool segment file
     callback_backoff_max: float = 30.0  # retry delays double up to this (jittered)
+    callback_refusal_limit: int = 5  # permanent 4xx refusals in a row before a record goes to the dead-letter file
     # /pooled (spec-v1 §4.3)
     pooled_poll_interval: float = 0.5  # GET config; commands apply within one interval
     pooled_wait_timeout: float = 600.0  # waiting for a block_hash

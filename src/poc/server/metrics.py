@@ -22,7 +22,7 @@ class Metrics:
         self.rate = Gauge("poc_nonces_per_second", "Throughput of the running job (0 when idle)", registry=r)
         self.state = Enum("poc_engine_state", "Engine state", states=STATES, registry=r)
         self.load_seconds = Gauge("poc_model_load_seconds", "Time to load the --model checkpoint", registry=r)
-        self.callbacks = Counter("poc_callbacks", "Callback deliveries by outcome (sent, retried, dropped)",
+        self.callbacks = Counter("poc_callbacks", "Callback deliveries by outcome (sent, retried, dropped, dead_letter)",
                                  ["kind", "outcome"], registry=r)
         self.callbacks_pending = Gauge("poc_callbacks_pending", "Callback payloads not yet delivered", registry=r)
 

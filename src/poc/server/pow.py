@@ -8,8 +8,8 @@ POST /stop. PoC v1 (spec-v1 §4.5): POST /init, /init/generate, /init/validate, 
 Fixed against the reference (spec-v2 §f 7-12): batch_size, seq_len, k_dim and nonces are range-checked (400,
 never a spinning loop or an endless retry); duplicate nonces are refused; `wait: true` while generation (or a
 stream) holds the device is a 409 at once, not a wait; NaN-dropped nonces are reported and not counted as
-processed; /stop delivers what was computed (the callback buffer is flushed, completed results stay readable for
-result_ttl) instead of discarding it; validation scores missing or undecodable vectors as mismatches
+processed; /stop delivers what was computed (every batch is spooled as it is computed and released to the sender,
+completed results stay readable for result_ttl) instead of discarding it; validation scores missing or undecodable vectors as mismatches
 (protocol.v2.validate). As in the reference, the background queue yields: /init/generate and `wait: true` take the
 device from a queued job, which goes back to the head of the queue and runs again once the device is free.
 """
@@ -67,14 +67,15 @@ def ok(state: str) -> web.Response:
 
 
 class Generation:
-    """One generation loop on the device; batches are merged and posted to {url}/generated every
-    callback_interval seconds, and once more when it ends (stop, shutdown or error)."""
+    """One generation loop on the device. Each batch is spooled as it arrives (a record held under this
+    generation's id: durable at once, so a kill -9 loses none); every callback_interval seconds, and once more when
+    it ends (stop, shutdown or error), what was held is released and goes to {url}/generated merged, as the
+    reference posts (clients/callbacks.py). Nothing waits in memory here."""
 
     def __init__(self, app: web.Application, protocol: str, init, runner: JobRunner):
         self.app, self.protocol, self.init, self.runner = app, protocol, init, runner
         self.id = uuid.uuid4().hex
         self.seq = itertools.count(1)
-        self.buffer: list[BatchResult] = []
         self.error: str | None = None
         self.task: asyncio.Task | None = None
 
@@ -88,7 +89,7 @@ class Generation:
     async def stop(self, reason: str = "stopped") -> None:
         self.runner.stop(reason)
         if self.task is not None:
-            await asyncio.shield(self.task)  # ends after the batch in flight, with a final flush
+            await asyncio.shield(self.task)  # ends after the batch in flight, with a final release
 
     async def _run(self) -> None:
         interval = self.app[config_key].callback_interval
@@ -97,26 +98,24 @@ class Generation:
             async with contextlib.aclosing(self.runner.events()) as events:
                 async for kind, item in events:
                     if kind == "batch":
-                        self.buffer.append(item)
+                        self.spool(item)
                     elif kind == "done" and item.reason == "error":
                         self.error = f"{item.error_type}: {item.error}"
                     if time.monotonic() - last >= interval:
-                        self.flush()
+                        self.app[sender_key].release(self.id)
                         last = time.monotonic()
         finally:
-            self.flush()
+            self.app[sender_key].release(self.id, final=True)
             self.runner.close()
 
-    def flush(self) -> None:
-        """Hand what was computed since the last flush to the callback sender (nothing is discarded)."""
-        batches, self.buffer = self.buffer, []
+    def spool(self, b: BatchResult) -> None:
+        """Hand one computed batch to the callback sender, held until the next release (nothing is discarded)."""
         url = self.init.url
-        if not batches or url is None:
+        if url is None:
             return
         i = self.init
         if self.protocol == "v2":
-            arts = [a for b in batches for a in (b.artifacts or [])]
-            dropped = [n for b in batches for n in b.dropped]
+            arts, dropped = list(b.artifacts or []), list(b.dropped)
             if not arts and not dropped:
                 return
             payload = {"public_key": i.public_key, "block_hash": i.block_hash, "block_height": i.block_height,
@@ -124,16 +123,12 @@ class Generation:
             if dropped:
                 payload["dropped_nonces"] = dropped
         else:
-            nonces, dist = [], []
-            for b in batches:
-                for n, d in zip(b.nonces, b.dist):
-                    if d < i.r_target:
-                        nonces.append(n)
-                        dist.append(float(d))
-            if not nonces:
+            kept = [(n, float(d)) for n, d in zip(b.nonces, b.dist) if d < i.r_target]
+            if not kept:
                 return
-            payload = v1.ProofBatch(i.public_key, i.block_hash, i.block_height, nonces, dist, i.node_id).to_json()
-        self.app[sender_key].submit("generated", url, payload, f"{self.id}-{next(self.seq)}")
+            payload = v1.ProofBatch(i.public_key, i.block_hash, i.block_height, [n for n, _ in kept],
+                                    [d for _, d in kept], i.node_id).to_json()
+        self.app[sender_key].submit("generated", url, payload, f"{self.id}-{next(self.seq)}", merge=self.id)
 
     def stats(self) -> dict:
         s = self.runner.stats
@@ -201,7 +196,7 @@ class PowService:
             self.app[tasks_key]["pow-queue"] = self._worker
 
     async def shutdown(self) -> None:
-        """SIGTERM: stop generation (flushing its results to the sender) and the queue."""
+        """SIGTERM: stop generation (releasing its spooled batches to the sender) and the queue."""
         self._closing = True
         await self._stop_all("shutdown")
         if self._worker is not None:

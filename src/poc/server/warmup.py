@@ -155,10 +155,10 @@ async def _generate(app: web.Application, w: NdjsonWriter, cb: str, job_id: str,
     if not await sender.put("warmup/complete", cb, payload, rid):
         await w.write({"status": "warmup_complete_failed", "job_id": job_id, "error": "the callback queue is full"})
         return
-    if await sender.wait_acked(rid, cfg.callback_timeout):
+    if await sender.wait_acked(cb, rid, cfg.callback_timeout):
         await w.write({"status": "warmup_complete_sent", "job_id": job_id})
     else:  # still in the spool: re-sent with backoff until the controller acknowledges it
-        await w.write({"status": "warmup_complete_pending", "job_id": job_id, "error": sender.last_error(rid)})
+        await w.write({"status": "warmup_complete_pending", "job_id": job_id, "error": sender.last_error(cb, rid)})
 
 
 warmups_key = web.AppKey("warmups", set)
