@@ -345,6 +345,24 @@ async def test_callback_sender_retries_with_the_same_key(aiohttp_server):
         await sender.close(1)
 
 
+async def test_an_interval_of_many_small_batches_is_one_merged_post(aiohttp_server):
+    # 120 batches held in one interval (small batches on a fast GPU) go out as one POST, not batch_max-sized pieces
+    s = Sink()
+    srv = await aiohttp_server(s.app)
+    url = str(srv.make_url("/cb"))
+    sender = CallbackSender(timeout=2, backoff_base=0.05, batch_max=50)
+    await sender.start()
+    try:
+        for i in range(120):
+            assert sender.submit("generated", url, {"public_key": "pk", "nonces": [i]}, f"g-{i}", merge="g")
+        await asyncio.sleep(0.2)
+        sender.release("g", final=True)
+        assert await sender.flush(5) == 0
+        assert [p["nonces"] for p in s.got["generated"]] == [list(range(120))]
+    finally:
+        await sender.close(1)
+
+
 async def test_callback_sender_holds_merge_records_until_released_and_retries_the_merged_post_whole(aiohttp_server):
     s = Sink(fail_first=1)
     srv = await aiohttp_server(s.app)

@@ -3,7 +3,7 @@
 
 `submit(kind, url, payload, idempotency_id)` takes a payload and returns at once; `await put(...)` returns once
 the record is durable. With `merge=KEY` a record is spooled at once but held: `release(KEY)` lets everything held
-under KEY go out, merged into one POST {url}/{kind} per url (up to `batch_max` records: list fields such as
+under KEY go out, merged into one POST {url}/{kind} per url (up to `merge_max` records: list fields such as
 artifacts, nonces, dist and dropped_nonces concatenated in order, the rest taken from the first record; the
 Idempotency-Key lists the ids it carries). /api/v1/pow generation spools each batch as it is computed this way and
 releases every callback_interval, so a kill -9 loses no computed batch and the MLNode still gets merged posts;
@@ -75,10 +75,11 @@ class _Item:
 class CallbackSender:
     def __init__(self, *, timeout: float = 10.0, max_pending: int = 10_000, backoff_base: float = 1.0,
                  backoff_max: float = 30.0, concurrency: int = 4, metrics=None, spool_dir: str | None = None,
-                 segment_records: int = 1000, batch_max: int = 50, refusal_limit: int = 5):
+                 segment_records: int = 1000, batch_max: int = 50, refusal_limit: int = 5, merge_max: int = 10_000):
         self.timeout, self.max_pending = timeout, max_pending
         self.backoff_base, self.backoff_max = backoff_base, backoff_max
         self.concurrency, self.metrics, self.batch_max = concurrency, metrics, batch_max
+        self.merge_max = merge_max  # records in one merged POST: an interval's batches, however small they are
         self.refusal_limit = max(1, refusal_limit)
         self.dead_lettered = 0
         self.spool = Spool(spool_dir, segment_records) if spool_dir else None
@@ -275,13 +276,15 @@ class CallbackSender:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
     def _take(self) -> list[_Item]:
-        """The next item, with up to batch_max - 1 more ready for the same url: orchestrator results (one
-        /results/batch) or records of the same merge key (one merged POST, in the order they were taken)."""
+        """The next item, with more ready for the same url: up to batch_max orchestrator results (one
+        /results/batch) or up to merge_max records of the same merge key (one merged POST, in the order they were
+        taken: the reference posts an interval's batches as one)."""
         first = self._ready.popleft()
         group = [first]
         if (first.kind == BATCH_KIND or first.merge is not None) and self._ready:
             rest = deque()
-            while self._ready and len(group) < self.batch_max:
+            cap = self.batch_max if first.merge is None else self.merge_max
+            while self._ready and len(group) < cap:
                 i = self._ready.popleft()
                 same = i.kind == first.kind and i.url == first.url and i.merge == first.merge
                 (group if same else rest).append(i)
