@@ -405,6 +405,20 @@ def test_stop_and_busy(dist_engine):
     assert dist_engine.state == "ready"
 
 
+def test_a_job_the_ranks_cannot_run_is_refused_before_it_reaches_them(dist_engine):
+    """A v2 job with k_dim past the hidden size (run() called directly, no server schema in front): one clear
+    InputError, as the single-device engine raises, and the ranks stay ready for the next job."""
+    use_model(dist_engine, "qwen3")
+    for bad in (dict(k_dim=10_000), dict(k_dim=0), dict(seq_len=0)):
+        job = V2Job(BH, PK, 1, bad.get("seq_len", SEQ), bad.get("k_dim", K), iter(range(4)), 2,
+                    limits=Limits(max_nonces=None, max_duration=None))
+        with pytest.raises(InputError, match="k_dim|seq_len"):
+            dist_engine.run(job, lambda b: None, threading.Event())
+        assert dist_engine.state == "ready" and dist_engine.broken_reason is None
+    arts, _ = dist_engine.v2_artifacts(BH, PK, [3, 4, 5], SEQ, K, batch_size=2)
+    assert [a["nonce"] for a in arts] == [3, 4, 5]
+
+
 # --- a failing rank -----------------------------------------------------------------------------------------------
 
 def test_killed_rank_breaks_the_engine_and_restart_recovers(reference):

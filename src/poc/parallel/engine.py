@@ -365,8 +365,8 @@ class DistEngine(DeviceLock):
         t0 = time.perf_counter()
         if isinstance(job, V1Job):
             self.check_v1(job.params)
-        else:
-            self.require_v2()
+        else:  # refused here: a rank that raised on it would break the engine
+            self._check_v2(job.seq_len, job.k_dim)
         g = self._ready_ranks()
         L, jid, lim = self.layout, next(self._job_ids), job.limits
         spec = dataclasses.replace(job, nonces=None)  # the iterator stays here: batches go out as lists
@@ -481,10 +481,16 @@ class DistEngine(DeviceLock):
         parts = [p["vectors"] for _, p in self._collect(job, {"vectors": True})]
         return np.concatenate(parts) if parts else np.empty((0, k_dim), np.float32)
 
-    def _v2_job(self, block_hash, public_key, nonces, seq_len, k_dim, stronger_rng, batch_size) -> V2Job:
+    def _check_v2(self, seq_len: int, k_dim: int) -> None:
+        """Refuse a v2 shape the ranks cannot run, before any of them sees it."""
         cfg = self.require_v2().cfg
         if not 1 <= k_dim <= cfg.dim:
             raise InputError(f"k_dim must be in [1, {cfg.dim}] (the model's hidden size), got {k_dim}", "k_dim")
+        if seq_len < 1:
+            raise InputError(f"seq_len must be >= 1, got {seq_len}", "seq_len")
+
+    def _v2_job(self, block_hash, public_key, nonces, seq_len, k_dim, stronger_rng, batch_size) -> V2Job:
+        self._check_v2(seq_len, k_dim)
         return V2Job(block_hash, public_key, 0, seq_len, k_dim, iter(list(nonces)), batch_size, stronger_rng,
                      Limits(max_nonces=None, max_duration=None))
 
