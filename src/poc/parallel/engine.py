@@ -386,13 +386,16 @@ class DistEngine(DeviceLock):
                     ended[r] = True
                     g.send(L.leader(r), ("end", jid, drop))
 
+        def over_time() -> bool:
+            return lim.max_duration is not None and time.perf_counter() - t_start >= lim.max_duration
+
         def deal(r: int) -> None:
             nonlocal taken
             if ended[r]:
                 return
             if stop.is_set():
                 return end_all("stopped", True)
-            if lim.max_duration is not None and time.perf_counter() - t_start >= lim.max_duration:
+            if over_time():
                 return end_all("max_duration", True)
             n = job.batch_size if lim.max_nonces is None else min(job.batch_size, lim.max_nonces - taken)
             nonces = take(job.nonces, n) if n > 0 else []
@@ -416,9 +419,11 @@ class DistEngine(DeviceLock):
                     deal(r)
             while not all(done):
                 msg = self._next(g, 0.1)
-                if msg is None:
+                if msg is None:  # no result yet: a stop or the deadline still drops what is not launched
                     if stop.is_set() and not all(ended):
                         end_all("stopped", True)
+                    elif over_time() and not all(ended):
+                        end_all("max_duration", True)
                     self._watchdog(g, last, self.timeout + 60)
                     continue
                 last = time.monotonic()
