@@ -449,3 +449,22 @@ class TwoReplicaEngine:
                     time.sleep(0.005)
 
         return Engine
+
+
+class ReversedArrivalEngine:
+    """The real engine's numbers, delivered as replicas may deliver them: every batch of a job is computed, then
+    emitted in reverse dealing order (the last batch first), renumbered by arrival."""
+
+    @staticmethod
+    def make(base):
+        import dataclasses
+
+        class Engine(base):
+            def _run(self, job, emit, stop):
+                held = []
+                summary = super()._run(job, held.append, stop)
+                for i, b in enumerate(reversed(held), 1):
+                    emit(dataclasses.replace(b, index=i))
+                return summary
+
+        return Engine

@@ -405,6 +405,33 @@ def test_stop_and_busy(dist_engine):
     assert dist_engine.state == "ready"
 
 
+def test_a_job_the_ranks_cannot_run_is_refused_before_it_reaches_them(dist_engine):
+    """A v2 job with k_dim past the hidden size (run() called directly, no server schema in front): one clear
+    InputError, as the single-device engine raises, and the ranks stay ready for the next job."""
+    use_model(dist_engine, "qwen3")
+    for bad in (dict(k_dim=10_000), dict(k_dim=0), dict(seq_len=0)):
+        job = V2Job(BH, PK, 1, bad.get("seq_len", SEQ), bad.get("k_dim", K), iter(range(4)), 2,
+                    limits=Limits(max_nonces=None, max_duration=None))
+        with pytest.raises(InputError, match="k_dim|seq_len"):
+            dist_engine.run(job, lambda b: None, threading.Event())
+        assert dist_engine.state == "ready" and dist_engine.broken_reason is None
+    arts, _ = dist_engine.v2_artifacts(BH, PK, [3, 4, 5], SEQ, K, batch_size=2)
+    assert [a["nonce"] for a in arts] == [3, 4, 5]
+
+
+def test_max_duration_ends_without_waiting_for_a_result(dist_engine):
+    """max_duration shorter than one batch: the deadline is noticed while the first batches run, so the batches
+    dealt ahead and not yet launched are dropped; each replica computes at most the one it had launched (before,
+    the end went out only when a result arrived, after DEPTH (+ pp - 1) batches per replica had been launched)."""
+    use_model(dist_engine, "qwen3")
+    bs, L = 8, dist_engine.layout
+    job = V2Job(BH, PK, 1, 4096, K, v1.node_nonces(0, 1), bs, limits=Limits(max_nonces=None, max_duration=0.2))
+    out = []
+    s = dist_engine.run(job, out.append, threading.Event())  # a batch of 8 x 4096 positions: ~0.5 s per rank
+    assert s.reason == "max_duration" and s.computed <= bs * L.replicas, (dist_engine.label, s)
+    assert s.computed == sum(len(b.nonces) for b in out) and dist_engine.state == "ready"
+
+
 # --- a failing rank -----------------------------------------------------------------------------------------------
 
 def test_killed_rank_breaks_the_engine_and_restart_recovers(reference):

@@ -124,6 +124,32 @@ async def test_generate_wait_golden_and_validation(client):
     assert d["fraud_detected"] is True
 
 
+async def test_results_keep_the_request_order_when_batches_arrive_out_of_order(aiohttp_client, monkeypatch):
+    """Replicas deliver batches in completion order: /generate's artifacts and /validate's distances still follow
+    the request's nonces (each distance scored against its own nonce's claim)."""
+    from poc.engine.engine import Engine
+    from poc.server import app as app_mod, vast
+
+    from .fakes import ReversedArrivalEngine
+    from .test_server import SET_A, validate_request
+
+    monkeypatch.setattr(app_mod, "Engine", ReversedArrivalEngine.make(Engine))
+    monkeypatch.setattr(vast, "VALIDATE_BATCH_SIZE", 5)  # 16 nonces: 4 batches
+    c = await aiohttp_client(create_app(server_config(model=QWEN3)))
+    await wait_status(c)
+    r = await c.post(f"{POW}/generate", json=gen_body(P2["nonces"], wait=True))
+    d = await r.json()
+    assert [a["nonce"] for a in d["artifacts"]] == P2["nonces"]
+    for a, w in zip(d["artifacts"], GOLDEN):
+        assert np.linalg.norm(v2.decode(a["vector_b64"]) - np.array(w["vector_f32_from_f16"])) < 1e-3
+    run = SET_A["runs"]["float16"]
+    r = await c.post("/validate", json=validate_request(run, nonces=run["nonces"], dist=run["dist"]))
+    vb = await r.json()
+    assert r.status == 200 and vb["nonces"] == run["nonces"]
+    assert np.abs(np.array(vb["dist"]) - np.array(run["dist"])).max() < 1e-3
+    assert vb["n_invalid"] == len(run["nonces"]) - len(run["nonces_below_r_target"])
+
+
 async def test_queue_fifo_results_callbacks_and_stop_keeps_results(client, sink):
     r1 = await client.post(f"{POW}/generate", json=gen_body(range(6), url=sink.url))
     r2 = await client.post(f"{POW}/generate", json=gen_body(P2["nonces"], url=sink.url,

@@ -365,8 +365,8 @@ class DistEngine(DeviceLock):
         t0 = time.perf_counter()
         if isinstance(job, V1Job):
             self.check_v1(job.params)
-        else:
-            self.require_v2()
+        else:  # refused here: a rank that raised on it would break the engine
+            self._check_v2(job.seq_len, job.k_dim)
         g = self._ready_ranks()
         L, jid, lim = self.layout, next(self._job_ids), job.limits
         spec = dataclasses.replace(job, nonces=None)  # the iterator stays here: batches go out as lists
@@ -386,13 +386,16 @@ class DistEngine(DeviceLock):
                     ended[r] = True
                     g.send(L.leader(r), ("end", jid, drop))
 
+        def over_time() -> bool:
+            return lim.max_duration is not None and time.perf_counter() - t_start >= lim.max_duration
+
         def deal(r: int) -> None:
             nonlocal taken
             if ended[r]:
                 return
             if stop.is_set():
                 return end_all("stopped", True)
-            if lim.max_duration is not None and time.perf_counter() - t_start >= lim.max_duration:
+            if over_time():
                 return end_all("max_duration", True)
             n = job.batch_size if lim.max_nonces is None else min(job.batch_size, lim.max_nonces - taken)
             nonces = take(job.nonces, n) if n > 0 else []
@@ -416,9 +419,11 @@ class DistEngine(DeviceLock):
                     deal(r)
             while not all(done):
                 msg = self._next(g, 0.1)
-                if msg is None:
+                if msg is None:  # no result yet: a stop or the deadline still drops what is not launched
                     if stop.is_set() and not all(ended):
                         end_all("stopped", True)
+                    elif over_time() and not all(ended):
+                        end_all("max_duration", True)
                     self._watchdog(g, last, self.timeout + 60)
                     continue
                 last = time.monotonic()
@@ -481,10 +486,16 @@ class DistEngine(DeviceLock):
         parts = [p["vectors"] for _, p in self._collect(job, {"vectors": True})]
         return np.concatenate(parts) if parts else np.empty((0, k_dim), np.float32)
 
-    def _v2_job(self, block_hash, public_key, nonces, seq_len, k_dim, stronger_rng, batch_size) -> V2Job:
+    def _check_v2(self, seq_len: int, k_dim: int) -> None:
+        """Refuse a v2 shape the ranks cannot run, before any of them sees it."""
         cfg = self.require_v2().cfg
         if not 1 <= k_dim <= cfg.dim:
             raise InputError(f"k_dim must be in [1, {cfg.dim}] (the model's hidden size), got {k_dim}", "k_dim")
+        if seq_len < 1:
+            raise InputError(f"seq_len must be >= 1, got {seq_len}", "seq_len")
+
+    def _v2_job(self, block_hash, public_key, nonces, seq_len, k_dim, stronger_rng, batch_size) -> V2Job:
+        self._check_v2(seq_len, k_dim)
         return V2Job(block_hash, public_key, 0, seq_len, k_dim, iter(list(nonces)), batch_size, stronger_rng,
                      Limits(max_nonces=None, max_duration=None))
 

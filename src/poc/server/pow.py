@@ -452,8 +452,10 @@ class PowService:
         label = f"v2 pow /generate of {len(req.nonces)} nonces" + (" (validation)" if req.received is not None else "")
         job.runner = new_runner(self.app, req.job(), claim, label)
         results, _ = await collect(job.runner)
-        arts = [a for b in results for a in (b.artifacts or [])]
-        dropped = [n for b in results for n in b.dropped]
+        # batches arrive in completion order (replicas): answer in the request's order, as one device does
+        pos = {n: i for i, n in enumerate(req.nonces)}
+        arts = sorted((a for b in results for a in (b.artifacts or [])), key=lambda a: pos[a["nonce"]])
+        dropped = sorted((n for b in results for n in b.dropped), key=pos.__getitem__)
         if req.received is None:
             out = {"artifacts": arts, "encoding": v2.encoding(req.k_dim)}
             if dropped:

@@ -197,8 +197,9 @@ async def validate_v1(app: web.Application, batch: v1.ProofBatch, params: v1.V1P
     if on_runner is not None:
         on_runner(runner)  # lets /stop reach it
     results, _summary = await collect(runner)
-    dist = np.concatenate([b.dist for b in results]) if results else np.empty(0)
-    return v1.validate_batch(batch, [float(d) for d in dist], r_target, fraud_threshold)
+    # batches arrive in completion order (replicas): each distance goes back to its own nonce
+    by_nonce = {n: float(d) for b in results for n, d in zip(b.nonces, b.dist)}
+    return v1.validate_batch(batch, [by_nonce[n] for n in batch.nonces], r_target, fraud_threshold)
 
 
 async def collect(runner: JobRunner) -> tuple[list[BatchResult], JobSummary]:
