@@ -22,11 +22,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # runs from a checkout without `pip install -e .`
 
 import asyncio  # noqa: E402
+import socket  # noqa: E402
 
 from aiohttp import web  # noqa: E402
 
 from poc.errors import InputError  # noqa: E402
-from poc.server.config import parse_args  # noqa: E402
+from poc.server.config import check_spool_dir, parse_args  # noqa: E402
 from poc.server.logs import setup_logging  # noqa: E402
 
 FATAL = "Error: POC-FATAL"  # worker.py's on_error pattern: printed only here
@@ -52,6 +53,7 @@ async def _fatal_if_load_fails(app: web.Application) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
+        check_spool_dir(cfg.spool_dir)
         setup_logging(cfg.log_level)
         from poc.server.app import create_app, mark_listening  # torch is imported here, after the flags
 
@@ -63,8 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         web.run_app(app, host=cfg.host, port=cfg.port, print=lambda *_: mark_listening(app), shutdown_timeout=30,
                     access_log_format='%a "%r" %s %b %Tf s')
-    except OSError as e:  # cannot listen (port in use, bad host): fatal, one line
-        fatal(f"cannot serve on {cfg.host}:{cfg.port}: {e.strerror or e}")
+    except OSError as e:  # cannot listen (port in use, bad host), or start-up I/O failed: fatal, one line
+        if isinstance(e, socket.gaierror) or "attempting to bind" in str(e):
+            fatal(f"cannot serve on {cfg.host}:{cfg.port}: {e.strerror or e}")
+        else:
+            fatal(f"start-up failed: {type(e).__name__}: {e}")
         return 1
     return 0
 
