@@ -110,3 +110,22 @@ def test_module_cli_runs_as_a_script():
     r = subprocess.run([sys.executable, "-m", "poc.cli", "--help"], capture_output=True, text=True, timeout=60,
                        env=env, cwd=ROOT)
     assert r.returncode == 0 and "usage: python -m poc" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("args, rc, words", [
+    (["--batch", "0"], 2, "--batch sizes must be >= 1"),
+    (["--timed", "0"], 2, "--timed >= 1"),
+    (["--workload", "W9"], 2, "invalid choice"),
+    ([], 1, "needs a CUDA GPU"),
+])
+def test_bench_refuses_bad_flags_and_a_machine_without_cuda(args, rc, words):
+    """`python -m poc.bench`: bad flags are argparse errors (exit 2) before anything runs; no CUDA is one line."""
+    import torch
+
+    if rc == 1 and torch.cuda.is_available():
+        pytest.skip("CUDA is available: the benchmark would run")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    r = subprocess.run([sys.executable, "-m", "poc.bench", *args], capture_output=True, text=True, timeout=120,
+                       env=env, cwd=ROOT)
+    assert r.returncode == rc and words in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
