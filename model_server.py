@@ -1,13 +1,15 @@
 """The proof-of-compute model server (PoC v1 and v2 for the Gonka network), aiohttp, one process.
 
-    python model_server.py [--host 127.0.0.1] [--port 18000] [--model DIR] [--dtype auto|float16|bfloat16|float32] \
-        [--device cpu|cuda] [--log-level info] [--spool-dir spool]
+    python model_server.py [--host 127.0.0.1] [--port 18000] [--model DIR] [--served-model-name NAME ...] \
+        [--dtype auto|float16|bfloat16|float32] [--device cpu|cuda|cuda:N] [--log-level info] [--spool-dir spool] \
+        [--tp 1] [--pp 1] [--replicas 1] [--compile auto|on|off] [--fp8-experts keep|dequant]
 
-Each flag can also be set by an environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_DTYPE, POC_DEVICE,
-POC_LOG_LEVEL, POC_SPOOL_DIR). Without --model it serves PoC v1 (the random model is built from each request's params);
+Each flag can also be set by an environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_SERVED_MODEL_NAME
+(comma-separated), POC_DTYPE, POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR, POC_TP, POC_PP, POC_REPLICAS, POC_COMPILE,
+POC_FP8_EXPERTS); the flag wins. README.md's Configuration table says what each does. Without --model it serves PoC v1 (the random model is built from each request's params);
 with --model it loads that Hugging Face checkpoint at start and serves PoC v2 for it, and v1. It logs one
 "Application startup complete." line when it can take work. SIGTERM stops the jobs, ends open streams with
-a final line and exits 0. An unrecoverable start-up failure (bad flags: exit 2; the port in use: exit 1; the
+a final line and exits 0. An unrecoverable start-up failure (bad flags, an unusable --spool-dir: exit 2; the port in use: exit 1; the
 --model checkpoint failing to load: the server stays up, /health says broken) is one line on stderr starting
 with FATAL ("Error: POC-FATAL"), the on_error pattern of worker.py, so that the Vast PyWorker marks the worker
 failed at once. The log formatter turns every "Error:" of a logged event into "Error -", so no handled event
