@@ -3,9 +3,10 @@
 #
 #   ./start_server.sh [model_server.py flags...]
 #
-# POC_HOST/POC_PORT/POC_MODEL/POC_DTYPE/POC_DEVICE/POC_LOG_LEVEL configure the server (flags win); MODEL_LOG is
-# the log file (default /var/log/model/server.log, ./logs/server.log when that is not writable). On a fresh
-# machine the first run creates .venv from requirements.txt.
+# POC_HOST/POC_PORT/POC_MODEL/POC_DTYPE/POC_DEVICE/POC_LOG_LEVEL and the other POC_* of README.md's Configuration
+# table configure the server (flags win); MODEL_LOG is the log file (default /var/log/model/server.log,
+# ./logs/server.log when that is not writable). On a fresh machine the first run creates .venv from
+# requirements.txt.
 set -euo pipefail
 cd "$(dirname "$0")"
 

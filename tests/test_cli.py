@@ -72,7 +72,8 @@ def _bad_checkpoints(tmp_path):
 
 @pytest.mark.parametrize("case", [
     "unknown_key", "mistyped_key", "missing_seq_len", "not_json", "nonce_text", "nonce_float", "k_dim_0",
-    "k_dim_big", "seq_len_0", "missing_model", "truncated", "corrupt", "arch", "unknown_flag", "no_protocol"])
+    "k_dim_big", "seq_len_0", "missing_model", "truncated", "corrupt", "arch", "unknown_flag", "no_protocol",
+    "device_unknown", "device_meta"])
 def test_bad_input_exit_2_one_line(case, tmp_path):
     bad = _bad_checkpoints(tmp_path) if case in ("missing_model", "truncated", "corrupt", "arch") else {}
     args = {
@@ -91,6 +92,8 @@ def test_bad_input_exit_2_one_line(case, tmp_path):
         "arch": v2_args(bad.get("arch")),
         "unknown_flag": v1_args(PARAMS_A, "0", "--bogus"),
         "no_protocol": ["v3"],
+        "device_unknown": v1_args(PARAMS_A, "0", "--device", "tpu"),
+        "device_meta": v1_args(PARAMS_A, "0", "--device", "meta"),
     }[case]
     r = cli(*args)
     assert r.returncode == 2, (case, r.returncode, r.stderr)
@@ -99,3 +102,30 @@ def test_bad_input_exit_2_one_line(case, tmp_path):
     assert "Traceback" not in r.stderr and r.stdout == ""
     if case in ("missing_seq_len", "unknown_key", "mistyped_key"):
         assert {"missing_seq_len": "seq_len", "unknown_key": "dimm", "mistyped_key": "n_layers"}[case] in lines[0]
+
+
+def test_module_cli_runs_as_a_script():
+    """`python -m poc.cli --help` prints the usage (it printed nothing: the module had no __main__ guard)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    r = subprocess.run([sys.executable, "-m", "poc.cli", "--help"], capture_output=True, text=True, timeout=60,
+                       env=env, cwd=ROOT)
+    assert r.returncode == 0 and "usage: python -m poc" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("args, rc, words", [
+    (["--batch", "0"], 2, "--batch sizes must be >= 1"),
+    (["--timed", "0"], 2, "--timed >= 1"),
+    (["--workload", "W9"], 2, "invalid choice"),
+    ([], 1, "needs a CUDA GPU"),
+])
+def test_bench_refuses_bad_flags_and_a_machine_without_cuda(args, rc, words):
+    """`python -m poc.bench`: bad flags are argparse errors (exit 2) before anything runs; no CUDA is one line."""
+    import torch
+
+    if rc == 1 and torch.cuda.is_available():
+        pytest.skip("CUDA is available: the benchmark would run")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    r = subprocess.run([sys.executable, "-m", "poc.bench", *args], capture_output=True, text=True, timeout=120,
+                       env=env, cwd=ROOT)
+    assert r.returncode == rc and words in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""

@@ -194,6 +194,24 @@ async def test_shutdown_while_waiting_and_failed_registration_still_call_shutdow
     assert r.status == 400 and (await r.json())["error"] == "orchestrator_url is required"
 
 
+async def test_server_shutdown_interrupts_registration_retries(aiohttp_client, tmp_path):
+    """SIGTERM while connect is still being retried (an unreachable orchestrator: 5 tries, 1-2-4-8 s apart) ends
+    the session at once with a shutdown line; it used to sit out every retry (~15 s) and end on an error line."""
+    from poc.server import pooled
+
+    dead = FakeOrchestrator()  # never started: connection refused
+    client = await aiohttp_client(create_app(pooled_config(tmp_path, orchestrator_retry_base=1.0)))
+    await wait_status(client)
+    lines = Lines(await client.post("/pooled", json={"orchestrator_url": dead.url}))
+    await lines.wait(status("registering"))
+    await asyncio.sleep(0.2)  # inside the first retry sleep
+    t0 = time.monotonic()
+    await pooled._on_shutdown(client.server.app)  # what the app's on_shutdown does on SIGTERM
+    out = await lines.finish()
+    assert time.monotonic() - t0 < 3, out
+    assert out[-1] == {"status": "shutdown"}, out
+
+
 async def test_bad_params_from_the_orchestrator_end_the_session_with_a_clear_line(aiohttp_client, tmp_path, orch):
     orch.connect_reply = {"status": "ok", "block_hash": BH, "params": {**PARAMS_A, "seq_len": "eight"}}
     client, lines = await start_session(aiohttp_client, tmp_path, orch)

@@ -557,6 +557,27 @@ def test_config_flags_and_env():
             parse_args(argv, {})
 
 
+def test_every_server_flag_and_env_var_is_documented():
+    """Each ServerConfig flag and its POC_* variable appear in README's Configuration table, model_server.py's
+    docstring and --help (--served-model-name / POC_SERVED_MODEL_NAME were in none of the first two)."""
+    import contextlib
+    import io
+    from pathlib import Path
+
+    from poc.server.config import ENV
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text().split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    doc = (root / "model_server.py").read_text().split('"""')[1]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        parse_args(["--help"], {})
+    for key, var in ENV.items():
+        flag = "--" + key.replace("_", "-")
+        for where, text in (("README.md", readme), ("model_server.py", doc), ("--help", out.getvalue())):
+            assert flag in text and var in text, (flag, var, where)
+
+
 def test_memory_estimate():
     p = v1.V1Params.from_json(PARAMS_A)
     assert memory.v1_total_params(p) == p.total_params

@@ -176,3 +176,35 @@ def test_sigterm_ends_streams_and_exits_0(tmp_path):
         s.terminate()
     s.assert_clean_log()
     assert "shutdown: stopping 1 job(s)" in s.text()
+
+
+@pytest.mark.parametrize("case", ["device", "spool_dir", "port_in_use"])
+def test_start_up_user_errors_are_one_fatal_line_and_a_nonzero_exit(case, tmp_path):
+    """A user error at start is one `Error: POC-FATAL` line naming its cause, exit 2 (a bad flag) or 1 (cannot
+    listen), never a traceback. --device tpu printed a torch traceback; an unusable --spool-dir was reported as
+    'cannot serve on 127.0.0.1:PORT'."""
+    import socket
+    import subprocess
+    import sys
+
+    from .fakes import ROOT, free_port
+
+    port = free_port()
+    (tmp_path / "a-file").write_text("")
+    extra, rc, words = {
+        "device": (["--device", "tpu"], 2, "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+        "spool_dir": (["--spool-dir", str(tmp_path / "a-file" / "spool")], 2, "--spool-dir"),
+        "port_in_use": ([], 1, f"cannot serve on 127.0.0.1:{port}"),
+    }[case]
+    with socket.socket() as s:
+        if case == "port_in_use":
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        p = subprocess.run([sys.executable, str(ROOT / "model_server.py"), "--port", str(port), "--device", "cpu",
+                            "--spool-dir", str(tmp_path / "spool"), *extra], capture_output=True, text=True,
+                           timeout=60, cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == rc, out
+    fatal = [line for line in out.splitlines() if line.startswith("Error: POC-FATAL model_server: ")]
+    assert len(fatal) == 1 and words in fatal[0], out
+    assert "Traceback" not in out and READY not in out, out

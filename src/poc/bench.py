@@ -409,8 +409,13 @@ def main(argv=None) -> None:
     ap.add_argument("--check", action="store_true", help="only compare the compiled path with eager")
     ap.add_argument("--profile", action="store_true", help="only profile the first workload at the first batch size")
     args = ap.parse_args(argv)
+    if args.batch and min(args.batch) < 1:
+        ap.error(f"--batch sizes must be >= 1, got {min(args.batch)}")
+    if args.warm < 0 or args.timed < 1:
+        ap.error(f"--warm must be >= 0 and --timed >= 1, got {args.warm} and {args.timed}")
     if not torch.cuda.is_available():
-        raise SystemExit("poc.bench needs a CUDA GPU")
+        raise SystemExit("poc.bench needs a CUDA GPU (none is visible here): nothing was run; "
+                         "on a CPU, the test suite checks the same engine")
     torch.backends.cuda.matmul.allow_tf32 = False
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

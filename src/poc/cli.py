@@ -144,3 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+if __name__ == "__main__":  # python -m poc.cli works as python -m poc does
+    sys.exit(main())

@@ -27,12 +27,21 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def resolve_device(device: str | None) -> torch.device:
+    """cpu, cuda or cuda:N (None/auto: cuda when available); anything else is an InputError naming --device."""
+    from poc.errors import InputError
+
     if device in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    d = torch.device(device)
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        d = None
+    if d is None or d.type not in ("cpu", "cuda"):
+        raise InputError(f"--device must be cpu, cuda or cuda:N, got {device!r}", "device")
     if d.type == "cuda" and not torch.cuda.is_available():
-        from poc.errors import InputError
         raise InputError("--device cuda was asked for, but CUDA is not available here", "device")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise InputError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible", "device")
     return d
 
 

@@ -94,6 +94,21 @@ class ServerConfig:
             raise InputError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}", "dtype")
 
 
+def check_spool_dir(path: str | None) -> None:
+    """Create --spool-dir if needed; an InputError naming the flag when it cannot be created or written."""
+    import os
+    from pathlib import Path
+
+    if not path:
+        return
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--spool-dir {path} cannot be created: {e.strerror or e}", "spool_dir") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InputError(f"--spool-dir {path} is not writable", "spool_dir")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
         raise InputError(message)

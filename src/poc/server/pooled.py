@@ -151,6 +151,7 @@ class PooledSession:
         self.end_reason: str | None = None
         self.changed = asyncio.Event()
         self.got_block_hash = asyncio.Event()
+        self.ended = asyncio.Event()  # request_end was called: retried calls stop waiting
         self.r_target_warned = False
         self.started = time.monotonic()
         self._lock = asyncio.Lock()
@@ -174,6 +175,7 @@ class PooledSession:
             self.runner.stop("shutdown" if reason == "server_shutdown" else "stopped")
         self.changed.set()
         self.got_block_hash.set()
+        self.ended.set()
 
     def release_after_jobs(self, claim) -> None:
         """Give the device back once the last job's thread has ended."""
@@ -184,6 +186,26 @@ class PooledSession:
             if self.runner is not None:
                 self.runner.stop("stopped")
             f.add_done_callback(lambda _f: claim.release())
+
+    async def _unless_ended(self, call):
+        """The reply of a retried orchestrator call, or None when the session ends first (SIGTERM, a shutdown
+        command): connect and ready retry for up to a minute against an unreachable orchestrator."""
+        task = asyncio.ensure_future(call)
+        end = asyncio.ensure_future(self.ended.wait())
+        try:
+            await asyncio.wait({task, end}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            end.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        return None if task.cancelled() else task.result()
+
+    async def _end_early(self) -> None:
+        """The session ended before computing anything: say so, and still tell the orchestrator (F15)."""
+        await self.emit({"status": "shutdown"})
+        await self.client.shutdown(self._stats(), retry=self.end_reason != "server_shutdown")
 
     @property
     def elapsed(self) -> float:
@@ -200,7 +222,10 @@ class PooledSession:
             self.client = client
             try:
                 await self.emit({"status": "registering", "worker_id": self.worker_id, "gpu_count": GPU_COUNT})
-                r = await client.connect(GPU_COUNT, [{"device": str(self.app[engine_key].device)}])
+                r = await self._unless_ended(client.connect(GPU_COUNT, [{"device": str(self.app[engine_key].device)}]))
+                if r is None:
+                    await self._end_early()
+                    return
                 if not r.ok:
                     await self.emit({"error": "Failed to register with orchestrator", "error_type": "ConnectionError",
                                      "detail": r.error})
@@ -235,15 +260,17 @@ class PooledSession:
                 await self.client.shutdown({"reason": "timeout_waiting_block_hash"})
                 return
         if self.end_reason is not None:  # "shutdown" while waiting: still tell the orchestrator (F15)
-            await self.emit({"status": "shutdown"})
-            await self.client.shutdown(self._stats(), retry=self.end_reason != "server_shutdown")
+            await self._end_early()
             return
         await self.emit({"status": "received_block_hash", "block_hash": self.conf["block_hash"][:16]})
         await self.emit({"status": "loading_model"})
         t0 = time.monotonic()
         await self._build_model()
         await self.emit({"status": "model_loaded", "load_time": round(time.monotonic() - t0, 3)})
-        r = await self.client.ready(GPU_COUNT)
+        r = await self._unless_ended(self.client.ready(GPU_COUNT))
+        if r is None:
+            await self._end_early()
+            return
         if not r.ok:
             await self._fail("Failed to notify ready", "ConnectionError", detail=r.error)
             return
