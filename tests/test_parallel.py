@@ -662,3 +662,26 @@ def test_stage_timing_logs_forward_idle_and_host_time(monkeypatch, caplog):
     assert "idle before it nan ms" in lines[0] and "'command'" in lines[0]
     idle = float(lines[1].split("idle before it ")[1].split(" ms")[0])
     assert 10 < idle < 500  # the 5 ms after the first forward plus the 10 ms host step before the second
+
+
+def test_rank_log_lines_are_one_line_and_defused(capsys):
+    """A rank's log goes to the same file the PyWorker reads: no "Error:"/"Traceback" on a handled event."""
+    import logging
+
+    from poc.parallel import ranks
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        ranks._setup_logging(1, "INFO")
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            logging.getLogger("poc.rank").warning("batch failed: RuntimeError: boom", exc_info=True,
+                                                  extra={"every_rank": True})
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and " rank1 poc.rank: batch failed" in err[0], err
+    assert "Error:" not in err[0] and "Traceback" not in err[0] and "boom" in err[0]

@@ -36,6 +36,7 @@ from poc.parallel.shard import build_v1_shard, load_shard
 from poc.parallel.tp import apply_tp
 from poc.protocol import v1, v2
 from poc.protocol.pool import pool_workers
+from poc.server.logs import OneLineFormatter
 
 log = logging.getLogger("poc.ranks")
 
@@ -53,7 +54,8 @@ class _OnlyRank0(logging.Filter):
 
 def _setup_logging(rank: int, level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"))
+    # one line per record, "Error:"/"Traceback" defused: the PyWorker reads this log too (spec/pyworker.md)
+    handler.setFormatter(OneLineFormatter(f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"))
     handler.addFilter(_OnlyRank0(rank))  # the engine reports other ranks' errors itself
     root = logging.getLogger()
     root.handlers[:] = [handler]

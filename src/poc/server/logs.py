@@ -42,8 +42,8 @@ def describe_parts(type_name: str | None, message: str | None) -> str:
 class OneLineFormatter(logging.Formatter):
     """`2026-11-22 10:00:00 INFO poc.server: ...`; an exception becomes ` [TypeName: message]` on the same line."""
 
-    def __init__(self):
-        super().__init__(FORMAT, DATEFMT)
+    def __init__(self, fmt: str = FORMAT):
+        super().__init__(fmt, DATEFMT)
 
     def format(self, record: logging.LogRecord) -> str:
         record.message = record.getMessage()
