@@ -685,3 +685,63 @@ def test_rank_log_lines_are_one_line_and_defused(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and " rank1 poc.rank: batch failed" in err[0], err
     assert "Error:" not in err[0] and "Traceback" not in err[0] and "boom" in err[0]
+
+
+class _SimulatedRanks:
+    """In-process stand-in for the rank processes of DistEngine: each replica builds its model for `build_s`
+    after the job arrives, then computes its queued batches one by one (`batch_s` each); an "end" with drop
+    cancels what is still queued. Speaks the engine's messages: started, result, done."""
+
+    def __init__(self, layout: Layout, build_s: float, batch_s: float):
+        import queue
+
+        self.inbox: queue.Queue = queue.Queue()
+        self.layout, self.build_s, self.batch_s = layout, build_s, batch_s
+        self.queues = {r: queue.Queue() for r in range(layout.replicas)}
+        self.replica_of = {layout.leader(r): r for r in range(layout.replicas)}
+
+    def send(self, rank: int, msg) -> None:
+        r = self.replica_of[rank]
+        if msg[0] == "job":
+            threading.Thread(target=self._replica, args=(r, msg[1]), daemon=True).start()
+        else:
+            self.queues[r].put(msg)
+
+    def _replica(self, r: int, jid: int) -> None:
+        time.sleep(self.build_s)
+        self.inbox.put(("started", jid, r))
+        pending = []
+        while True:
+            msgs = [self.queues[r].get()] if not pending else []
+            while not self.queues[r].empty():
+                msgs.append(self.queues[r].get())
+            for m in msgs:
+                if m[0] == "end" and m[2]:
+                    pending = [p for p in pending if p[0] != "batch"]
+                pending.append(m)
+            m = pending.pop(0)
+            if m[0] == "end":
+                self.inbox.put(("done", jid, r))
+                return
+            time.sleep(self.batch_s)
+            _, _, seq, nonces = m
+            self.inbox.put(("result", jid, r, seq, {"nonces": nonces, "dist": np.zeros(len(nonces))}, self.batch_s))
+
+
+def test_max_duration_counts_from_the_built_model_not_the_job_start():
+    """A v1 model that takes longer to build than max_duration (the ranks build it when the job arrives, 0.6 s
+    here) still computes for max_duration: the clock starts at the replicas' "started", as one device starts it
+    after its build; before, the deadline passed during the build and every dealt batch was dropped."""
+    e = DistEngine("cpu", world=2, tp=1, timeout=30)  # two replicas, simulated in this process
+    e._ranks = _SimulatedRanks(e.layout, build_s=0.6, batch_s=0.05)
+    job = V1Job(BH, PK, 1, v1_params("A_gqa_plain_rope"), 1.5, v1.worker_nonces(0, 0, 1), 4, "float32",
+                Limits(max_nonces=None, max_duration=0.3))
+    out = []
+    t0 = time.monotonic()
+    s = e.run(job, out.append, threading.Event())
+    took = time.monotonic() - t0
+    got = [n for b in out for n in b.nonces]
+    assert s.reason == "max_duration" and s.computed == len(got) == len(set(got)), s
+    assert s.computed >= 2 * 4 * 3, s  # >= 3 batches a replica in 0.3 s of 0.05 s batches
+    assert 0.6 + 0.3 <= took < 0.6 + 0.3 + 2.0, took
+    assert all(b.elapsed < 0.6 for b in out), [b.elapsed for b in out]  # timed from the start of compute

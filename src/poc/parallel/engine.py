@@ -376,7 +376,9 @@ class DistEngine(DeviceLock):
         seqs = itertools.count(1)
         ended, done = [False] * L.replicas, [False] * L.replicas
         reason = None
-        t_start, last = time.perf_counter(), time.monotonic()
+        # the clock starts when a replica reports its model built ("started"): max_duration counts compute, not a
+        # v1 model's build, as on one device; the batches dealt ahead meanwhile wait in the ranks' queues
+        t_start, last = None, time.monotonic()
 
         def end_all(why: str, drop: bool) -> None:
             nonlocal reason
@@ -387,7 +389,8 @@ class DistEngine(DeviceLock):
                     g.send(L.leader(r), ("end", jid, drop))
 
         def over_time() -> bool:
-            return lim.max_duration is not None and time.perf_counter() - t_start >= lim.max_duration
+            return (lim.max_duration is not None and t_start is not None
+                    and time.perf_counter() - t_start >= lim.max_duration)
 
         def deal(r: int) -> None:
             nonlocal taken
@@ -429,7 +432,9 @@ class DistEngine(DeviceLock):
                 last = time.monotonic()
                 if msg[1] != jid:
                     continue  # a late message of an earlier job
-                if msg[0] == "result":
+                if msg[0] == "started":
+                    t_start = t_start or time.perf_counter()
+                elif msg[0] == "result":
                     _, _, r, seq, payload, secs = msg
                     payload["replica"] = r
                     nonces = payload.pop("nonces")

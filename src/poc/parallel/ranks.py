@@ -223,6 +223,10 @@ class Rank:
         each command in step), or the pipeline would hold only two batches and its stages would take turns."""
         inflight: collections.deque = collections.deque()
         depth = self.layout.pp
+        if isinstance(job, V1Job):
+            self.v1_model(job)  # built before the clock starts: max_duration counts compute, as on one device
+        if self.is_reporter:
+            self.send(("started", job_id, self.replica))
         prof = None
         if self._profile_dir and not self._profiled:  # POC_RANK_PROFILE: the first job's steady-state batches
             from poc.profiling import StepProfiler
