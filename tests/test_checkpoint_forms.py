@@ -104,7 +104,13 @@ def write_hub_checkpoint(path, config: dict, shards: bool = False, extra: bool =
         ins = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.randn(8) for i in range(n)}
         ins.update({f"model.layers.{n}.self_attn.q_proj.weight": torch.randn(5, 3),  # MTP-style extra layer
                     "mtp.norm.weight": torch.randn(7), "model.layers.0.position_ids": torch.arange(4)})
-    rewrite(path, lambda sd: {k: v for k, v in sd.items() if not (drop_head and k == "lm_head.weight")}, ins)
+    half = (config.get("torch_dtype") or config.get("dtype")) == "bfloat16"  # stored as the Hub stores it
+
+    def store(sd):
+        return {k: v.bfloat16() if half and v.is_floating_point() else v for k, v in sd.items()
+                if not (drop_head and k == "lm_head.weight")}
+
+    rewrite(path, store, ins)
     return path
 
 
@@ -138,11 +144,11 @@ def check_parity(path, ref_path, dim: int):
     return ours, cfg
 
 
-def check_tp_slices(path, whole) -> None:
+def check_tp_slices(path, whole, dtype=torch.float32) -> None:
     """Each of 2 tp ranks holds exactly its slices of the whole model's parameters (experts: its half)."""
     full = whole.state_dict()
     for rank in (0, 1):
-        part, _ = load_shard(path, torch.float32, "cpu", tp_rank=rank, tp_size=2)
+        part, _ = load_shard(path, dtype, "cpu", tp_rank=rank, tp_size=2)
         sd = part.state_dict()
         assert sd and set(sd) <= set(full)
         for k, v in sd.items():
@@ -161,6 +167,7 @@ def test_hub_form_matches_transformers(name, tmp_path):
     path = write_hub_checkpoint(tmp_path / "m", hub_config(config), **opts)
     ours, _ = check_parity(path, path, config["hidden_size"])
     check_tp_slices(path, ours)
+    check_tp_slices(path, load_model(path, progress=False)[0], "auto")  # as stored (bf16): no conversion
 
 
 # --- FP8 ------------------------------------------------------------------------------------------------------
