@@ -16,6 +16,7 @@ from poc.model.config import PRESETS
 from poc.protocol import v2
 from poc.server.app import create_app, sender_key
 from poc.server.config import parse_args
+from poc.server.pow import pow_key
 from poc.server.schemas import ServedModel
 
 from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2
@@ -410,3 +411,39 @@ async def test_callback_sender_holds_merge_records_until_released_and_retries_th
         assert await sender.flush(5) == 0 and s.got["generated"][-1]["artifacts"] == [5]
     finally:
         await sender.close(1)
+
+
+async def test_v1_init_routes_switch_phase_while_generating(client, sink):
+    """An MLNode goes from generation to validation with POST /init/validate and no stop in between (its
+    InitValidateNodeCommandV1 leaves a node in POW state running); the reference then switches the phase, restarting
+    only for a different init. /init/generate with the same init while generating is a no-op, with another one a
+    restart; /init stops generation (IDLE). None of these is a 409."""
+    init = {"node_id": 0, "node_count": 1, "block_hash": G1["block_hash"], "block_height": 5,
+            "public_key": G1["public_key"], "batch_size": 8, "r_target": 2.0, "fraud_threshold": 1e-7,
+            "params": dict(PARAMS_A), "url": sink.url}
+
+    async def post(path, body):
+        r = await client.post(f"{POW}{path}", json=body)
+        assert r.status == 200, await r.text()
+        return (await r.json())["pow_status"]["status"]
+
+    async def status():
+        return await (await client.get(f"{POW}/status")).json()
+
+    assert await post("/init/generate", init) == "GENERATING"
+    first = client.app[pow_key].gen
+    assert await post("/init/generate", init) == "GENERATING"
+    assert client.app[pow_key].gen is first and first.active  # same init: not restarted
+    assert await post("/phase/generate", None) == "GENERATING"
+    assert client.app[pow_key].gen is first and first.active
+    await sink.wait("generated", 1)
+    assert await post("/init/validate", init) == "VALIDATING"
+    assert not first.active and (await status())["status"] == "VALIDATING"
+    assert await post("/init/generate", init) == "GENERATING"
+    second = client.app[pow_key].gen
+    assert await post("/init/generate", {**init, "block_height": 6}) == "GENERATING"  # another init: restarted
+    st = await status()
+    assert not second.active and client.app[pow_key].gen.active and st["config"]["block_height"] == 6
+    assert await post("/init", init) == "IDLE"
+    assert not client.app[pow_key].gen.active and (await status())["status"] == "IDLE"
+    await client.post(f"{POW}/stop")
