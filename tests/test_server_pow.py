@@ -447,3 +447,30 @@ async def test_v1_init_routes_switch_phase_while_generating(client, sink):
     assert await post("/init", init) == "IDLE"
     assert not client.app[pow_key].gen.active and (await status())["status"] == "IDLE"
     await client.post(f"{POW}/stop")
+
+
+async def test_v1_validate_scores_what_the_reference_scores(client, sink):
+    """/api/v1/pow/validate takes any ProofBatch the reference's pydantic model takes and scores it: an empty one
+    (n_invalid 0, probability_honest 1.0), repeated nonces (each occurrence scored, as InValidation's per-nonce map
+    does) and negative ones (a node's on-chain batch can hold them; a 400 would leave the validator no verdict)."""
+    init = {"node_id": 0, "node_count": 1, "block_hash": G1["block_hash"], "block_height": 5,
+            "public_key": G1["public_key"], "batch_size": 8, "r_target": 2.0, "fraud_threshold": 1e-7,
+            "params": dict(PARAMS_A), "url": sink.url}
+    r = await client.post(f"{POW}/init/validate", json=init)
+    assert r.status == 200, await r.text()
+    head = {"public_key": G1["public_key"], "block_hash": G1["block_hash"], "block_height": 5, "node_id": 3}
+    r = await client.post(f"{POW}/validate", json={**head, "nonces": [], "dist": []})
+    assert r.status == 200, await r.text()
+    res = await poll_result(client, (await r.json())["request_id"])
+    assert res["status"] == "completed", res
+    assert res["n_invalid"] == 0 and res["probability_honest"] == 1.0 and res["fraud_detected"] is False
+    batch = {**head, "nonces": [4, 4, -2, 4], "dist": [1.0, 1.0, 1.0, 1.0]}
+    r = await client.post(f"{POW}/validate", json=batch)
+    assert r.status == 200, await r.text()
+    res = await poll_result(client, (await r.json())["request_id"])
+    assert res["status"] == "completed", res
+    assert res["nonces"] == [4, 4, -2, 4] and res["received_dist"] == batch["dist"]
+    assert res["dist"][0] == res["dist"][1] == res["dist"][3] != res["dist"][2]
+    got = await sink.wait("validated", 2)
+    assert [g["nonces"] for g in got] == [[], [4, 4, -2, 4]]
+    await client.post(f"{POW}/stop")

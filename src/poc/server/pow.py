@@ -339,11 +339,11 @@ class PowService:
         """A v1 ProofBatch to score; the ValidatedBatch goes to {url}/validated (and GET /generate/{id})."""
         init = self._need_v1()
         body = await self._body(request)
-        batch = schemas.parse_proof_batch(body, self.cfg)
+        batch = schemas.parse_proof_batch(body, self.cfg, as_reference=True)
         if batch.block_hash != init.block_hash:
             raise InputError(f"block_hash {batch.block_hash!r} is not the initialized {init.block_hash!r}",
                              "block_hash")
-        check_v1_memory(self.app, init.params, min(len(batch.nonces), 100), "float16")
+        check_v1_memory(self.app, init.params, max(1, min(len(set(batch.nonces)), 100)), "float16")
         job = self._enqueue("validate_v1", (batch, init), len(batch.nonces))
         return web.json_response({"status": "OK", "pow_status": {"status": self.v1_phase}, "request_id": job.id,
                                   "queued_count": len(batch.nonces)})
