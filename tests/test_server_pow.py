@@ -474,3 +474,21 @@ async def test_v1_validate_scores_what_the_reference_scores(client, sink):
     got = await sink.wait("validated", 2)
     assert [g["nonces"] for g in got] == [[], [4, 4, -2, 4]]
     await client.post(f"{POW}/stop")
+
+
+def test_v1_init_takes_any_node_id_the_reference_takes():
+    """The reference's v1 /init/generate refuses only node_id or node_count of -1, and its NonceIterator is defined
+    for any node_id: an MLNode whose node numbers have gaps (node_id >= node_count) must still generate and validate."""
+    from poc.engine.jobs import take
+    from poc.server.config import ServerConfig
+    from poc.server.schemas import parse_pow_v1_init
+
+    body = {"block_hash": "b", "block_height": 1, "public_key": "p", "node_id": 3, "node_count": 2,
+            "params": dict(PARAMS_A)}
+    for need_node in (True, False):
+        init = parse_pow_v1_init(body, ServerConfig(), need_node=need_node)
+        assert (init.node_id, init.node_count) == (3, 2)
+    assert take(init.job().nonces, 3) == [3, 5, 7]
+    for bad in ({"node_id": -1}, {"node_count": -1}, {"node_count": 0}, {"node_id": -2}):
+        with pytest.raises(InputError):
+            parse_pow_v1_init({**body, **bad}, ServerConfig(), need_node=True)

@@ -548,10 +548,11 @@ def parse_pow_v1_init(body: dict, cfg: ServerConfig, need_node: bool) -> PowV1In
     node_count = get_int(body, "node_count", default=-1, lo=-1)
     node_id = get_int(body, "node_id", default=-1, lo=-1)
     if need_node or node_id != -1 or node_count != -1:
+        # unbounded above, as the reference (and the v2 init): an MLNode's node numbers may have gaps
         if node_count < 1:
             raise InputError(f"node_count must be >= 1, got {node_count}", "node_count")
-        if not 0 <= node_id < node_count:
-            raise InputError(f"node_id must be in [0, {node_count - 1}], got {node_id}", "node_id")
+        if node_id < 0:
+            raise InputError(f"node_id must be >= 0, got {node_id}", "node_id")
     return PowV1Init(node_id, node_count, bh, height, pk,
                      get_batch_size(body, cfg, default=100),  # gonka's chain default
                      get_number(body, "r_target", default=v1.DEFAULT_R_TARGET, lo=0, lo_open=True),
