@@ -473,6 +473,9 @@ async def test_v1_validate_scores_what_the_reference_scores(client, sink):
     assert res["dist"][0] == res["dist"][1] == res["dist"][3] != res["dist"][2]
     got = await sink.wait("validated", 2)
     assert [g["nonces"] for g in got] == [[], [4, 4, -2, 4]]
+    assert list(got[1]) == ["public_key", "block_hash", "block_height", "nonces", "dist", "node_id", "received_dist",
+                            "r_target", "fraud_threshold", "n_invalid", "probability_honest", "fraud_detected"]
+    assert got[1]["node_id"] == 3 and got[1]["r_target"] == 2.0 and got[1]["fraud_threshold"] == 1e-7
     await client.post(f"{POW}/stop")
 
 
@@ -492,3 +495,25 @@ def test_v1_init_takes_any_node_id_the_reference_takes():
     for bad in ({"node_id": -1}, {"node_count": -1}, {"node_count": 0}, {"node_id": -2}):
         with pytest.raises(InputError):
             parse_pow_v1_init({**body, **bad}, ServerConfig(), need_node=True)
+
+
+async def test_v1_validate_a_batch_larger_than_one_chunk(big_queue_client, sink):
+    """A batch over the 100-nonce compute chunk, in no particular order: each recomputed dist goes back to its own
+    nonce (compared with the same nonces validated alone) and n_invalid counts across chunks."""
+    init = {"node_id": 0, "node_count": 1, "block_hash": G1["block_hash"], "block_height": 5,
+            "public_key": G1["public_key"], "batch_size": 8, "r_target": 2.0, "fraud_threshold": 1e-7,
+            "params": dict(PARAMS_A), "url": sink.url}
+    assert (await big_queue_client.post(f"{POW}/init/validate", json=init)).status == 200
+    head = {"public_key": G1["public_key"], "block_hash": G1["block_hash"], "block_height": 5, "node_id": 0}
+    nonces = list(range(229, -1, -1))
+    results = []
+    for ns in (nonces, [0, 150, 229]):
+        r = await big_queue_client.post(f"{POW}/validate", json={**head, "nonces": ns, "dist": [1.0] * len(ns)})
+        assert r.status == 200, await r.text()
+        results.append(await poll_result(big_queue_client, (await r.json())["request_id"]))
+    big, small = results
+    assert big["status"] == small["status"] == "completed" and big["nonces"] == nonces
+    by_nonce = dict(zip(big["nonces"], big["dist"]))
+    np.testing.assert_allclose([by_nonce[n] for n in small["nonces"]], small["dist"], rtol=1e-6, atol=0)
+    assert big["n_invalid"] == 0 and len(set(big["dist"])) == 230
+    await big_queue_client.post(f"{POW}/stop")
