@@ -1,6 +1,7 @@
 """PoC v1 protocol pieces against golden/v1_golden.json (no model needed)."""
 
 import hashlib
+import math
 
 import numpy as np
 import pytest
@@ -122,7 +123,7 @@ def test_sub_batch_and_validation():
         assert vb.n_invalid == k and vb.fraud_detected is fraud
     assert abs(v1.validate_batch(ok, [1.45] * 4 + [1.39] * 196, v1.DEFAULT_R_TARGET, 1e-7).probability_honest
                - 3.7e-6) < 1e-7
-    # a submitted dist that is not < r_target is scored as invalid instead of crashing (F18)
+    # a submitted dist that is not < r_target is scored (invalid, and fraud) instead of crashing (F18)
     bad = v1.ProofBatch("pk", "bh", 7, [1], [1.5], 0)
     assert v1.validate_batch(bad, [1.3], v1.DEFAULT_R_TARGET, 1e-7).n_invalid == 1
     empty = v1.validate_batch(v1.ProofBatch("pk", "bh", 7, [], [], 0), [], 1.4, 1e-7)
@@ -219,3 +220,45 @@ def test_target_is_bit_exact_with_the_reference_formula():
         y = v1.get_rng(f"{bh}_target", 1).standard_normal((1, vocab))
         y /= np.linalg.norm(y, axis=1, keepdims=True)
         assert np.array_equal(v1.target(bh, vocab), y[0]), (bh, vocab)
+
+
+def test_probability_honest_is_the_binomial_upper_tail():
+    """probability_honest = P[X >= k], X ~ Bin(n, 5e-4) (spec-v1 §3.4), checked against scipy.stats.binom itself."""
+    from scipy.stats import binom
+    for n, k in [(1, 0), (1, 1), (16, 1), (200, 3), (200, 5), (1000, 2), (5000, 40)]:
+        b = v1.ProofBatch("pk", "bh", 7, list(range(n)), [1.0] * n, 0)
+        vb = v1.validate_batch(b, [1.5] * k + [1.0] * (n - k), 1.4, 1e-7)
+        want = 1.0 if k == 0 else float(binom.sf(k - 1, n, v1.PROBABILITY_MISMATCH))
+        assert vb.n_invalid == k
+        assert vb.probability_honest == pytest.approx(want, rel=1e-9, abs=1e-300)
+
+
+def test_fraud_threshold_and_r_target_edges():
+    """fraud_detected = probability_honest < fraud_threshold (strict); a recomputed dist equal to r_target is valid
+    (the reference counts dist > r_target); no tolerance between claimed and recomputed dist."""
+    n = 200
+    b = v1.ProofBatch("pk", "bh", 7, list(range(n)), [1.0] * n, 0)
+    rec = [1.5] * 3 + [1.0] * (n - 3)
+    p = v1.validate_batch(b, rec, 1.4, 1e-7).probability_honest
+    assert v1.validate_batch(b, rec, 1.4, p).fraud_detected is False  # p < p is false
+    assert v1.validate_batch(b, rec, 1.4, math.nextafter(p, 1.0)).fraud_detected is True
+    assert v1.validate_batch(b, [1.0] * n, 1.4, 1.0).fraud_detected is False  # k = 0: p = 1.0, not < 1.0
+    vb = v1.validate_batch(b, [1.4] * n, 1.4, 1e-7)  # exactly r_target: valid
+    assert vb.n_invalid == 0 and vb.probability_honest == 1.0
+    vb = v1.validate_batch(b, [math.nextafter(1.4, 2.0)] + [1.0] * (n - 1), 1.4, 1e-7)
+    assert vb.n_invalid == 1 and not vb.fraud_detected
+    # recomputed far from the claim but still under r_target: valid (the claim is not compared to it)
+    vb = v1.validate_batch(b, [1.39] * n, 1.4, 1e-7)
+    assert vb.n_invalid == 0 and vb.dist == [1.39] * n and vb.received_dist == [1.0] * n
+
+
+def test_a_claimed_dist_not_under_r_target_is_fraud():
+    """The reference never scores such a batch as honest: the spec's ValidatedBatch asserts received < r_target
+    (F18, a crash), and gonka's later data.py answers probability_honest 0.0 and fraud_detected True at once.
+    We keep the no-crash fix and give that verdict, however few such nonces the batch holds."""
+    n = 200
+    for claimed in (1.4, 1.41, 3.0):
+        b = v1.ProofBatch("pk", "bh", 7, list(range(n)), [claimed] + [1.0] * (n - 1), 0)
+        vb = v1.validate_batch(b, [1.0] * n, 1.4, 1e-7)  # the recomputed dist is fine everywhere
+        assert vb.fraud_detected is True and vb.probability_honest == 0.0 and vb.n_invalid >= 1
+        assert vb.received_dist[0] == claimed and vb.dist == [1.0] * n

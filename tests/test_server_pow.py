@@ -16,6 +16,7 @@ from poc.model.config import PRESETS
 from poc.protocol import v2
 from poc.server.app import create_app, sender_key
 from poc.server.config import parse_args
+from poc.server.pow import pow_key
 from poc.server.schemas import ServedModel
 
 from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2
@@ -410,3 +411,109 @@ async def test_callback_sender_holds_merge_records_until_released_and_retries_th
         assert await sender.flush(5) == 0 and s.got["generated"][-1]["artifacts"] == [5]
     finally:
         await sender.close(1)
+
+
+async def test_v1_init_routes_switch_phase_while_generating(client, sink):
+    """An MLNode goes from generation to validation with POST /init/validate and no stop in between (its
+    InitValidateNodeCommandV1 leaves a node in POW state running); the reference then switches the phase, restarting
+    only for a different init. /init/generate with the same init while generating is a no-op, with another one a
+    restart; /init stops generation (IDLE). None of these is a 409."""
+    init = {"node_id": 0, "node_count": 1, "block_hash": G1["block_hash"], "block_height": 5,
+            "public_key": G1["public_key"], "batch_size": 8, "r_target": 2.0, "fraud_threshold": 1e-7,
+            "params": dict(PARAMS_A), "url": sink.url}
+
+    async def post(path, body):
+        r = await client.post(f"{POW}{path}", json=body)
+        assert r.status == 200, await r.text()
+        return (await r.json())["pow_status"]["status"]
+
+    async def status():
+        return await (await client.get(f"{POW}/status")).json()
+
+    assert await post("/init/generate", init) == "GENERATING"
+    first = client.app[pow_key].gen
+    assert await post("/init/generate", init) == "GENERATING"
+    assert client.app[pow_key].gen is first and first.active  # same init: not restarted
+    assert await post("/phase/generate", None) == "GENERATING"
+    assert client.app[pow_key].gen is first and first.active
+    await sink.wait("generated", 1)
+    assert await post("/init/validate", init) == "VALIDATING"
+    assert not first.active and (await status())["status"] == "VALIDATING"
+    assert await post("/init/generate", init) == "GENERATING"
+    second = client.app[pow_key].gen
+    assert await post("/init/generate", {**init, "block_height": 6}) == "GENERATING"  # another init: restarted
+    st = await status()
+    assert not second.active and client.app[pow_key].gen.active and st["config"]["block_height"] == 6
+    assert await post("/init", init) == "IDLE"
+    assert not client.app[pow_key].gen.active and (await status())["status"] == "IDLE"
+    await client.post(f"{POW}/stop")
+
+
+async def test_v1_validate_scores_what_the_reference_scores(client, sink):
+    """/api/v1/pow/validate takes any ProofBatch the reference's pydantic model takes and scores it: an empty one
+    (n_invalid 0, probability_honest 1.0), repeated nonces (each occurrence scored, as InValidation's per-nonce map
+    does) and negative ones (a node's on-chain batch can hold them; a 400 would leave the validator no verdict)."""
+    init = {"node_id": 0, "node_count": 1, "block_hash": G1["block_hash"], "block_height": 5,
+            "public_key": G1["public_key"], "batch_size": 8, "r_target": 2.0, "fraud_threshold": 1e-7,
+            "params": dict(PARAMS_A), "url": sink.url}
+    r = await client.post(f"{POW}/init/validate", json=init)
+    assert r.status == 200, await r.text()
+    head = {"public_key": G1["public_key"], "block_hash": G1["block_hash"], "block_height": 5, "node_id": 3}
+    r = await client.post(f"{POW}/validate", json={**head, "nonces": [], "dist": []})
+    assert r.status == 200, await r.text()
+    res = await poll_result(client, (await r.json())["request_id"])
+    assert res["status"] == "completed", res
+    assert res["n_invalid"] == 0 and res["probability_honest"] == 1.0 and res["fraud_detected"] is False
+    batch = {**head, "nonces": [4, 4, -2, 4], "dist": [1.0, 1.0, 1.0, 1.0]}
+    r = await client.post(f"{POW}/validate", json=batch)
+    assert r.status == 200, await r.text()
+    res = await poll_result(client, (await r.json())["request_id"])
+    assert res["status"] == "completed", res
+    assert res["nonces"] == [4, 4, -2, 4] and res["received_dist"] == batch["dist"]
+    assert res["dist"][0] == res["dist"][1] == res["dist"][3] != res["dist"][2]
+    got = await sink.wait("validated", 2)
+    assert [g["nonces"] for g in got] == [[], [4, 4, -2, 4]]
+    assert list(got[1]) == ["public_key", "block_hash", "block_height", "nonces", "dist", "node_id", "received_dist",
+                            "r_target", "fraud_threshold", "n_invalid", "probability_honest", "fraud_detected"]
+    assert got[1]["node_id"] == 3 and got[1]["r_target"] == 2.0 and got[1]["fraud_threshold"] == 1e-7
+    await client.post(f"{POW}/stop")
+
+
+def test_v1_init_takes_any_node_id_the_reference_takes():
+    """The reference's v1 /init/generate refuses only node_id or node_count of -1, and its NonceIterator is defined
+    for any node_id: an MLNode whose node numbers have gaps (node_id >= node_count) must still generate and validate."""
+    from poc.engine.jobs import take
+    from poc.server.config import ServerConfig
+    from poc.server.schemas import parse_pow_v1_init
+
+    body = {"block_hash": "b", "block_height": 1, "public_key": "p", "node_id": 3, "node_count": 2,
+            "params": dict(PARAMS_A)}
+    for need_node in (True, False):
+        init = parse_pow_v1_init(body, ServerConfig(), need_node=need_node)
+        assert (init.node_id, init.node_count) == (3, 2)
+    assert take(init.job().nonces, 3) == [3, 5, 7]
+    for bad in ({"node_id": -1}, {"node_count": -1}, {"node_count": 0}, {"node_id": -2}):
+        with pytest.raises(InputError):
+            parse_pow_v1_init({**body, **bad}, ServerConfig(), need_node=True)
+
+
+async def test_v1_validate_a_batch_larger_than_one_chunk(big_queue_client, sink):
+    """A batch over the 100-nonce compute chunk, in no particular order: each recomputed dist goes back to its own
+    nonce (compared with the same nonces validated alone) and n_invalid counts across chunks."""
+    init = {"node_id": 0, "node_count": 1, "block_hash": G1["block_hash"], "block_height": 5,
+            "public_key": G1["public_key"], "batch_size": 8, "r_target": 2.0, "fraud_threshold": 1e-7,
+            "params": dict(PARAMS_A), "url": sink.url}
+    assert (await big_queue_client.post(f"{POW}/init/validate", json=init)).status == 200
+    head = {"public_key": G1["public_key"], "block_hash": G1["block_hash"], "block_height": 5, "node_id": 0}
+    nonces = list(range(229, -1, -1))
+    results = []
+    for ns in (nonces, [0, 150, 229]):
+        r = await big_queue_client.post(f"{POW}/validate", json={**head, "nonces": ns, "dist": [1.0] * len(ns)})
+        assert r.status == 200, await r.text()
+        results.append(await poll_result(big_queue_client, (await r.json())["request_id"]))
+    big, small = results
+    assert big["status"] == small["status"] == "completed" and big["nonces"] == nonces
+    by_nonce = dict(zip(big["nonces"], big["dist"]))
+    np.testing.assert_allclose([by_nonce[n] for n in small["nonces"]], small["dist"], rtol=1e-6, atol=0)
+    assert big["n_invalid"] == 0 and len(set(big["dist"])) == 230
+    await big_queue_client.post(f"{POW}/stop")

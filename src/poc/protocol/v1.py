@@ -357,14 +357,18 @@ class ValidatedBatch(ProofBatch):
 def validate_batch(batch: ProofBatch, recomputed: list[float], r_target: float, fraud_threshold: float) -> ValidatedBatch:
     """Score a submitted batch against the validator's own distances.
 
-    A nonce is invalid when the recomputed dist > r_target (the reference's strict test), and also when
-    the submitted dist itself is not < r_target: the reference asserts on that and crashes (spec-v1 F18);
-    we score it instead.
+    A nonce is invalid when the recomputed dist > r_target (the reference's strict test, no tolerance against the
+    claimed dist), and also when the submitted dist itself is not < r_target. No honest node submits such a dist
+    (generation keeps dist < r_target): the spec's reference asserts on it and crashes (spec-v1 F18), and gonka's
+    later data.py answers probability_honest 0.0 and fraud_detected True at once. We score instead of crashing and
+    give that verdict; n_invalid still counts every invalid nonce.
     """
     from poc.protocol.stats import fraud_test  # scipy: kept out of the input worker processes' imports
 
     n_invalid = sum(1 for d, rd in zip(recomputed, batch.dist) if d > r_target or not rd < r_target)
     p, fraud = fraud_test(n_invalid, len(batch.nonces), PROBABILITY_MISMATCH, fraud_threshold)
+    if any(not rd < r_target for rd in batch.dist):
+        p, fraud = 0.0, True
     return ValidatedBatch(public_key=batch.public_key, block_hash=batch.block_hash, block_height=batch.block_height,
                           nonces=list(batch.nonces), dist=[float(d) for d in recomputed], node_id=batch.node_id,
                           received_dist=[float(d) for d in batch.dist], r_target=r_target,

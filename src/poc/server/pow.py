@@ -269,6 +269,9 @@ class PowService:
         if proto == "v1":
             init = schemas.parse_pow_v1_init(body, self.cfg, need_node=True)
             check_v1_memory(self.app, init.params, init.batch_size, "float16")
+            if self._v1_generating() and init == self.v1_init:
+                return ok("GENERATING")  # the reference starts nothing anew for the same init
+            await self._stop_v1_generation()
             self._refuse_if_generating()
             await self._start_generation("v1", init, init.job(),
                                          f"v1 pow generation node {init.node_id}/{init.node_count}")
@@ -290,8 +293,19 @@ class PowService:
         require_ready(self.app)
         init = schemas.parse_pow_v1_init(body, self.cfg, need_node=need_node)
         check_v1_memory(self.app, init.params, init.batch_size, "float16")
+        await self._stop_v1_generation()
         self._refuse_if_generating()
         return init
+
+    def _v1_generating(self) -> bool:
+        return self.gen is not None and self.gen.active and self.gen.protocol == "v1"
+
+    async def _stop_v1_generation(self) -> None:
+        """A v1 init or phase route while v1 generation runs switches the phase, as the reference's (an MLNode sends
+        /init/validate straight after generating, with no stop): generation ends after its batch in flight and
+        what it computed is released to {url}/generated. v2 generation still needs /stop (409)."""
+        if self._v1_generating():
+            await self.gen.stop()
 
     async def init(self, request: web.Request) -> web.Response:
         self.v1_init, self.v1_phase = await self._v1_init_body(request, need_node=False), "IDLE"
@@ -305,6 +319,8 @@ class PowService:
         init = self._need_v1()
         if init.node_id < 0:
             raise InputError("node_id and node_count were not given to /init: use /init/generate", "node_id")
+        if self._v1_generating():
+            return ok("GENERATING")  # the reference only sets the phase it is already in
         require_ready(self.app)
         self._refuse_if_generating()
         await self._start_generation("v1", init, init.job(),
@@ -323,11 +339,11 @@ class PowService:
         """A v1 ProofBatch to score; the ValidatedBatch goes to {url}/validated (and GET /generate/{id})."""
         init = self._need_v1()
         body = await self._body(request)
-        batch = schemas.parse_proof_batch(body, self.cfg)
+        batch = schemas.parse_proof_batch(body, self.cfg, as_reference=True)
         if batch.block_hash != init.block_hash:
             raise InputError(f"block_hash {batch.block_hash!r} is not the initialized {init.block_hash!r}",
                              "block_hash")
-        check_v1_memory(self.app, init.params, min(len(batch.nonces), 100), "float16")
+        check_v1_memory(self.app, init.params, max(1, min(len(set(batch.nonces)), 100)), "float16")
         job = self._enqueue("validate_v1", (batch, init), len(batch.nonces))
         return web.json_response({"status": "OK", "pow_status": {"status": self.v1_phase}, "request_id": job.id,
                                   "queued_count": len(batch.nonces)})

@@ -221,6 +221,20 @@ def get_nonces(obj: dict, name: str, max_len: int, *, prefix: str = "") -> list[
     return v
 
 
+def _any_int64_nonces(obj: dict, max_len: int) -> list[int]:
+    v = _get(obj, "nonces", MISSING)
+    if not isinstance(v, list):
+        raise InputError("nonces must be a list of integers", "nonces")
+    if len(v) > max_len:
+        raise InputError(f"nonces has {len(v)} nonces, more than the limit of {max_len}", "nonces", status=413)
+    for n in v:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise InputError(f"nonces must hold integers only, got {n!r}", "nonces")
+        if not -MAX_NONCE - 1 <= n <= MAX_NONCE:
+            raise InputError(f"nonces: {n} is outside the int64 range", "nonces")
+    return v
+
+
 def get_batch_size(obj: dict, cfg: ServerConfig, default=MISSING) -> int:
     return get_int(obj, "batch_size", default=default, lo=1, hi=cfg.max_batch_size)
 
@@ -357,9 +371,13 @@ class V1Validate:
     dtype: str
 
 
-def parse_proof_batch(body: dict, cfg: ServerConfig) -> v1.ProofBatch:
+def parse_proof_batch(body: dict, cfg: ServerConfig, as_reference: bool = False) -> v1.ProofBatch:
+    """A v1 ProofBatch. With `as_reference` (the MLNode's /api/v1/pow/validate) the nonces may be empty, repeated or
+    negative, as the reference's pydantic model takes them and scores them: the validator still gets a verdict on a
+    node's odd on-chain batch instead of a 400."""
     bh, height, pk = get_header(body)
-    nonces = get_nonces(body, "nonces", cfg.max_request_nonces)
+    nonces = _any_int64_nonces(body, cfg.max_request_nonces) if as_reference else \
+        get_nonces(body, "nonces", cfg.max_request_nonces)
     dist = body.get("dist")
     if not isinstance(dist, list) or len(dist) != len(nonces):
         raise InputError(f"dist must be a list of {len(nonces)} numbers (one per nonce)", "dist")
@@ -530,10 +548,11 @@ def parse_pow_v1_init(body: dict, cfg: ServerConfig, need_node: bool) -> PowV1In
     node_count = get_int(body, "node_count", default=-1, lo=-1)
     node_id = get_int(body, "node_id", default=-1, lo=-1)
     if need_node or node_id != -1 or node_count != -1:
+        # unbounded above, as the reference (and the v2 init): an MLNode's node numbers may have gaps
         if node_count < 1:
             raise InputError(f"node_count must be >= 1, got {node_count}", "node_count")
-        if not 0 <= node_id < node_count:
-            raise InputError(f"node_id must be in [0, {node_count - 1}], got {node_id}", "node_id")
+        if node_id < 0:
+            raise InputError(f"node_id must be >= 0, got {node_id}", "node_id")
     return PowV1Init(node_id, node_count, bh, height, pk,
                      get_batch_size(body, cfg, default=100),  # gonka's chain default
                      get_number(body, "r_target", default=v1.DEFAULT_R_TARGET, lo=0, lo_open=True),

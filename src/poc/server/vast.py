@@ -189,11 +189,15 @@ async def validate(request: web.Request) -> web.Response:
 
 async def validate_v1(app: web.Application, batch: v1.ProofBatch, params: v1.V1Params, r_target: float,
                       fraud_threshold: float, dtype: str, claim, on_runner=None) -> v1.ValidatedBatch:
+    unique = list(dict.fromkeys(batch.nonces))  # a repeated nonce is computed once and scored at each place
+    if not unique:
+        claim.release()
+        return v1.validate_batch(batch, [], r_target, fraud_threshold)
     job = V1Job(block_hash=batch.block_hash, public_key=batch.public_key, block_height=batch.block_height,
-                params=params, r_target=r_target, nonces=iter(batch.nonces),
-                batch_size=min(len(batch.nonces), VALIDATE_BATCH_SIZE), dtype=dtype,
+                params=params, r_target=r_target, nonces=iter(unique),
+                batch_size=min(len(unique), VALIDATE_BATCH_SIZE), dtype=dtype,
                 limits=Limits(max_nonces=None, max_duration=None))
-    runner = new_runner(app, job, claim, f"v1 validation of {len(batch.nonces)} nonces")
+    runner = new_runner(app, job, claim, f"v1 validation of {len(unique)} nonces")
     if on_runner is not None:
         on_runner(runner)  # lets /stop reach it
     results, _summary = await collect(runner)
