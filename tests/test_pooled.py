@@ -221,6 +221,32 @@ async def test_bad_params_from_the_orchestrator_end_the_session_with_a_clear_lin
 
 
 # --------------------------------------------------------------------------------------------------
+# what an orchestrator written against the reference may send or answer
+
+
+async def test_integer_valued_floats_and_an_empty_range_from_the_orchestrator(aiohttp_client, tmp_path, orch):
+    """An end below its start is an empty range (the reference's iterator yields nothing and the session lives
+    on), not an error; 7.0 and 29.0 (a Python orchestrator dividing a range) are the integers they equal."""
+    orch.connect_reply = {"status": "ok", "block_hash": BH, "block_height": 7.0, "params": PARAMS_A, "r_target": R}
+    orch.ready_reply = {"public_key": "key-A", "nonce_range_start": 10, "nonce_range_end": 9}
+    client, lines = await start_session(aiohttp_client, tmp_path, orch, {"batch_size": 10})
+    _, empty, i = await lines.wait(status("range_complete"), 20)
+    assert (empty["range_start"], empty["range_end"], empty["total_computed"]) == (10, 9, 0)
+    orch.commands.append({"type": "config", "nonce_range_start": 0.0, "nonce_range_end": 29.0})
+    _, done, _ = await lines.wait(lambda d: d.get("status") == "range_complete" and d["range_end"] == 29, 20, i + 1)
+    assert done["total_computed"] == 30
+    await wait_until(lambda: client.server.app[sender_key].pending == 0, 10, "results acknowledged")
+    orch.commands.append({"type": "shutdown"})
+    out = await lines.finish()
+    assert not [d for d in out if "error" in d], out
+    results = [d for d in out if is_result(d)]
+    assert covers_exactly(orch.spans("key-A"), 0, 29)
+    assert all(type(r["block_height"]) is int and r["block_height"] == 7 for r in results)
+    assert all(type(n) is int for r in results for n in r["nonces"] + [r["first_nonce"], r["last_nonce"]])
+    assert out[-1]["status"] == "shutdown"
+
+
+# --------------------------------------------------------------------------------------------------
 # kill -9 and the spool
 
 

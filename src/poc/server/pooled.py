@@ -56,6 +56,7 @@ MERGE_KEYS = ("block_hash", "block_height", "r_target", "params", "public_key", 
               "nonce_range_end", "batch_size", "poc_stronger_rng")
 DEFAULTS = {"block_hash": "", "block_height": 0, "r_target": 0.0, "params": {}, "public_key": "",
             "nonce_range_start": 0, "nonce_range_end": 0}
+INT_KEYS = ("block_height", "nonce_range_start", "nonce_range_end", "batch_size")  # 7.0 is taken as 7
 GPU_COUNT = 1  # one engine: the server's device (replicas are the parallel engine's business)
 
 
@@ -472,7 +473,10 @@ class PooledSession:
             return  # {} or null: nothing to merge (as the reference)
         for k in MERGE_KEYS:
             if k in data and data[k] is not None:
-                self.conf[k] = data[k]
+                v = data[k]
+                if k in INT_KEYS and isinstance(v, float) and v.is_integer():
+                    v = int(v)  # a Python orchestrator's division (as params' integer fields already are)
+                self.conf[k] = v
         if "nonce_range_start" in data or "nonce_range_end" in data:
             self.range_given = True
         if self.conf["block_hash"]:
@@ -555,8 +559,9 @@ class PooledSession:
             p = schemas.parse_v2_params(params, served_model(self.app))
             r_target = 0.0
         start = schemas.get_int(c, "nonce_range_start", lo=0, hi=schemas.MAX_NONCE)
-        end = schemas.get_int(c, "nonce_range_end", lo=start, hi=schemas.MAX_NONCE,
-                              what=" (nonce_range_start: both ends are inclusive)")
+        # both ends are inclusive; an end below the start is an empty range (the reference's iterator yields
+        # nothing and the session goes on): reported as complete at once, and the session waits for another
+        end = schemas.get_int(c, "nonce_range_end", hi=schemas.MAX_NONCE)
         bs = self._batch_size()
         if proto == "v1":
             check_v1_memory(self.app, p, bs, self.dtype)
