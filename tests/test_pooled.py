@@ -246,6 +246,24 @@ async def test_integer_valued_floats_and_an_empty_range_from_the_orchestrator(ai
     assert out[-1]["status"] == "shutdown"
 
 
+async def test_no_heartbeat_or_config_poll_once_shutdown_is_called(aiohttp_client, tmp_path):
+    """/shutdown stops the heartbeat (spec-v1 §4.3, call 7): an orchestrator that forgets a worker on /shutdown
+    must not see it beat again (or poll) while, or after, that call is answered."""
+    orch = FakeOrchestrator(shutdown_delay=1.0)
+    await orch.start()
+    try:
+        client, lines = await start_session(aiohttp_client, tmp_path, orch)
+        await lines.wait(status("waiting_block_hash"))
+        await wait_until(lambda: len(orch.heartbeats) >= 1, 5, "a heartbeat")
+        orch.commands.append({"type": "shutdown"})
+        out = await lines.finish()
+        await asyncio.sleep(0.5)
+    finally:
+        await orch.stop()
+    assert out[-1] == {"status": "shutdown"} and len(orch.shutdowns) == 1
+    assert orch.late == []
+
+
 # --------------------------------------------------------------------------------------------------
 # kill -9 and the spool
 

@@ -148,6 +148,7 @@ class PooledSession:
         self.runner: JobRunner | None = None
         self._last_runner: JobRunner | None = None
         self._bg: set[asyncio.Task] = set()
+        self._tasks: list[asyncio.Task] = []  # the heartbeat and the config polls
         self._conf_seen = ""
         self.end_reason: str | None = None
         self.changed = asyncio.Event()
@@ -206,7 +207,21 @@ class PooledSession:
     async def _end_early(self) -> None:
         """The session ended before computing anything: say so, and still tell the orchestrator (F15)."""
         await self.emit({"status": "shutdown"})
-        await self.client.shutdown(self._stats(), retry=self.end_reason != "server_shutdown")
+        await self._shutdown(self._stats(), retry=self.end_reason != "server_shutdown")
+
+    async def _stop_background(self) -> None:
+        """End the heartbeat, the config polls and any range_complete heartbeat in flight."""
+        me = asyncio.current_task()
+        tasks = [t for t in (*self._tasks, *self._bg) if t is not me]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _shutdown(self, stats: dict, retry: bool = True) -> None:
+        """POST /shutdown once nothing else goes to the orchestrator: the reference stops its heartbeat there, and an
+        orchestrator that forgets the worker on /shutdown must not see it beat (or poll) again."""
+        await self._stop_background()
+        await self.client.shutdown(stats, retry=retry)
 
     @property
     def elapsed(self) -> float:
@@ -217,7 +232,7 @@ class PooledSession:
     async def run(self, w: NdjsonWriter) -> None:
         self.w = w
         c = self.cfg
-        tasks: list[asyncio.Task] = []
+        tasks = self._tasks
         async with OrchestratorClient(self.url, self.worker_id, timeout=c.orchestrator_timeout,
                                       retries=c.orchestrator_retries, retry_base=c.orchestrator_retry_base) as client:
             self.client = client
@@ -230,7 +245,7 @@ class PooledSession:
                 if not r.ok:
                     await self.emit({"error": "Failed to register with orchestrator", "error_type": "ConnectionError",
                                      "detail": r.error})
-                    await client.shutdown({"error": f"registration failed: {r.error}"}, retry=False)  # F15
+                    await self._shutdown({"error": f"registration failed: {r.error}"}, retry=False)  # F15
                     return
                 self._merge(r.data)
                 tasks.append(asyncio.create_task(self._heartbeats(), name=f"pooled-heartbeat-{self.worker_id[:8]}"))
@@ -243,10 +258,7 @@ class PooledSession:
                 log.warning("pooled %s failed %s", self.worker_id[:8], describe(e))
                 await self._fail(str(e), type(e).__name__)
             finally:
-                tasks += self._bg
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await self._stop_background()
                 if self.runner is not None:
                     self.runner.stop("stopped")
 
@@ -258,7 +270,7 @@ class PooledSession:
                 await asyncio.wait_for(self.got_block_hash.wait(), c.pooled_wait_timeout)
             except asyncio.TimeoutError:
                 await self.emit({"status": "timeout", "message": "No block_hash received"})
-                await self.client.shutdown({"reason": "timeout_waiting_block_hash"})
+                await self._shutdown({"reason": "timeout_waiting_block_hash"})
                 return
         if self.end_reason is not None:  # "shutdown" while waiting: still tell the orchestrator (F15)
             await self._end_early()
@@ -304,7 +316,7 @@ class PooledSession:
             line["fatal"] = True  # the line goes out; the process stays up and /health says broken (F4)
         await self.emit(line)
         if self.client is not None:
-            await self.client.shutdown({"error": message}, retry=self.end_reason != "server_shutdown")
+            await self._shutdown({"error": message}, retry=self.end_reason != "server_shutdown")
 
     # ------------------------------------------------------------------------------------- compute
 
@@ -428,7 +440,7 @@ class PooledSession:
         left = await self.sender.flush_url(self.client.worker_url,
                                            c.shutdown_flush_seconds if server_down else c.pooled_flush_seconds)
         stats = self._stats()
-        await self.client.shutdown(stats, retry=not server_down)
+        await self._shutdown(stats, retry=not server_down)
         line = {"status": "shutdown", "total_batches_sent": stats["total_batches_sent"],
                 "session_duration": stats["session_duration"]}
         if left:
