@@ -264,6 +264,27 @@ async def test_no_heartbeat_or_config_poll_once_shutdown_is_called(aiohttp_clien
     assert orch.late == []
 
 
+async def test_an_orchestrator_without_results_batch_gets_every_result_singly(tmp_path):
+    """POST /results/batch answered 404 (an orchestrator that only implements /results, which is all the reference
+    needs while nothing fails): the backlog goes out one result at a time, nothing is dead-lettered."""
+    orch = FakeOrchestrator(batch_route=False)
+    await orch.start()
+    url = f"{orch.url}/api/workers/w1"
+    orch.reject_results = True
+    a = CallbackSender(timeout=2, backoff_base=0.05, backoff_max=0.2, spool_dir=str(tmp_path), refusal_limit=2)
+    await a.start()
+    try:
+        for i in range(6):
+            assert await a.put("results", url, {"idempotency_id": f"r{i}", "first_nonce": i, "last_nonce": i}, f"r{i}")
+        await asyncio.sleep(0.3)
+        orch.reject_results = False
+        assert await a.flush(10) == 0
+    finally:
+        await a.close(0.1)
+        await orch.stop()
+    assert a.dead_lettered == 0 and sorted(orch.accepted) == [f"r{i}" for i in range(6)]
+
+
 # --------------------------------------------------------------------------------------------------
 # kill -9 and the spool
 
