@@ -21,8 +21,9 @@ never replayed, kept for an operator), with one ERROR line naming kind, id, url 
 poc_callbacks_total{outcome="dead_letter"} and poc_errors_total{kind="callback_dead_letter"}; without a spool
 directory only the line and the counts remain. Several pending orchestrator results for one worker go out as
 one POST {url}/results/batch (one at a time to an orchestrator whose batch route answers 404, 405 or 501).
-Memory holds, per pending record, its id, kind, url and disk position (spool) or its payload (memory mode), and `max_pending` bounds the count: a payload refused at that bound is counted and
-logged, not lost silently. What is pending at exit stays in the spool for the next start.
+Memory holds, per pending record, its id, kind, url and disk position (spool) or its payload (memory mode), and
+`max_pending` bounds the count: a payload refused at that bound is counted and logged, not lost silently.
+What is pending at exit stays in the spool for the next start.
 """
 
 from __future__ import annotations
