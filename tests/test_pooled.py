@@ -285,6 +285,51 @@ async def test_an_orchestrator_without_results_batch_gets_every_result_singly(tm
     assert a.dead_lettered == 0 and sorted(orch.accepted) == [f"r{i}" for i in range(6)]
 
 
+async def test_key_and_r_target_during_the_model_load_then_a_new_block_hash_mid_range(aiohttp_client, tmp_path,
+                                                                                    orch):
+    """The key and r_target come in a "compute" command served while the model loads (the ready reply carries only
+    the range); later a config with a new block hash is a new job: the range restarts on the new block's model."""
+    import hashlib
+
+    import numpy as np
+
+    from poc.protocol.v1 import V1Params
+    from poc.server.app import engine_key
+
+    bh2 = hashlib.sha256(b"next block").hexdigest()
+    orch.connect_reply = {"status": "ok", "block_hash": BH, "block_height": 7, "params": PARAMS_A}
+    orch.ready_reply = {"nonce_range_start": 0, "nonce_range_end": 10 ** 6}
+    orch.commands.append({"type": "compute", "public_key": "key-A", "r_target": R})
+    client = await aiohttp_client(create_app(pooled_config(tmp_path)))
+    await wait_status(client)
+    eng = client.server.app[engine_key]
+    build = eng.v1_compute
+
+    def slow_build(*a):  # the first build outlasts a few polls: the command is served meanwhile
+        if not orch.served:
+            time.sleep(3 * POLL)
+        return build(*a)
+
+    eng.v1_compute = slow_build
+    lines = Lines(await client.post("/pooled", json={"orchestrator_url": orch.url, "batch_size": 10}))
+    _, ready, i = await lines.wait(status("ready"), 20)
+    assert orch.served and ready["public_key"] == "key-A"
+    _, first, i = await lines.wait(is_result, 20, i)
+    assert (first["public_key"], first["block_hash"], first["block_height"]) == ("key-A", BH, 7)
+    orch.commands.append({"type": "config", "block_hash": bh2, "block_height": 8})
+    _, job, j = await lines.wait(status("new_job"), 10, i)
+    assert (job["block_hash"], job["block_height"], job["range_start"]) == (bh2[:16], 8, 0)
+    _, r2, _ = await lines.wait(lambda d: is_result(d) and d["block_hash"] == bh2 and d["nonces"], 30, j)
+    orch.commands.append({"type": "shutdown"})
+    out = await lines.finish()
+    assert not any(d.get("status") == "r_target_default" or "error" in d for d in out), out
+    new = [d for d in out if is_result(d) and d["block_hash"] == bh2]
+    assert new[0]["first_nonce"] == 0 and new[0]["batch_number"] == 1 and new[0]["block_height"] == 8
+    assert all(x < R for d in out if is_result(d) for x in d["dist"])
+    want = eng.v1_distances(V1Params.from_json(PARAMS_A), bh2, "key-A", r2["nonces"], "float16")
+    np.testing.assert_allclose(r2["dist"], want, rtol=1e-3)  # computed on the new block's model
+
+
 # --------------------------------------------------------------------------------------------------
 # kill -9 and the spool
 
