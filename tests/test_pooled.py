@@ -330,6 +330,21 @@ async def test_key_and_r_target_during_the_model_load_then_a_new_block_hash_mid_
     np.testing.assert_allclose(r2["dist"], want, rtol=1e-3)  # computed on the new block's model
 
 
+async def test_the_compute_window_starts_with_computing_not_at_registration(aiohttp_client, tmp_path, orch):
+    """The reference waits up to 600 s for a block hash, then computes for up to 600 s: a worker registered early
+    (a warm pool waiting for the PoC phase) still gets its whole window once the block hash comes."""
+    orch.ready_reply = {"public_key": "key-A", "nonce_range_start": 0, "nonce_range_end": 10 ** 6}
+    client, lines = await start_session(aiohttp_client, tmp_path, orch, {"batch_size": 10, "max_duration": 2.0})
+    await lines.wait(status("waiting_block_hash"))
+    await asyncio.sleep(2.5)  # longer than max_duration
+    orch.config = {"type": "config", "block_hash": BH, "block_height": 7, "params": PARAMS_A, "r_target": R}
+    t_computing, _, _ = await lines.wait(status("computing"), 20)
+    t_stop, stop, _ = await lines.wait(status("stopping"), 20)
+    out = await lines.finish()
+    assert stop["reason"] == "max_duration" and 1.5 < t_stop - t_computing < 5, t_stop - t_computing
+    assert any(is_result(d) for d in out) and out[-1]["status"] == "shutdown"
+
+
 # --------------------------------------------------------------------------------------------------
 # kill -9 and the spool
 

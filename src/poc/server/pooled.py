@@ -3,9 +3,10 @@ batch is a result delivered to it exactly once, and the NDJSON stream reports ea
 
     POST /pooled {"orchestrator_url": "http://...", ["batch_size": 100], ["max_duration": 600], ["dtype": "float16"]}
 
-Session: connect (with retry) -> poll GET config every pooled_poll_interval until a block_hash arrives -> build
-the model -> ready (with retry) -> compute the assigned range, batch by batch, until "shutdown", max_duration or
-the server stops -> flush -> /shutdown {"stats"}. Fixed against the reference (spec-v1 §6):
+Session: connect (with retry) -> poll GET config every pooled_poll_interval until a block_hash arrives (up to
+pooled_wait_timeout) -> build the model -> ready (with retry) -> compute the assigned range, batch by batch, until
+"shutdown", max_duration (counted from "computing", as the reference's compute loop) or the server stops -> flush
+-> /shutdown {"stats"}. Fixed against the reference (spec-v1 §6):
 - F1b: every nonce of the range is computed, exactly once (the engine's iterator is the range; a job stopped for
   a command resumes with the nonces not yet computed: with replicas, results arrive out of order and a stop
   drops batches dealt but not launched, so "after the last result" would skip some and repeat others);
@@ -156,6 +157,7 @@ class PooledSession:
         self.ended = asyncio.Event()  # request_end was called: retried calls stop waiting
         self.r_target_warned = False
         self.started = time.monotonic()
+        self.deadline: float | None = None  # max_duration counts from "computing", as the reference's compute loop
         self._lock = asyncio.Lock()
         self.client: OrchestratorClient | None = None
         self.w: NdjsonWriter | None = None
@@ -293,6 +295,7 @@ class PooledSession:
             raise self.bad_config
         pk = self.conf["public_key"]
         await self.emit({"status": "ready", "public_key": pk[:16] if pk else None})
+        self.deadline = time.monotonic() + self.max_duration  # the wait for a block hash had its own limit
         await self.emit({"status": "computing"})
         await self._compute()
         await self._finish()
@@ -321,7 +324,7 @@ class PooledSession:
     # ------------------------------------------------------------------------------------- compute
 
     async def _compute(self) -> None:
-        deadline = self.started + self.max_duration
+        deadline = self.deadline
         while self.end_reason is None:
             for line in self.announce:
                 await self.emit(line)
@@ -455,13 +458,12 @@ class PooledSession:
 
     async def _polls(self) -> None:
         interval = self.cfg.pooled_poll_interval
-        deadline = self.started + self.max_duration
         down = False
         while True:
             await asyncio.sleep(interval)
             if self.end_reason is not None:
                 return
-            if time.monotonic() >= deadline:
+            if self.deadline is not None and time.monotonic() >= self.deadline:
                 self.request_end("max_duration")
                 return
             r = await self.client.config()
