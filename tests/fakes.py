@@ -73,8 +73,11 @@ class FakeOrchestrator(LoopbackApp):
     drop_before_every == 0 -> dropped unprocessed. `reject_results` answers 500 to every result."""
 
     def __init__(self, *, fail_every: int = 0, drop_after_every: int = 0, drop_before_every: int = 0,
-                 port: int | None = None):
+                 port: int | None = None, batch_route: bool = True, shutdown_delay: float = 0.0):
         self.fail_every, self.drop_after_every, self.drop_before_every = fail_every, drop_after_every, drop_before_every
+        self.batch_route = batch_route  # False: no POST /results/batch (404), as a minimal orchestrator
+        self.shutdown_delay = shutdown_delay  # seconds /shutdown takes to answer, after recording the call
+        self.late: list[str] = []  # heartbeats and config polls that arrived after a /shutdown call
         self.connect_reply: dict = {"status": "wait"}
         self.ready_reply: dict = {}
         self.config: dict = {}
@@ -101,7 +104,8 @@ class FakeOrchestrator(LoopbackApp):
         app.router.add_get("/api/workers/{wid}/config", self._config)
         app.router.add_post("/api/workers/{wid}/ready", self._ready)
         app.router.add_post("/api/workers/{wid}/results", self._results)
-        app.router.add_post("/api/workers/{wid}/results/batch", self._results_batch)
+        if self.batch_route:
+            app.router.add_post("/api/workers/{wid}/results/batch", self._results_batch)
         app.router.add_post("/api/workers/{wid}/heartbeat", self._heartbeat)
         app.router.add_post("/api/workers/{wid}/shutdown", self._shutdown)
         return app
@@ -145,6 +149,8 @@ class FakeOrchestrator(LoopbackApp):
         return await self._post(request, p)
 
     async def _config(self, request):
+        if self.shutdowns:
+            self.late.append("config")
         if self.commands:
             reply = self.commands.popleft()
             self.served.append((time.monotonic(), reply))
@@ -192,6 +198,8 @@ class FakeOrchestrator(LoopbackApp):
 
     async def _heartbeat(self, request):
         async def p(body):
+            if self.shutdowns:
+                self.late.append("heartbeat")
             self.heartbeats.append(body)
             return {"status": "ok"}
         return await self._post(request, p)
@@ -199,6 +207,7 @@ class FakeOrchestrator(LoopbackApp):
     async def _shutdown(self, request):
         async def p(body):
             self.shutdowns.append(body)
+            await asyncio.sleep(self.shutdown_delay)
             return {"status": "ok"}
         return await self._post(request, p)
 

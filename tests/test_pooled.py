@@ -221,6 +221,131 @@ async def test_bad_params_from_the_orchestrator_end_the_session_with_a_clear_lin
 
 
 # --------------------------------------------------------------------------------------------------
+# what an orchestrator written against the reference may send or answer
+
+
+async def test_integer_valued_floats_and_an_empty_range_from_the_orchestrator(aiohttp_client, tmp_path, orch):
+    """An end below its start is an empty range (the reference's iterator yields nothing and the session lives
+    on), not an error; 7.0 and 29.0 (a Python orchestrator dividing a range) are the integers they equal."""
+    orch.connect_reply = {"status": "ok", "block_hash": BH, "block_height": 7.0, "params": PARAMS_A, "r_target": R}
+    orch.ready_reply = {"public_key": "key-A", "nonce_range_start": 10, "nonce_range_end": 9}
+    client, lines = await start_session(aiohttp_client, tmp_path, orch, {"batch_size": 10})
+    _, empty, i = await lines.wait(status("range_complete"), 20)
+    assert (empty["range_start"], empty["range_end"], empty["total_computed"]) == (10, 9, 0)
+    orch.commands.append({"type": "config", "nonce_range_start": 0.0, "nonce_range_end": 29.0})
+    _, done, _ = await lines.wait(lambda d: d.get("status") == "range_complete" and d["range_end"] == 29, 20, i + 1)
+    assert done["total_computed"] == 30
+    await wait_until(lambda: client.server.app[sender_key].pending == 0, 10, "results acknowledged")
+    orch.commands.append({"type": "shutdown"})
+    out = await lines.finish()
+    assert not [d for d in out if "error" in d], out
+    results = [d for d in out if is_result(d)]
+    assert covers_exactly(orch.spans("key-A"), 0, 29)
+    assert all(type(r["block_height"]) is int and r["block_height"] == 7 for r in results)
+    assert all(type(n) is int for r in results for n in r["nonces"] + [r["first_nonce"], r["last_nonce"]])
+    assert out[-1]["status"] == "shutdown"
+
+
+async def test_no_heartbeat_or_config_poll_once_shutdown_is_called(aiohttp_client, tmp_path):
+    """/shutdown stops the heartbeat (spec-v1 §4.3, call 7): an orchestrator that forgets a worker on /shutdown
+    must not see it beat again (or poll) while, or after, that call is answered."""
+    orch = FakeOrchestrator(shutdown_delay=1.0)
+    await orch.start()
+    try:
+        client, lines = await start_session(aiohttp_client, tmp_path, orch)
+        await lines.wait(status("waiting_block_hash"))
+        await wait_until(lambda: len(orch.heartbeats) >= 1, 5, "a heartbeat")
+        orch.commands.append({"type": "shutdown"})
+        out = await lines.finish()
+        await asyncio.sleep(0.5)
+    finally:
+        await orch.stop()
+    assert out[-1] == {"status": "shutdown"} and len(orch.shutdowns) == 1
+    assert orch.late == []
+
+
+async def test_an_orchestrator_without_results_batch_gets_every_result_singly(tmp_path):
+    """POST /results/batch answered 404 (an orchestrator that only implements /results, which is all the reference
+    needs while nothing fails): the backlog goes out one result at a time, nothing is dead-lettered."""
+    orch = FakeOrchestrator(batch_route=False)
+    await orch.start()
+    url = f"{orch.url}/api/workers/w1"
+    orch.reject_results = True
+    a = CallbackSender(timeout=2, backoff_base=0.05, backoff_max=0.2, spool_dir=str(tmp_path), refusal_limit=2)
+    await a.start()
+    try:
+        for i in range(6):
+            assert await a.put("results", url, {"idempotency_id": f"r{i}", "first_nonce": i, "last_nonce": i}, f"r{i}")
+        await asyncio.sleep(0.3)
+        orch.reject_results = False
+        assert await a.flush(10) == 0
+    finally:
+        await a.close(0.1)
+        await orch.stop()
+    assert a.dead_lettered == 0 and sorted(orch.accepted) == [f"r{i}" for i in range(6)]
+
+
+async def test_key_and_r_target_during_the_model_load_then_a_new_block_hash_mid_range(aiohttp_client, tmp_path,
+                                                                                    orch):
+    """The key and r_target come in a "compute" command served while the model loads (the ready reply carries only
+    the range); later a config with a new block hash is a new job: the range restarts on the new block's model."""
+    import hashlib
+
+    import numpy as np
+
+    from poc.protocol.v1 import V1Params
+    from poc.server.app import engine_key
+
+    bh2 = hashlib.sha256(b"next block").hexdigest()
+    orch.connect_reply = {"status": "ok", "block_hash": BH, "block_height": 7, "params": PARAMS_A}
+    orch.ready_reply = {"nonce_range_start": 0, "nonce_range_end": 10 ** 6}
+    orch.commands.append({"type": "compute", "public_key": "key-A", "r_target": R})
+    client = await aiohttp_client(create_app(pooled_config(tmp_path)))
+    await wait_status(client)
+    eng = client.server.app[engine_key]
+    build = eng.v1_compute
+
+    def slow_build(*a):  # the first build outlasts a few polls: the command is served meanwhile
+        if not orch.served:
+            time.sleep(3 * POLL)
+        return build(*a)
+
+    eng.v1_compute = slow_build
+    lines = Lines(await client.post("/pooled", json={"orchestrator_url": orch.url, "batch_size": 10}))
+    _, ready, i = await lines.wait(status("ready"), 20)
+    assert orch.served and ready["public_key"] == "key-A"
+    _, first, i = await lines.wait(is_result, 20, i)
+    assert (first["public_key"], first["block_hash"], first["block_height"]) == ("key-A", BH, 7)
+    orch.commands.append({"type": "config", "block_hash": bh2, "block_height": 8})
+    _, job, j = await lines.wait(status("new_job"), 10, i)
+    assert (job["block_hash"], job["block_height"], job["range_start"]) == (bh2[:16], 8, 0)
+    _, r2, _ = await lines.wait(lambda d: is_result(d) and d["block_hash"] == bh2 and d["nonces"], 30, j)
+    orch.commands.append({"type": "shutdown"})
+    out = await lines.finish()
+    assert not any(d.get("status") == "r_target_default" or "error" in d for d in out), out
+    new = [d for d in out if is_result(d) and d["block_hash"] == bh2]
+    assert new[0]["first_nonce"] == 0 and new[0]["batch_number"] == 1 and new[0]["block_height"] == 8
+    assert all(x < R for d in out if is_result(d) for x in d["dist"])
+    want = eng.v1_distances(V1Params.from_json(PARAMS_A), bh2, "key-A", r2["nonces"], "float16")
+    np.testing.assert_allclose(r2["dist"], want, rtol=1e-3)  # computed on the new block's model
+
+
+async def test_the_compute_window_starts_with_computing_not_at_registration(aiohttp_client, tmp_path, orch):
+    """The reference waits up to 600 s for a block hash, then computes for up to 600 s: a worker registered early
+    (a warm pool waiting for the PoC phase) still gets its whole window once the block hash comes."""
+    orch.ready_reply = {"public_key": "key-A", "nonce_range_start": 0, "nonce_range_end": 10 ** 6}
+    client, lines = await start_session(aiohttp_client, tmp_path, orch, {"batch_size": 10, "max_duration": 2.0})
+    await lines.wait(status("waiting_block_hash"))
+    await asyncio.sleep(2.5)  # longer than max_duration
+    orch.config = {"type": "config", "block_hash": BH, "block_height": 7, "params": PARAMS_A, "r_target": R}
+    t_computing, _, _ = await lines.wait(status("computing"), 20)
+    t_stop, stop, _ = await lines.wait(status("stopping"), 20)
+    out = await lines.finish()
+    assert stop["reason"] == "max_duration" and 1.5 < t_stop - t_computing < 5, t_stop - t_computing
+    assert any(is_result(d) for d in out) and out[-1]["status"] == "shutdown"
+
+
+# --------------------------------------------------------------------------------------------------
 # kill -9 and the spool
 
 

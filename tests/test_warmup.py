@@ -126,3 +126,35 @@ async def test_params_arriving_after_the_client_went_start_no_job(tmp_path, capl
     assert len(ctl.polls) == 2
     assert not [m for m in msgs if m.startswith("job started")], msgs
     assert any("went away" in m and "params" in m for m in msgs), msgs
+
+
+async def test_a_controllers_integer_job_id_is_echoed_as_given(client):
+    """The reference takes job_id as it comes (data.get("job_id", "unknown")): a controller's integer id is in the
+    ready line and the /warmup/complete body as that integer, and in the poll's query string."""
+    ctl = FakeController(params=v1_request(batch_size=4, max_nonces=8), ready_after=0)
+    await ctl.start()
+    try:
+        r = await client.post("/warmup", json={"callback_url": ctl.url, "job_id": 42})
+        assert r.status == 200, await r.text()
+        out = Lines(r)
+        lines = await out.finish(20)
+        await out.wait(lambda d: d.get("status") == "warmup_complete_sent", 10)
+    finally:
+        await ctl.stop()
+    assert lines[0] == {"status": "warmup_ready", "job_id": 42}
+    assert [job_id for _, job_id in ctl.polls] == ["42"]
+    assert ctl.completes[0][1]["job_id"] == 42
+
+
+async def test_warmup_waiting_lines_keep_the_reference_keys_first(client):
+    """{"status", "poll_count", "elapsed"} in that order, whatever this server adds after them (a 404 here)."""
+    ctl = FakeController(params=None)
+    await ctl.start()
+    try:
+        r = await client.post("/warmup", json={"callback_url": ctl.url + "/elsewhere"})  # GET .../warmup/params: 404
+        out = Lines(r)
+        _, w, _ = await out.wait(status("warmup_waiting"))
+        r.close()
+    finally:
+        await ctl.stop()
+    assert list(w)[:3] == ["status", "poll_count", "elapsed"] and w["http_status"] == 404

@@ -20,9 +20,10 @@ dead-letter.jsonl in the spool directory (one JSON line: id, kind, url, status, 
 never replayed, kept for an operator), with one ERROR line naming kind, id, url and status, and counted as
 poc_callbacks_total{outcome="dead_letter"} and poc_errors_total{kind="callback_dead_letter"}; without a spool
 directory only the line and the counts remain. Several pending orchestrator results for one worker go out as
-one POST {url}/results/batch. Memory holds, per pending record, its id, kind, url and disk position (spool) or
-its payload (memory mode), and `max_pending` bounds the count: a payload refused at that bound is counted and
-logged, not lost silently. What is pending at exit stays in the spool for the next start.
+one POST {url}/results/batch (one at a time to an orchestrator whose batch route answers 404, 405 or 501).
+Memory holds, per pending record, its id, kind, url and disk position (spool) or its payload (memory mode), and
+`max_pending` bounds the count: a payload refused at that bound is counted and logged, not lost silently.
+What is pending at exit stays in the spool for the next start.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ KINDS = {"generated": None, "validated": None, "warmup/complete": None, "results
 BATCH_KIND = "results"  # several pending of this kind to one url go out as {url}/results/batch
 WARN_EVERY = 5.0  # seconds between failure lines per url
 RETRYABLE_4XX = {408, 409, 425, 429}  # timeout, conflict, too early, too many requests: worth another try
+NO_ROUTE = {404, 405, 501}  # what a POST {url}/results/batch gets from an orchestrator that lacks that route
 
 
 def permanent(status: int | None) -> bool:
@@ -103,6 +105,7 @@ class CallbackSender:
         self._running = False
         self._warned: dict[tuple, float] = {}
         self._failed: dict[tuple, int] = {}
+        self._no_batch: set[str] = set()  # urls whose /results/batch is missing: their results go out singly
 
     # ------------------------------------------------------------------------------------- life cycle
 
@@ -281,7 +284,8 @@ class CallbackSender:
         taken: the reference posts an interval's batches as one)."""
         first = self._ready.popleft()
         group = [first]
-        if (first.kind == BATCH_KIND or first.merge is not None) and self._ready:
+        batch = first.kind == BATCH_KIND and first.url not in self._no_batch
+        if (batch or first.merge is not None) and self._ready:
             rest = deque()
             cap = self.batch_max if first.merge is None else self.merge_max
             while self._ready and len(group) < cap:
@@ -305,6 +309,16 @@ class CallbackSender:
             ok, why, status = await self._post(group, bodies)
             if ok:
                 await self._acknowledge(group)
+                continue
+            if status in NO_ROUTE and len(group) > 1 and group[0].kind == BATCH_KIND and group[0].merge is None:
+                # the reference needs /results/batch only after a failure, so an orchestrator may lack it: one at
+                # a time from now on (not a refusal of these results)
+                url = group[0].url
+                if url not in self._no_batch:
+                    self._no_batch.add(url)
+                    log.warning("%s/results/batch answered HTTP %d: results to it go out one at a time", url, status)
+                self._ready.extendleft(reversed(group))
+                self._wake.set()
                 continue
             if permanent(status):
                 for item in group:

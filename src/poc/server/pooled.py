@@ -3,9 +3,10 @@ batch is a result delivered to it exactly once, and the NDJSON stream reports ea
 
     POST /pooled {"orchestrator_url": "http://...", ["batch_size": 100], ["max_duration": 600], ["dtype": "float16"]}
 
-Session: connect (with retry) -> poll GET config every pooled_poll_interval until a block_hash arrives -> build
-the model -> ready (with retry) -> compute the assigned range, batch by batch, until "shutdown", max_duration or
-the server stops -> flush -> /shutdown {"stats"}. Fixed against the reference (spec-v1 §6):
+Session: connect (with retry) -> poll GET config every pooled_poll_interval until a block_hash arrives (up to
+pooled_wait_timeout) -> build the model -> ready (with retry) -> compute the assigned range, batch by batch, until
+"shutdown", max_duration (counted from "computing", as the reference's compute loop) or the server stops -> flush
+-> /shutdown {"stats"}. Fixed against the reference (spec-v1 §6):
 - F1b: every nonce of the range is computed, exactly once (the engine's iterator is the range; a job stopped for
   a command resumes with the nonces not yet computed: with replicas, results arrive out of order and a stop
   drops batches dealt but not launched, so "after the last result" would skip some and repeat others);
@@ -56,6 +57,7 @@ MERGE_KEYS = ("block_hash", "block_height", "r_target", "params", "public_key", 
               "nonce_range_end", "batch_size", "poc_stronger_rng")
 DEFAULTS = {"block_hash": "", "block_height": 0, "r_target": 0.0, "params": {}, "public_key": "",
             "nonce_range_start": 0, "nonce_range_end": 0}
+INT_KEYS = ("block_height", "nonce_range_start", "nonce_range_end", "batch_size")  # 7.0 is taken as 7
 GPU_COUNT = 1  # one engine: the server's device (replicas are the parallel engine's business)
 
 
@@ -147,6 +149,7 @@ class PooledSession:
         self.runner: JobRunner | None = None
         self._last_runner: JobRunner | None = None
         self._bg: set[asyncio.Task] = set()
+        self._tasks: list[asyncio.Task] = []  # the heartbeat and the config polls
         self._conf_seen = ""
         self.end_reason: str | None = None
         self.changed = asyncio.Event()
@@ -154,6 +157,7 @@ class PooledSession:
         self.ended = asyncio.Event()  # request_end was called: retried calls stop waiting
         self.r_target_warned = False
         self.started = time.monotonic()
+        self.deadline: float | None = None  # max_duration counts from "computing", as the reference's compute loop
         self._lock = asyncio.Lock()
         self.client: OrchestratorClient | None = None
         self.w: NdjsonWriter | None = None
@@ -205,7 +209,21 @@ class PooledSession:
     async def _end_early(self) -> None:
         """The session ended before computing anything: say so, and still tell the orchestrator (F15)."""
         await self.emit({"status": "shutdown"})
-        await self.client.shutdown(self._stats(), retry=self.end_reason != "server_shutdown")
+        await self._shutdown(self._stats(), retry=self.end_reason != "server_shutdown")
+
+    async def _stop_background(self) -> None:
+        """End the heartbeat, the config polls and any range_complete heartbeat in flight."""
+        me = asyncio.current_task()
+        tasks = [t for t in (*self._tasks, *self._bg) if t is not me]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _shutdown(self, stats: dict, retry: bool = True) -> None:
+        """POST /shutdown once nothing else goes to the orchestrator: the reference stops its heartbeat there, and an
+        orchestrator that forgets the worker on /shutdown must not see it beat (or poll) again."""
+        await self._stop_background()
+        await self.client.shutdown(stats, retry=retry)
 
     @property
     def elapsed(self) -> float:
@@ -216,7 +234,7 @@ class PooledSession:
     async def run(self, w: NdjsonWriter) -> None:
         self.w = w
         c = self.cfg
-        tasks: list[asyncio.Task] = []
+        tasks = self._tasks
         async with OrchestratorClient(self.url, self.worker_id, timeout=c.orchestrator_timeout,
                                       retries=c.orchestrator_retries, retry_base=c.orchestrator_retry_base) as client:
             self.client = client
@@ -229,7 +247,7 @@ class PooledSession:
                 if not r.ok:
                     await self.emit({"error": "Failed to register with orchestrator", "error_type": "ConnectionError",
                                      "detail": r.error})
-                    await client.shutdown({"error": f"registration failed: {r.error}"}, retry=False)  # F15
+                    await self._shutdown({"error": f"registration failed: {r.error}"}, retry=False)  # F15
                     return
                 self._merge(r.data)
                 tasks.append(asyncio.create_task(self._heartbeats(), name=f"pooled-heartbeat-{self.worker_id[:8]}"))
@@ -242,10 +260,7 @@ class PooledSession:
                 log.warning("pooled %s failed %s", self.worker_id[:8], describe(e))
                 await self._fail(str(e), type(e).__name__)
             finally:
-                tasks += self._bg
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await self._stop_background()
                 if self.runner is not None:
                     self.runner.stop("stopped")
 
@@ -257,7 +272,7 @@ class PooledSession:
                 await asyncio.wait_for(self.got_block_hash.wait(), c.pooled_wait_timeout)
             except asyncio.TimeoutError:
                 await self.emit({"status": "timeout", "message": "No block_hash received"})
-                await self.client.shutdown({"reason": "timeout_waiting_block_hash"})
+                await self._shutdown({"reason": "timeout_waiting_block_hash"})
                 return
         if self.end_reason is not None:  # "shutdown" while waiting: still tell the orchestrator (F15)
             await self._end_early()
@@ -280,6 +295,7 @@ class PooledSession:
             raise self.bad_config
         pk = self.conf["public_key"]
         await self.emit({"status": "ready", "public_key": pk[:16] if pk else None})
+        self.deadline = time.monotonic() + self.max_duration  # the wait for a block hash had its own limit
         await self.emit({"status": "computing"})
         await self._compute()
         await self._finish()
@@ -303,12 +319,12 @@ class PooledSession:
             line["fatal"] = True  # the line goes out; the process stays up and /health says broken (F4)
         await self.emit(line)
         if self.client is not None:
-            await self.client.shutdown({"error": message}, retry=self.end_reason != "server_shutdown")
+            await self._shutdown({"error": message}, retry=self.end_reason != "server_shutdown")
 
     # ------------------------------------------------------------------------------------- compute
 
     async def _compute(self) -> None:
-        deadline = self.started + self.max_duration
+        deadline = self.deadline
         while self.end_reason is None:
             for line in self.announce:
                 await self.emit(line)
@@ -427,7 +443,7 @@ class PooledSession:
         left = await self.sender.flush_url(self.client.worker_url,
                                            c.shutdown_flush_seconds if server_down else c.pooled_flush_seconds)
         stats = self._stats()
-        await self.client.shutdown(stats, retry=not server_down)
+        await self._shutdown(stats, retry=not server_down)
         line = {"status": "shutdown", "total_batches_sent": stats["total_batches_sent"],
                 "session_duration": stats["session_duration"]}
         if left:
@@ -442,13 +458,12 @@ class PooledSession:
 
     async def _polls(self) -> None:
         interval = self.cfg.pooled_poll_interval
-        deadline = self.started + self.max_duration
         down = False
         while True:
             await asyncio.sleep(interval)
             if self.end_reason is not None:
                 return
-            if time.monotonic() >= deadline:
+            if self.deadline is not None and time.monotonic() >= self.deadline:
                 self.request_end("max_duration")
                 return
             r = await self.client.config()
@@ -472,7 +487,10 @@ class PooledSession:
             return  # {} or null: nothing to merge (as the reference)
         for k in MERGE_KEYS:
             if k in data and data[k] is not None:
-                self.conf[k] = data[k]
+                v = data[k]
+                if k in INT_KEYS and isinstance(v, float) and v.is_integer():
+                    v = int(v)  # a Python orchestrator's division (as params' integer fields already are)
+                self.conf[k] = v
         if "nonce_range_start" in data or "nonce_range_end" in data:
             self.range_given = True
         if self.conf["block_hash"]:
@@ -555,8 +573,9 @@ class PooledSession:
             p = schemas.parse_v2_params(params, served_model(self.app))
             r_target = 0.0
         start = schemas.get_int(c, "nonce_range_start", lo=0, hi=schemas.MAX_NONCE)
-        end = schemas.get_int(c, "nonce_range_end", lo=start, hi=schemas.MAX_NONCE,
-                              what=" (nonce_range_start: both ends are inclusive)")
+        # both ends are inclusive; an end below the start is an empty range (the reference's iterator yields
+        # nothing and the session goes on): reported as complete at once, and the session waits for another
+        end = schemas.get_int(c, "nonce_range_end", hi=schemas.MAX_NONCE)
         bs = self._batch_size()
         if proto == "v1":
             check_v1_memory(self.app, p, bs, self.dtype)

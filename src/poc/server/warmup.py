@@ -54,7 +54,11 @@ async def warmup(request: web.Request) -> web.StreamResponse:
         raise InputError("callback_url is required", "callback_url")
     schemas.check_keys(body, {"callback_url"}, {"job_id"})
     cb = schemas.get_url(body, "callback_url").rstrip("/")
-    job_id = schemas.get_str(body, "job_id", default="unknown")
+    job_id = body.get("job_id")
+    if job_id is None:
+        job_id = "unknown"
+    elif isinstance(job_id, bool) or not isinstance(job_id, (str, int)):  # as the reference: echoed as given
+        raise InputError(f"job_id must be a string or an integer, got {job_id!r}", "job_id")
     stop = asyncio.Event()
     app[warmups_key].add(stop)
     w = NdjsonWriter(request)
@@ -70,7 +74,7 @@ async def warmup(request: web.Request) -> web.StreamResponse:
     return w.resp
 
 
-async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: str, stop: asyncio.Event):
+async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: str | int, stop: asyncio.Event):
     """The /generate request once the controller has it; None after a timeout, a shutdown or a gone client."""
     cfg = app[config_key]
     t0 = time.monotonic()
@@ -82,7 +86,7 @@ async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: s
                 await w.write({"status": "warmup_timeout", "elapsed": round(elapsed, 3)})
                 return None
             polls += 1
-            line = {"status": "warmup_waiting", "poll_count": polls}
+            line = {"status": "warmup_waiting", "poll_count": polls, "elapsed": 0.0}  # the reference's keys first
             try:
                 async with http.get(f"{cb}/warmup/params", params={"job_id": job_id}) as r:
                     raw = await r.read()
@@ -106,7 +110,8 @@ async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: s
                                 return data["params"]
                             line["detail"] = "status ready without a params object"
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                line = {"status": "warmup_callback_unreachable", "error": describe(e), "poll_count": polls}
+                line = {"status": "warmup_callback_unreachable", "poll_count": polls, "elapsed": 0.0,
+                        "error": describe(e)}
                 if polls == 1 or polls % 10 == 0:
                     log.info("warmup %s: callback %s unreachable %s", job_id, cb, describe(e))
             line["elapsed"] = round(time.monotonic() - t0, 3)
@@ -122,7 +127,7 @@ async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: s
                 pass
 
 
-async def _generate(app: web.Application, w: NdjsonWriter, cb: str, job_id: str, body: dict) -> None:
+async def _generate(app: web.Application, w: NdjsonWriter, cb: str, job_id: str | int, body: dict) -> None:
     """The /generate logic on the stream that is already open: failures are lines."""
     cfg = app[config_key]
     try:
