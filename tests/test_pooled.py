@@ -726,3 +726,22 @@ def test_computed_spans_gaps_and_a_batch_straddling_them():
                       artifacts=[{"nonce": 1}, {"nonce": 9}], dropped=[2])
     assert [(p.artifacts, p.dropped) for p in split_runs(v2b)] == [([{"nonce": 1}], [2]), ([{"nonce": 9}], [])]
     assert split_runs(b)[0] is not b and split_runs(parts[0]) == [parts[0]]
+
+
+async def test_a_plain_config_still_serving_the_first_key_does_not_undo_a_switch_job(aiohttp_client, tmp_path, orch):
+    """The reference moves the key only on "switch_job"/"compute": an orchestrator whose plain config keeps the first
+    key after a one-shot switch_job must not switch the worker back."""
+    orch.connect_reply = {"status": "ok", "block_hash": BH, "block_height": 7, "params": PARAMS_A, "r_target": R}
+    orch.ready_reply = {"public_key": "key-A", "nonce_range_start": 0, "nonce_range_end": 10 ** 6}
+    orch.config = {"type": "config", "block_hash": BH, "public_key": "key-A"}  # served on every plain poll
+    client, lines = await start_session(aiohttp_client, tmp_path, orch, {"batch_size": 10})
+    _, _, i = await lines.wait(is_result, 20)
+    orch.commands.append({"type": "switch_job", "public_key": "key-B"})
+    _, _, j = await lines.wait(status("switched_public_key"), 10, i)
+    await asyncio.sleep(4 * POLL)  # a few plain polls, each still naming key-A
+    _, _, k = await lines.wait(is_result, 10, len(lines.lines()))
+    orch.commands.append({"type": "shutdown"})
+    out = await lines.finish()
+    after = [d for d in out[j + 1:] if is_result(d)]
+    assert after and {d["public_key"] for d in after} == {"key-B"}, {d["public_key"] for d in after}
+    assert not any(d.get("status") in ("public_key_set", "switched_public_key") for d in out[j + 1:])

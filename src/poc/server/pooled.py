@@ -17,8 +17,8 @@ pooled_wait_timeout) -> build the model -> ready (with retry) -> compute the ass
 - F5: nothing is dropped: the batch in flight when a job stops is sent, the final flush waits (bounded) for the
   acknowledgements, and what is still unacknowledged stays in the spool;
 - F7: commands and config changes apply within one poll interval: "switch_job" (restart the range under the new
-  key), "compute"/a new public_key alone (continue the range under it), a new block_hash/params/r_target/range (a
-  new job), "shutdown"; an exhausted range is reported ({"status": "range_complete"}, and in the next heartbeat)
+  key), "compute" with a new public_key (continue the range under it; a key in a plain config is only taken before
+  the first job, as the reference), a new block_hash/params/r_target/range (a new job), "shutdown"; an exhausted range is reported ({"status": "range_complete"}, and in the next heartbeat)
   and the session waits for a new one; a missing r_target takes the chain default instead of 0 (which kept
   every result empty);
 - F15: every ending calls /shutdown, including "shutdown" while waiting and a failed registration.
@@ -58,6 +58,7 @@ MERGE_KEYS = ("block_hash", "block_height", "r_target", "params", "public_key", 
 DEFAULTS = {"block_hash": "", "block_height": 0, "r_target": 0.0, "params": {}, "public_key": "",
             "nonce_range_start": 0, "nonce_range_end": 0}
 INT_KEYS = ("block_height", "nonce_range_start", "nonce_range_end", "batch_size")  # 7.0 is taken as 7
+KEY_COMMANDS = ("switch_job", "compute")  # the config commands that move the public key once computing
 GPU_COUNT = 1  # one engine: the server's device (replicas are the parallel engine's business)
 
 
@@ -501,6 +502,11 @@ class PooledSession:
         if not data or not isinstance(data, dict):
             return
         typ = data.get("type")
+        if self.assignment is not None and typ not in KEY_COMMANDS and "public_key" in data:
+            # as the reference: a key in a plain config is merged but never applied while computing (only the
+            # commands move the key), so an orchestrator that keeps serving the first key after a switch_job
+            # does not switch the worker back
+            data = {k: v for k, v in data.items() if k != "public_key"}
         self._merge(data)
         if typ == "shutdown":
             self.request_end("shutdown_command")
@@ -532,7 +538,7 @@ class PooledSession:
                 self.finished.discard(new.work)
                 self.counters_for = None
                 self.announce.append({"status": "switched_public_key", "public_key": new.public_key[:16]})
-            else:  # "compute", or a key in a plain config: go on with the range under it
+            else:  # "compute": go on with the range under the new key
                 self.announce.append({"status": "public_key_set", "public_key": new.public_key[:16]})
         elif (new.block_hash, new.params_key) == (cur.block_hash, cur.params_key) and new.r_target == cur.r_target:
             self.announce.append({"status": "new_range", "range_start": new.range_start, "range_end": new.range_end})
