@@ -24,11 +24,19 @@ one POST {url}/results/batch (one at a time to an orchestrator whose batch route
 Memory holds, per pending record, its id, kind, url and disk position (spool) or its payload (memory mode), and
 `max_pending` bounds the count: a payload refused at that bound is counted and logged, not lost silently.
 What is pending at exit stays in the spool for the next start.
+
+When the spool's disk fails (ENOSPC, EIO, a deleted or read-only directory) a record is kept in memory instead
+(still bounded by `max_pending`, so a producer is refused and stops once that fills) and sent from there: one
+WARNING when the spool starts failing and one line when it works again (not one per record), the state in
+`spool_error` (GET /health's "spool") and in poc_spool_ok / poc_errors_total{kind="spool_write"}. Every append
+tries the disk again; the first that succeeds writes the memory-only records back to the spool, so they are
+durable again. Records still memory-only at exit are counted in the shutdown warning: they are lost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -106,6 +114,8 @@ class CallbackSender:
         self._warned: dict[tuple, float] = {}
         self._failed: dict[tuple, int] = {}
         self._no_batch: set[str] = set()  # urls whose /results/batch is missing: their results go out singly
+        self.spool_error: str | None = None  # why the spool last failed, None while it works
+        self._respooling = False
 
     # ------------------------------------------------------------------------------------- life cycle
 
@@ -115,7 +125,12 @@ class CallbackSender:
         self._idle.set()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="poc-spool")  # one thread: appends stay in order
         if self.spool is not None:
-            for e in await self._run_io(self.spool.open):
+            try:
+                found = await self._run_io(self.spool.open)
+            except OSError as e:  # the directory cannot even be listed: serve, from memory, and say so
+                found = []
+                self._spool_failed(e)
+            for e in found:
                 item = _Item(e.kind, e.url, e.id, entry=e, merge=e.merge)  # held ones too: their owner is gone
                 self._items[item.key] = item
                 self._ready.append(item)
@@ -132,8 +147,13 @@ class CallbackSender:
         left = await self.flush(timeout)
         self._running = False
         if left:
+            lost = self.memory_only if self.spool else left
             where = f"they stay in {self.spool.dir} and are re-sent after a restart" if self.spool else "memory only"
-            log.warning("%d callback payload(s) still undelivered at shutdown (%s)", left, where)
+            if self.spool and lost:
+                where = (f"{left - lost} stay in {self.spool.dir} and are re-sent after a restart; {lost} were kept "
+                         f"in memory only (the spool failed: {self.spool_error}) and are lost")
+            (log.error if lost else log.warning)("%d callback payload(s) still undelivered at shutdown (%s)", left,
+                                                 where)
         for t in self._timers:
             t.cancel()
         for w in self._workers:
@@ -204,11 +224,18 @@ class CallbackSender:
             if self.spool is not None:
                 try:
                     item.entry = await self._run_io(self.spool.append, idempotency_id, kind, url, payload, merge)
-                except (OSError, TypeError, ValueError) as e:  # disk full, unserialisable: send from memory
+                except OSError as e:  # disk full, EIO, directory gone: send from memory (bounded by max_pending)
+                    item.payload = payload
+                    self._count(kind, "spool_error")
+                    self._spool_failed(e)
+                except (TypeError, ValueError) as e:  # unserialisable: this record only
                     item.payload = payload
                     self._count(kind, "spool_error")
                     log.warning("spool write failed %s: %s %s is sent from memory only", describe(e), kind,
                                 idempotency_id)
+                else:
+                    if self.spool_error is not None:
+                        self._spool_recovered()
             else:
                 item.payload = payload
         finally:
@@ -219,6 +246,56 @@ class CallbackSender:
             return
         self._ready.append(item)
         self._wake.set()
+
+    # ---------------------------------------------------------------------------------- spool faults
+
+    @property
+    def memory_only(self) -> int:
+        """Pending records that are not on disk (the spool failed when they were taken)."""
+        return sum(1 for i in self._items.values() if i.entry is None) if self.spool is not None else 0
+
+    def _spool_failed(self, e: OSError) -> None:
+        """One WARNING when the spool starts failing, not one per record."""
+        if self.metrics is not None:
+            self.metrics.error("spool_write")
+            self.metrics.spool_ok.set(0)
+        if self.spool_error is None:
+            log.warning("spool %s failed %s: results and callbacks are kept in memory (at most %d pending, then "
+                        "producers are refused) and are lost if the process dies; every new record tries the disk "
+                        "again", self.spool.dir, describe(e), self.max_pending)
+        self.spool_error = f"{type(e).__name__}: {e}"
+
+    def _spool_recovered(self) -> None:
+        """The disk works again: say so once, and write the memory-only records back to the spool."""
+        log.info("spool %s works again (after: %s); writing %d memory-only record(s) back to it", self.spool.dir,
+                 self.spool_error, self.memory_only)
+        self.spool_error = None
+        if self.metrics is not None:
+            self.metrics.spool_ok.set(1)
+        if not self._respooling:
+            self._respooling = True
+            t = asyncio.get_running_loop().create_task(self._respool())
+            self._stores.add(t)
+            t.add_done_callback(self._stores.discard)
+
+    async def _respool(self) -> None:
+        try:
+            for item in [i for i in self._items.values() if i.entry is None and i.payload is not None]:
+                try:
+                    entry = await self._run_io(self.spool.append, item.idempotency_id, item.kind, item.url,
+                                               item.payload, item.merge)
+                except OSError as e:
+                    self._spool_failed(e)
+                    return
+                except (TypeError, ValueError):
+                    continue
+                if self._items.get(item.key) is item:
+                    item.entry = entry  # the payload stays too: a send in progress may have read it already
+                else:  # delivered meanwhile
+                    with contextlib.suppress(OSError):
+                        await self._run_io(self.spool.ack, [entry])
+        finally:
+            self._respooling = False
 
     # -------------------------------------------------------------------------------------- status
 
@@ -371,7 +448,16 @@ class CallbackSender:
             try:
                 await self._run_io(self.spool.ack, entries)
             except OSError as e:  # delivered all the same; a restart would send it once more (idempotent)
-                log.warning("spool ack write failed %s", describe(e))
+                now = time.monotonic()
+                if now - self._warned.get("ack", float("-inf")) >= WARN_EVERY:  # not one line per record
+                    self._warned["ack"] = now
+                    log.warning("spool ack write failed %s: a restart may send those records once more", describe(e))
+                if self.metrics is not None:
+                    self.metrics.error("spool_ack")
+        late = [i.entry for i in group if i.entry is not None and i.entry not in entries]  # re-spooled meanwhile
+        if late:
+            with contextlib.suppress(OSError):
+                await self._run_io(self.spool.ack, late)
         for i in group:
             if self._items.pop(i.key, None) is not None:
                 self._add(-1)

@@ -18,11 +18,21 @@ segment whose records are all acknowledged is deleted with its ack file, so the 
 plus at most one segment. Memory holds, per pending record, its id, kind, url and where it lies on disk (never
 the payload: `read()` fetches it when it is sent). A torn last line (a crash mid-write) is skipped.
 
+Disk faults: an append that fails (ENOSPC, EIO on write or fsync, the segment unlinked under us) raises, and the
+segment is retired: its torn or unsynced tail is truncated away where possible and the next append starts a
+fresh segment (recreating a deleted directory), so no later record is written at an offset the spool does not
+know. An ack that cannot be written still counts in memory (a closed segment with nothing pending is deleted all
+the same; otherwise a restart re-sends the record once). A segment file that cannot be read at start is logged
+and left in place, untouched; a directory where no segment can be created at start leaves the spool open for
+reading, and every later append tries again. Pending records stay readable from descriptors held open, also
+after their file was deleted.
+
 Not thread-safe by design: the CallbackSender calls it from one I/O thread only.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -69,7 +79,9 @@ class Spool:
         self._cur: _Segment | None = None
         self._fd: int | None = None  # the current segment, O_APPEND
         self._offset = 0
-        self._read_fds: dict[int, int] = {}
+        self._read_fds: dict[int, int] = {}  # segment -> a descriptor for read() (the current one's is self._fd)
+        self._next = 1  # the next segment number
+        self._opened = False
 
     # ------------------------------------------------------------------------------------------ paths
 
@@ -82,17 +94,26 @@ class Spool:
     # ------------------------------------------------------------------------------------------- open
 
     def open(self) -> list[Entry]:
-        """Create the directory, read what an earlier process left, and return its unacknowledged records."""
+        """Create the directory, read what an earlier process left, and return its unacknowledged records.
+        Raises OSError only when the directory itself cannot be listed; an unreadable segment is skipped (logged)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         pending: list[Entry] = []
         seen: set[tuple[str, str]] = set()
         numbers = sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _SEG.match(p.name)))
+        self._next = (numbers[-1] + 1) if numbers else 1
+        self._opened = True
         for n in numbers:
+            try:
+                entries = self._scan(n)
+                acked_ids, acked_at = self._read_acks(n)
+            except OSError as e:  # EACCES, EIO: leave it for an operator; never delete what we could not read
+                log.error("spool %s cannot be read (%s: %s): left in place, its records are not replayed",
+                          self._rec_path(n).name, type(e).__name__, e)
+                continue
             seg = _Segment(n, closed=True)
             self._segs[n] = seg
-            acked_ids, acked_at = self._read_acks(n)
             dup: list[int] = []
-            for e in self._scan(n):
+            for e in entries:
                 seg.records += 1
                 if e.offset in acked_at or e.id in acked_ids:
                     continue
@@ -103,9 +124,20 @@ class Spool:
                     seg.unacked.add(e.offset)
                     pending.append(e)
             if dup:
-                self._write_acks(n, dup)
+                try:
+                    self._write_acks(n, dup)
+                except OSError:
+                    pass  # the duplicate is replayed once more next time; the idempotency id absorbs it
+            if seg.unacked:
+                try:  # hold it open: its pending records stay readable even if the file is deleted meanwhile
+                    self._read_fds[n] = os.open(self._rec_path(n), os.O_RDONLY)
+                except OSError:
+                    pass
             self._maybe_delete(seg)
-        self._new_segment((numbers[-1] + 1) if numbers else 1)
+        try:
+            self._new_segment(self._next)
+        except OSError as e:  # a read-only or full disk: replay what is there; append() tries again
+            log.error("spool %s: no new segment can be created (%s: %s)", self.dir, type(e).__name__, e)
         return pending
 
     def _scan(self, n: int) -> list[Entry]:
@@ -143,31 +175,60 @@ class Spool:
         return ids, offsets
 
     def _new_segment(self, n: int) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._cur.closed = True
-            self._maybe_delete(self._cur)
+        """Retire the current segment and start segment n (at least): raises OSError, the old one retired, when
+        the file cannot be created (the next append tries again with a higher number)."""
+        self._retire()
+        n = max(n, self._next)
+        self._next = n + 1  # a failed attempt burns its number: a half-created file is never appended to blindly
+        self.dir.mkdir(parents=True, exist_ok=True)  # deleted while we ran: recreate it
+        fd = os.open(self._rec_path(n), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            offset = os.fstat(fd).st_size
+        except OSError:
+            os.close(fd)
+            raise
         self._cur = self._segs[n] = _Segment(n)
-        self._fd = os.open(self._rec_path(n), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._offset = os.fstat(self._fd).st_size
+        self._fd, self._offset = fd, offset
+        self._read_fds[n] = fd  # the same descriptor serves read(): pending records survive an unlink
         _fsync_dir(self.dir)  # the new file's name is durable too
+
+    def _retire(self) -> None:
+        """Stop appending to the current segment (its descriptor stays open for reads while records are pending)."""
+        if self._fd is None:
+            return
+        self._fd = None
+        self._cur.closed = True
+        self._maybe_delete(self._cur)
 
     # --------------------------------------------------------------------------------------- records
 
     def append(self, id: str, kind: str, url: str, payload, merge: str | None = None) -> Entry:
         """Write one record and fsync it; the caller sends only after this returned."""
-        if self._fd is None:
+        if not self._opened:
             raise RuntimeError("spool is not open")
-        if self._cur.records >= self.segment_records:
-            self._new_segment(self._cur.n + 1)
+        if self._fd is None or self._cur.records >= self.segment_records:
+            self._new_segment(self._next)
         created = time.time()
         rec = {"id": id, "kind": kind, "url": url, "payload": payload, "created": created}
         if merge is not None:
             rec["merge"] = merge
         line = json.dumps(rec, separators=(",", ":")).encode() + b"\n"
         off = self._offset
-        _write_all(self._fd, line)
-        os.fsync(self._fd)
+        try:
+            _write_all(self._fd, line)
+            os.fsync(self._fd)
+            if os.fstat(self._fd).st_nlink == 0:
+                raise FileNotFoundError(errno.ENOENT, "the spool segment was deleted while in use",
+                                        str(self._rec_path(self._cur.n)))
+        except OSError:
+            # A partial line, or one whose fsync failed, must not stay in front of the next record: cut it off
+            # where we can, and append nothing more to this segment (a tail we could not cut is its last line).
+            try:
+                os.ftruncate(self._fd, off)
+            except OSError:
+                pass
+            self._retire()
+            raise
         self._offset += len(line)
         self._cur.records += 1
         self._cur.unacked.add(off)
@@ -185,13 +246,19 @@ class Spool:
         by_seg: dict[int, list[int]] = {}
         for e in entries:
             by_seg.setdefault(e.seg, []).append(e.offset)
+        error: OSError | None = None
         for n, offsets in by_seg.items():
             seg = self._segs.get(n)
             if seg is None:
                 continue  # already deleted (acknowledged twice)
-            self._write_acks(n, offsets)
+            try:
+                self._write_acks(n, offsets)
+            except OSError as e:  # delivered all the same: count it here; deleting the segment needs no space
+                error = error or e
             seg.unacked.difference_update(offsets)
             self._maybe_delete(seg)
+        if error is not None:
+            raise error
 
     @property
     def dead_letter_path(self) -> Path:
@@ -228,6 +295,8 @@ class Spool:
                 p.unlink()
             except FileNotFoundError:
                 pass
+            except OSError as e:  # a read-only directory: a restart reads it again (its acks, if written, hold)
+                log.warning("spool %s could not be deleted (%s: %s)", p.name, type(e).__name__, e)
         self._segs.pop(seg.n, None)
 
     # --------------------------------------------------------------------------------------- status
@@ -237,9 +306,8 @@ class Spool:
         return sorted(self._segs)
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._fd = None  # also in _read_fds
+        self._opened = False
         for fd in self._read_fds.values():
             os.close(fd)
         self._read_fds.clear()

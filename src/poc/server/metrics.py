@@ -25,6 +25,9 @@ class Metrics:
         self.callbacks = Counter("poc_callbacks", "Callback deliveries by outcome (sent, retried, dropped, dead_letter)",
                                  ["kind", "outcome"], registry=r)
         self.callbacks_pending = Gauge("poc_callbacks_pending", "Callback payloads not yet delivered", registry=r)
+        self.spool_ok = Gauge("poc_spool_ok", "1 while the result/callback spool accepts writes, 0 while records "
+                              "are kept in memory only", registry=r)
+        self.spool_ok.set(1)
 
     def batch(self, protocol: str, computed: int, valid: int, rate: float) -> None:
         self.nonces.labels(protocol).inc(computed)

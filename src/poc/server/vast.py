@@ -19,7 +19,8 @@ from poc.errors import InputError
 from poc.protocol import v1, v2
 from poc.server import schemas
 from poc.server.app import (check_v1_memory, check_v2_memory, claim_device, config_key, engine_key, gate_key,
-                            metrics_key, model_label, new_runner, require_ready, runners_key, served_model)
+                            metrics_key, model_label, new_runner, require_ready, runners_key, sender_key,
+                            served_model)
 from poc.server.logs import describe
 from poc.server.metrics import CONTENT_TYPE
 from poc.server.stream import JobRunner, NdjsonWriter, done_line
@@ -54,6 +55,10 @@ async def health(request: web.Request) -> web.Response:
             "job": ({"label": runners[0].stats.label, **runners[0].stats.as_json()} if runners else None)}
     if engine.state == "broken":
         body["reason"] = engine.broken_reason
+    sender = app[sender_key]
+    if sender.spool is not None:  # a failing disk does not stop computing, but results are then not durable
+        body["spool"] = {"ok": sender.spool_error is None, "error": sender.spool_error,
+                         "memory_only": sender.memory_only, "pending": sender.pending}
     return web.json_response(body, status=200 if ok else 503)
 
 
