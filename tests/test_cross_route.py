@@ -44,11 +44,13 @@ async def _others_are_refused(client, ctl, orch, *, generating: bool) -> None:
         r = await client.post(f"{POW}/phase/generate")
         assert r.status == 409 and await r.json() == BUSY
     assert time.monotonic() - t0 < 3.0  # none of them waited for the device
-    # /warmup: the stream is open when the params arrive; the refusal is a line, and no job starts
+    # /warmup: parked, it does not take the controller's params while the device is busy (they would only meet a
+    # busy refusal and the controller's job would be lost); its poll line says so, and no job starts
     r = await client.post("/warmup", json={"callback_url": ctl.url, "job_id": "w"})
-    lines = await Lines(r).finish(10)
-    assert lines[-1]["http_status"] == 409 and lines[-1]["error"] == BUSY["error"]
-    assert not any("nonces" in d or "artifacts" in d for d in lines)
+    lines = Lines(r)
+    _, waiting, _ = await lines.wait(lambda d: d.get("status") == "warmup_waiting", 10)
+    assert waiting["detail"] == "device busy" and ctl.polls == []
+    r.close()
 
 
 async def test_a_root_generate_keeps_the_device_against_every_other_route(client):  # noqa: F811

@@ -8,7 +8,7 @@ import pytest
 from poc.server.app import create_app
 
 from .fakes import FakeController, Lines, free_port, status
-from .test_server import V1_KEYS, server_config, v1_request, wait_status
+from .test_server import V1_KEYS, first_batch_line, server_config, v1_request, wait_status
 
 POLL = 0.2
 
@@ -158,3 +158,24 @@ async def test_warmup_waiting_lines_keep_the_reference_keys_first(client):
     finally:
         await ctl.stop()
     assert list(w)[:3] == ["status", "poll_count", "elapsed"] and w["http_status"] == 404
+
+
+async def test_a_busy_device_leaves_the_params_with_the_controller_until_it_is_free(client):
+    """While another job holds the device the parked worker does not ask for params (they would meet a busy
+    refusal and the controller's job would be lost); once the device is free it takes them and runs the job."""
+    ctl = FakeController(params=v1_request(batch_size=4, max_nonces=8, r_target=2.0), ready_after=0)
+    await ctl.start()
+    try:
+        busy = await client.post("/generate", json=v1_request(batch_size=1, max_nonces=None, max_duration=1.0))
+        assert "worker_id" in await first_batch_line(busy)
+        out = Lines(await client.post("/warmup", json={"callback_url": ctl.url, "job_id": "j"}))
+        _, w, _ = await out.wait(status("warmup_waiting"))
+        assert w["detail"] == "device busy" and ctl.polls == []
+        await busy.read()  # the /generate job ends (max_duration)
+        lines = await out.finish(20)
+    finally:
+        await ctl.stop()
+    assert len(ctl.polls) == 1  # asked once, when the device was free, and given the params at once
+    done = next(d for d in lines if d.get("status") == "done")
+    assert done["reason"] == "max_nonces" and done["computed"] == 8
+    assert any(d.get("status") == "warmup_complete_sent" for d in lines)

@@ -7,7 +7,8 @@ under KEY go out, merged into one POST {url}/{kind} per url (up to `merge_max` r
 artifacts, nonces, dist and dropped_nonces concatenated in order, the rest taken from the first record; the
 Idempotency-Key lists the ids it carries). /api/v1/pow generation spools each batch as it is computed this way and
 releases every callback_interval, so a kill -9 loses no computed batch and the MLNode still gets merged posts;
-held records found in the spool at start are replayed, merged, at once. A failed group is retried as a unit. With a spool directory (`spool_dir`, see spool.py) every record is appended and fsynced
+held records found in the spool at start are replayed, merged, at once. A failed group is retried as a unit.
+With a spool directory (`spool_dir`, see spool.py) every record is appended and fsynced
 before the first send, re-sent until acknowledged, and replayed by `start()` after a restart; without one (unit
 tests, `ServerConfig.spool_dir=None`) records live in memory only. A few sender tasks POST {url}/{kind} with an
 `Idempotency-Key` header (a record is its (url, id) pair: the same id to two destinations is two records, never

@@ -9,8 +9,9 @@ cannot be reached: never a silent stall) for up to warmup_max_duration ("warmup_
 line as it is produced (spec-v1 §6 F3: the reference buffered them all), then POSTs {callback_url}/warmup/complete
 {job_id, total_batches, total_computed, total_valid} through the durable sender (spooled, re-sent until
 acknowledged) and says whether it was acknowledged. The device is claimed only once params arrive, so /health
-stays "ready" while the worker waits. (The model is built when the params arrive: a v1 model depends on the
-block hash, which only the params carry; a v2 checkpoint was loaded at start.)
+stays "ready" while the worker waits; while another job holds the device the controller is not asked (its params
+would only meet a busy refusal): the poll line says "device busy". (The model is built when the params arrive: a
+v1 model depends on the block hash, which only the params carry; a v2 checkpoint was loaded at start.)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from aiohttp import web
 
 from poc.errors import InputError
 from poc.server import schemas
-from poc.server.app import claim_device, config_key, new_runner, sender_key
+from poc.server.app import claim_device, config_key, gate_key, new_runner, sender_key
 from poc.server.logs import describe
 from poc.server.stream import NdjsonWriter
 from poc.server.vast import _pump, parse_generate
@@ -87,33 +88,36 @@ async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: s
                 return None
             polls += 1
             line = {"status": "warmup_waiting", "poll_count": polls, "elapsed": 0.0}  # the reference's keys first
-            try:
-                async with http.get(f"{cb}/warmup/params", params={"job_id": job_id}) as r:
-                    raw = await r.read()
-                    if r.status >= 400:
-                        line["http_status"] = r.status
-                    else:
-                        try:
-                            data = await r.json(content_type=None) if raw.strip() else None
-                        except ValueError:
-                            data = None
-                            line["detail"] = "the answer is not JSON"
-                        if isinstance(data, dict) and data.get("status") == "ready":
-                            if isinstance(data.get("params"), dict):
-                                if not await w.write({"status": "warmup_params_received",
-                                                      "elapsed": round(time.monotonic() - t0, 3)}):
-                                    # no job for nobody: its model build and batches would all be lost
-                                    log.warning("warmup %s: the client went away before the params arrived; no "
-                                                "job is started (the controller handed them out: give them to "
-                                                "another worker)", job_id)
-                                    return None
-                                return data["params"]
-                            line["detail"] = "status ready without a params object"
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                line = {"status": "warmup_callback_unreachable", "poll_count": polls, "elapsed": 0.0,
-                        "error": describe(e)}
-                if polls == 1 or polls % 10 == 0:
-                    log.info("warmup %s: callback %s unreachable %s", job_id, cb, describe(e))
+            if app[gate_key].busy:  # another job holds the device: the params are not taken (a refusal after
+                line["detail"] = "device busy"  # taking them would lose the controller's job), asked again later
+            else:
+                try:
+                    async with http.get(f"{cb}/warmup/params", params={"job_id": job_id}) as r:
+                        raw = await r.read()
+                        if r.status >= 400:
+                            line["http_status"] = r.status
+                        else:
+                            try:
+                                data = await r.json(content_type=None) if raw.strip() else None
+                            except ValueError:
+                                data = None
+                                line["detail"] = "the answer is not JSON"
+                            if isinstance(data, dict) and data.get("status") == "ready":
+                                if isinstance(data.get("params"), dict):
+                                    if not await w.write({"status": "warmup_params_received",
+                                                          "elapsed": round(time.monotonic() - t0, 3)}):
+                                        # no job for nobody: its model build and batches would all be lost
+                                        log.warning("warmup %s: the client went away before the params arrived; no "
+                                                    "job is started (the controller handed them out: give them to "
+                                                    "another worker)", job_id)
+                                        return None
+                                    return data["params"]
+                                line["detail"] = "status ready without a params object"
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                    line = {"status": "warmup_callback_unreachable", "poll_count": polls, "elapsed": 0.0,
+                            "error": describe(e)}
+                    if polls == 1 or polls % 10 == 0:
+                        log.info("warmup %s: callback %s unreachable %s", job_id, cb, describe(e))
             line["elapsed"] = round(time.monotonic() - t0, 3)
             if not await w.write(line):
                 log.info("warmup %s: the client went away while waiting", job_id)
