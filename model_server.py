@@ -6,14 +6,14 @@
 
 Each flag can also be set by an environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_SERVED_MODEL_NAME
 (comma-separated), POC_DTYPE, POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR, POC_TP, POC_PP, POC_REPLICAS, POC_COMPILE,
-POC_FP8_EXPERTS); the flag wins. README.md's Configuration table says what each does. Without --model it serves PoC v1 (the random model is built from each request's params);
-with --model it loads that Hugging Face checkpoint at start and serves PoC v2 for it, and v1. It logs one
-"Application startup complete." line when it can take work. SIGTERM stops the jobs, ends open streams with
-a final line and exits 0. An unrecoverable start-up failure (bad flags, an unusable --spool-dir: exit 2; the port in use: exit 1; the
---model checkpoint failing to load: the server stays up, /health says broken) is one line on stderr starting
-with FATAL ("Error: POC-FATAL"), the on_error pattern of worker.py, so that the Vast PyWorker marks the worker
-failed at once. The log formatter turns every "Error:" of a logged event into "Error -", so no handled event
-(whatever text a request carries) can print it.
+POC_FP8_EXPERTS); the flag wins. README.md's Configuration table says what each does. Without --model it serves PoC
+v1 (the random model is built from each request's params); with --model it loads that Hugging Face checkpoint at
+start and serves PoC v2 for it, and v1. It logs one "Application startup complete." line when it can take work.
+SIGTERM stops the jobs, ends open streams with a final line and exits 0. An unrecoverable start-up failure (bad
+flags, an unusable --spool-dir: exit 2; the port in use: exit 1; the --model checkpoint failing to load: the server
+stays up, /health says broken) is one line on stderr starting with FATAL ("Error: POC-FATAL"), the on_error pattern
+of worker.py, so that the Vast PyWorker marks the worker failed at once. The log formatter turns every "Error:" of a
+logged event into "Error -", so no handled event (whatever text a request carries) can print it.
 """
 
 from __future__ import annotations

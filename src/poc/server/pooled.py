@@ -18,9 +18,9 @@ pooled_wait_timeout) -> build the model -> ready (with retry) -> compute the ass
   acknowledgements, and what is still unacknowledged stays in the spool;
 - F7: commands and config changes apply within one poll interval: "switch_job" (restart the range under the new
   key), "compute" with a new public_key (continue the range under it; a key in a plain config is only taken before
-  the first job, as the reference), a new block_hash/params/r_target/range (a new job), "shutdown"; an exhausted range is reported ({"status": "range_complete"}, and in the next heartbeat)
-  and the session waits for a new one; a missing r_target takes the chain default instead of 0 (which kept
-  every result empty);
+  the first job, as the reference), a new block_hash/params/r_target/range (a new job), "shutdown"; an exhausted
+  range is reported ({"status": "range_complete"}, and in the next heartbeat) and the session waits for a new one; a
+  missing r_target takes the chain default instead of 0 (which kept every result empty);
 - F15: every ending calls /shutdown, including "shutdown" while waiting and a failed registration.
 Result bodies keep the reference's keys and order (v1: nonces/dist under r_target; v2: artifacts) and add
 first_nonce/last_nonce (the batch's computed span) and idempotency_id. One GPU group: worker_id = node_id = 0.

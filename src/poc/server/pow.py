@@ -5,13 +5,13 @@ PoC v2 (spec-v2 §e): POST /init/generate (continuous generation, artifacts to {
 POST /stop. PoC v1 (spec-v1 §4.5): POST /init, /init/generate, /init/validate, /phase/generate,
 /phase/validate, /validate (a ProofBatch, scored and posted to {url}/validated), GET /status, POST /stop.
 
-Fixed against the reference (spec-v2 §f 7-12): batch_size, seq_len, k_dim and nonces are range-checked (400,
-never a spinning loop or an endless retry); duplicate nonces are refused; `wait: true` while generation (or a
-stream) holds the device is a 409 at once, not a wait; NaN-dropped nonces are reported and not counted as
-processed; /stop delivers what was computed (every batch is spooled as it is computed and released to the sender,
-completed results stay readable for result_ttl) instead of discarding it; validation scores missing or undecodable vectors as mismatches
-(protocol.v2.validate). As in the reference, the background queue yields: /init/generate and `wait: true` take the
-device from a queued job, which goes back to the head of the queue and runs again once the device is free.
+Fixed against the reference (spec-v2 §f 7-12): batch_size, seq_len, k_dim and nonces are range-checked (400, never a
+spinning loop or an endless retry); duplicate nonces are refused; `wait: true` while generation (or a stream) holds
+the device is a 409 at once, not a wait; NaN-dropped nonces are reported and not counted as processed; /stop
+delivers what was computed (every batch is spooled as it is computed and released to the sender, completed results
+stay readable for result_ttl) instead of discarding it; validation scores missing or undecodable vectors as
+mismatches (protocol.v2.validate). As in the reference, the background queue yields: /init/generate and `wait: true`
+take the device from a queued job, which goes back to the head of the queue and runs again once the device is free.
 """
 
 from __future__ import annotations
