@@ -583,7 +583,7 @@ def test_memory_estimate():
     assert memory.v1_total_params(p) == p.total_params
     e = memory.v1_estimate(p, 5, "float16")
     assert e.weights == (p.total_params - 256 * 64) * 2 and e.pool == 4 * v1.pool_size(p.total_params)
-    assert e.activations == memory.activation_bytes(5, 8, 64, p.ffn_dim, 4)
+    assert e.activations == memory.activation_bytes(5, 8, 64, p.ffn_dim, 4, 2) + 5 * 256 * 36  # + the logits' post-process
     memory.check_fits(e, memory.torch.device("cpu"))  # tiny: fits
     with pytest.raises(InputError) as ei:
         memory.check_fits(memory.Estimate(weights=1 << 60), memory.torch.device("cpu"))
