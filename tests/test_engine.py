@@ -159,3 +159,26 @@ def test_a_new_compiled_shape_is_logged_once(caplog):
     assert lines == ["PoC v2 (test): compiling for batch 7 x seq_len 33 (once per shape in this process: this batch "
                      "takes longer)", "PoC v2 (test): compiling for batch 8 x seq_len 33 (once per shape in this "
                      "process: this batch takes longer)"]
+
+
+def test_a_failing_launch_still_emits_the_batch_in_flight(engine, monkeypatch):
+    """An exception launching batch 3 ends the job, but batch 2, already launched (computed), is emitted first: the
+    error drops no computed work (it was lost, and the client's next_nonce pointed back at it)."""
+    from poc.engine.compute import V1Compute
+
+    real, calls = V1Compute.launch, []
+
+    def flaky(self, prep, pad_to=None):
+        calls.append(prep.nonces)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return real(self, prep, pad_to)
+
+    monkeypatch.setattr(V1Compute, "launch", flaky)
+    out = []
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.run(v1_job(n_max=10, batch=2), out.append, threading.Event())
+    assert [b.nonces for b in out] == [[0, 1], [2, 3]]
+    monkeypatch.setattr(V1Compute, "launch", real)
+    s = engine.run(v1_job(n_max=4, batch=2), out.append, threading.Event())  # the engine is usable again
+    assert s.reason == "max_nonces" and s.computed == 4

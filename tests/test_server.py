@@ -154,6 +154,23 @@ async def test_v1_only_hits_are_lines_but_totals_count_everything(client):
     assert done["valid"] == len(run["nonces_below_r_target"])
 
 
+@pytest.mark.parametrize("proto", ["v1", "v2"])
+async def test_nonces_end_at_int64_max(client, proto):
+    """start_nonce may be 2**63 - 1 (nonces are int64 on the chain and the device): the job ends there ("exhausted")
+    instead of computing and reporting 2**63, 2**63 + 1, ... (whose next_nonce /generate then refused as start_nonce)."""
+    top = (1 << 63) - 1
+    body = (v1_request(start_nonce=top - 2, batch_size=2, max_nonces=5, r_target=10.0) if proto == "v1" else
+            v2_request(start_nonce=top - 2, batch_size=2, max_nonces=5))
+    r = await client.post("/generate", json=body)
+    lines = [d for _, d in await read_lines(r)]
+    if proto == "v1":
+        nonces = [n for d in lines if "worker_id" in d for n in d["nonces"]]
+    else:
+        nonces = [a["nonce"] for d in lines if "artifacts" in d for a in d["artifacts"]]
+    assert nonces == [top - 2, top - 1, top]
+    assert lines[-1]["status"] == "done" and lines[-1]["reason"] == "exhausted" and lines[-1]["computed"] == 3
+
+
 async def test_stream_arrives_incrementally_with_progress(client, caplog):
     """Lines reach the client while the job runs (not buffered to the end), with progress lines between;
     the log gets rate lines meanwhile."""
@@ -583,7 +600,7 @@ def test_memory_estimate():
     assert memory.v1_total_params(p) == p.total_params
     e = memory.v1_estimate(p, 5, "float16")
     assert e.weights == (p.total_params - 256 * 64) * 2 and e.pool == 4 * v1.pool_size(p.total_params)
-    assert e.activations == memory.activation_bytes(5, 8, 64, p.ffn_dim, 4)
+    assert e.activations == memory.activation_bytes(5, 8, 64, p.ffn_dim, 4, 2) + 5 * 256 * 36  # + the logits' post-process
     memory.check_fits(e, memory.torch.device("cpu"))  # tiny: fits
     with pytest.raises(InputError) as ei:
         memory.check_fits(memory.Estimate(weights=1 << 60), memory.torch.device("cpu"))

@@ -169,6 +169,16 @@ class Engine(DeviceLock):
             taken += len(nonces)
             return self._prep_pool.submit(prepare, nonces) if nonces else None
 
+        def finish(inflight) -> None:
+            nonlocal computed, batches
+            h, tl = inflight
+            out = comp.collect(h)
+            now = time.perf_counter()
+            computed += len(h.prep.nonces)
+            batches += 1
+            emit(BatchResult(index=batches, nonces=h.prep.nonces, elapsed=now - t_start, batch_seconds=now - tl,
+                             **out))
+
         fut = submit_next()
         inflight = None  # (handle, launch time)
         reason = "exhausted"
@@ -180,20 +190,22 @@ class Engine(DeviceLock):
                 elif lim.max_duration is not None and time.perf_counter() - t_start >= lim.max_duration:
                     reason = "max_duration"
                 else:
-                    prep = fut.result()
-                    fut = submit_next()
-                    handle = (comp.launch(prep, pad_to=job.batch_size), time.perf_counter())
+                    try:
+                        prep = fut.result()
+                        fut = submit_next()
+                        handle = (comp.launch(prep, pad_to=job.batch_size), time.perf_counter())
+                    except BaseException:  # the job fails, but the batch already launched is computed: emit it
+                        if fut is not None:
+                            fut.cancel()
+                        if inflight is not None:
+                            with contextlib.suppress(Exception):
+                                finish(inflight)
+                        raise
                 if handle is None:  # stopping: drop the prepared-but-not-launched batch, finish the in-flight one
                     fut.cancel()
                     fut = None
             if inflight is not None:
-                h, tl = inflight
-                out = comp.collect(h)
-                now = time.perf_counter()
-                computed += len(h.prep.nonces)
-                batches += 1
-                emit(BatchResult(index=batches, nonces=h.prep.nonces, elapsed=now - t_start,
-                                 batch_seconds=now - tl, **out))
+                finish(inflight)
             inflight = handle
         if lim.max_nonces is not None and computed >= lim.max_nonces and reason == "exhausted":
             reason = "max_nonces"

@@ -2,9 +2,11 @@
 whose model or batch cannot fit gets a 422 with the numbers instead of an out-of-memory crash mid-job.
 
 v1: weights = (total_params - vocab*dim) * dtype bytes (the token embedding is never materialised: inputs
-are embeddings), plus the float32 weight pool the builder draws from, plus activations. Activations for a
-forward of B sequences of S tokens: B*S*(6*dim + 3*ffn_dim + n_heads*S) float32 values (q/k/v/o and
-residuals, the SwiGLU branches, one layer's attention scores), plus the host inputs and permutations.
+are embeddings); the float32 weight pool the builder draws from, freed before the first forward; activations
+of one forward at the fixed batch shape (activation_bytes) plus the last-position post-process (B x vocab
+logits, permutations and their float32/float64 copies); host buffers for the batches in the pipeline. The
+device peak is weights + the larger of pool and activations (they never coexist). On CUDA the host buffers
+are in host RAM and PyTorch's cached-but-unused blocks count as free (the next job reuses them).
 """
 
 from __future__ import annotations
@@ -28,16 +30,30 @@ class Estimate:
     host: int = 0
 
     @property
+    def device_total(self) -> int:
+        """Peak on the device: the pool lives only while the model is built (drawing it holds about two copies),
+        the activations only once it runs."""
+        return max(2 * self.pool, self.weights + max(self.pool, self.activations))
+
+    @property
     def total(self) -> int:
-        return self.weights + self.pool + self.activations + self.host
+        """Peak when device and host are one memory (CPU)."""
+        return self.device_total + self.host
 
     def describe(self) -> str:
-        return (f"weights {self.weights / GiB:.2f} GiB + pool {self.pool / GiB:.2f} GiB + "
-                f"activations {self.activations / GiB:.2f} GiB + host buffers {self.host / GiB:.2f} GiB")
+        return (f"weights {self.weights / GiB:.2f} GiB + the larger of pool {self.pool / GiB:.2f} GiB (while "
+                f"building) and activations {self.activations / GiB:.2f} GiB; host buffers {self.host / GiB:.2f} GiB")
 
 
-def activation_bytes(batch: int, seq_len: int, dim: int, ffn_dim: int, n_heads: int) -> int:
-    return batch * seq_len * (dim * 6 + ffn_dim * 3 + n_heads * seq_len) * 4
+def activation_bytes(batch: int, seq_len: int, dim: int, ffn_dim: int, n_heads: int, dtype_bytes: int = 4) -> int:
+    """Peak bytes of one forward of `batch` sequences of `seq_len` tokens, per token:
+    - the SwiGLU branch in the model dtype: gate|up (2 ffn), silu, their product, plus one ffn of slack;
+    - dim-wide tensors: residuals, q/k/v and the attention output in the model dtype, and the float32/float64
+      temporaries of RMSNorm and RoPE: (4 * dtype_bytes + 48) * dim bytes (measured on CPU: ~46 fp16, ~50 fp32);
+    - one layer's float32 attention scores (n_heads * seq_len), should SDPA fall back to its math kernel.
+    """
+    b = dtype_bytes
+    return batch * seq_len * (5 * ffn_dim * b + (4 * b + 48) * dim + 4 * n_heads * seq_len)
 
 
 def v1_total_params(p: v1.V1Params) -> int:
@@ -55,22 +71,29 @@ def v1_weight_bytes(p: v1.V1Params, dtype: str) -> tuple[int, int]:
 
 def v1_estimate(p: v1.V1Params, batch_size: int, dtype: str) -> Estimate:
     w, pool = v1_weight_bytes(p, dtype)
-    act = activation_bytes(batch_size, p.seq_len, p.dim, p.ffn_dim, p.n_heads)
-    # float64 normals + their fp16 copy; int64 permutations; float32 logits and their normalised copy
-    host = batch_size * (p.seq_len * p.dim * 10 + p.vocab_size * 16)
+    act = activation_bytes(batch_size, p.seq_len, p.dim, p.ffn_dim, p.n_heads, DTYPE_BYTES[dtype])
+    # last position only: logits, their permuted and normalised float32 copies, the float64 difference, and the
+    # int64 permutations on the device
+    act += batch_size * p.vocab_size * 36
+    # up to three batches in the pipeline (prepared, running, collected): fp16 inputs and int64 permutations
+    host = 3 * batch_size * (p.seq_len * p.dim * 2 + p.vocab_size * 8)
     return Estimate(weights=w, pool=pool, activations=act, host=host)
 
 
-def v2_estimate(cfg, batch_size: int, seq_len: int) -> Estimate:
-    """The checkpoint is already loaded: only activations count (cfg is a poc.model ModelConfig)."""
-    return Estimate(activations=activation_bytes(batch_size, seq_len, cfg.dim, cfg.ffn_dim, cfg.n_heads))
+def v2_estimate(cfg, batch_size: int, seq_len: int, dtype_bytes: int = 4) -> Estimate:
+    """The checkpoint is already loaded: only activations count (cfg is a poc.model ModelConfig; dtype_bytes the
+    loaded model's: float32 on CPU by default)."""
+    return Estimate(activations=activation_bytes(batch_size, seq_len, cfg.dim, cfg.ffn_dim, cfg.n_heads,
+                                                 dtype_bytes))
 
 
 def available_bytes(device: torch.device) -> int:
-    """Free memory where the job runs: the GPU's free memory, or MemAvailable on the host."""
+    """Free memory where the job runs: the GPU's free memory plus what PyTorch's allocator holds cached but unused
+    (the next job reuses it; mem_get_info counts it as taken), or MemAvailable on the host."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free) + max(0, int(cached))
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -83,9 +106,12 @@ def available_bytes(device: torch.device) -> int:
 
 def check_fits(est: Estimate, device: torch.device, *, reclaimable: int = 0, headroom: float = 0.9,
                field: str = "params") -> None:
-    """InputError(422) when `est` exceeds `headroom` of the free memory (+ what the job would free first)."""
+    """InputError(422) when `est` exceeds `headroom` of the free memory (+ what the job would free first). On CUDA
+    only the device part counts (host buffers are in host RAM)."""
     free = available_bytes(device) + reclaimable
-    if est.total > headroom * free:
+    need = est.device_total if device.type == "cuda" else est.total
+    if need > headroom * free:
         raise InputError(
-            f"this job needs about {est.total / GiB:.2f} GiB on {device} ({est.describe()}), but only "
-            f"{free / GiB:.2f} GiB is free: use smaller params, seq_len or batch_size", field, status=422)
+            f"this job needs about {need / GiB:.2f} GiB on {device} ({est.describe()}), but only "
+            f"{free / GiB:.2f} GiB is free and a job may plan on {headroom:.0%} of it: use smaller params, seq_len "
+            f"or batch_size", field, status=422)

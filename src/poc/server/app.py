@@ -12,6 +12,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+import torch
 from aiohttp import web
 
 from poc.clients.callbacks import CallbackSender
@@ -195,7 +196,9 @@ def check_v1_memory(app: web.Application, params, batch_size: int, dtype: str) -
 
 def check_v2_memory(app: web.Application, batch_size: int, seq_len: int) -> None:
     engine = app[engine_key]
-    memory.check_fits(memory.v2_estimate(engine.v2.cfg, batch_size, seq_len), engine.device,
+    dtype = getattr(engine.v2, "dtype", None)  # the loaded model's (float32 on CPU by default)
+    size = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
+    memory.check_fits(memory.v2_estimate(engine.v2.cfg, batch_size, seq_len, size), engine.device,
                       headroom=app[config_key].memory_headroom, field="params.seq_len")
 
 

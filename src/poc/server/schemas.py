@@ -7,6 +7,7 @@ strict about unknown fields. The /api/v1/pow routes ignore unknown top-level fie
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -319,9 +320,14 @@ def stride_nonces(start: int, node_id: int, node_count: int, group_id: int, n_gr
     stride = node_count * n_groups
     k = max(0, -(-(start - base) // stride))  # ceil((start - base) / stride)
     n = base + k * stride
-    while True:
+    while n <= MAX_NONCE:  # int64: the nonce space ends there
         yield n
         n += stride
+
+
+def upto_max_nonce(nonces: Iterator[int]) -> Iterator[int]:
+    """`nonces` while they fit in int64 (nonces are int64 on the chain and the device): a job ends there."""
+    return itertools.takewhile(lambda n: n <= MAX_NONCE, nonces)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -338,8 +344,8 @@ def parse_v1_generate(body: dict, cfg: ServerConfig) -> V1Job:
     r_target = get_number(body, "r_target", lo=0, lo_open=True)
     start = get_int(body, "start_nonce", lo=0, hi=MAX_NONCE)
     return V1Job(block_hash=bh, public_key=pk, block_height=height, params=params, r_target=r_target,
-                 nonces=v1.worker_nonces(start, 0, 1), batch_size=get_batch_size(body, cfg), dtype=get_dtype(body),
-                 limits=get_limits(body, cfg))
+                 nonces=upto_max_nonce(v1.worker_nonces(start, 0, 1)), batch_size=get_batch_size(body, cfg),
+                 dtype=get_dtype(body), limits=get_limits(body, cfg))
 
 
 @dataclass
