@@ -6,7 +6,9 @@ are embeddings); the float32 weight pool the builder draws from, freed before th
 of one forward at the fixed batch shape (activation_bytes) plus the last-position post-process (B x vocab
 logits, permutations and their float32/float64 copies); host buffers for the batches in the pipeline. The
 device peak is weights + the larger of pool and activations (they never coexist). On CUDA the host buffers
-are in host RAM and PyTorch's cached-but-unused blocks count as free (the next job reuses them).
+are in host RAM and PyTorch's cached-but-unused blocks count as free (the next job reuses them). With tensor and
+pipeline parallel ranks (poc.parallel) each GPU holds 1/(tp x pp) of the weights and 1/tp of the MLP and attention
+activations; the ranks report their own free memory after loading and after each job.
 """
 
 from __future__ import annotations
@@ -45,15 +47,32 @@ class Estimate:
                 f"building) and activations {self.activations / GiB:.2f} GiB; host buffers {self.host / GiB:.2f} GiB")
 
 
-def activation_bytes(batch: int, seq_len: int, dim: int, ffn_dim: int, n_heads: int, dtype_bytes: int = 4) -> int:
-    """Peak bytes of one forward of `batch` sequences of `seq_len` tokens, per token:
-    - the SwiGLU branch in the model dtype: gate|up (2 ffn), silu, their product, plus one ffn of slack;
+def activation_bytes(batch: int, seq_len: int, dim: int, ffn_dim: int, n_heads: int, dtype_bytes: int = 4, *,
+                     tp: int = 1, fused: bool = False, math_attention: bool = True) -> int:
+    """Peak bytes of one forward of `batch` sequences of `seq_len` tokens on one rank, per token:
+    - the SwiGLU branch in the model dtype: gate|up (2 ffn), silu, their product, plus one ffn of slack (a
+      tensor-parallel rank holds 1/tp of the columns);
     - dim-wide tensors: residuals, q/k/v and the attention output in the model dtype, and the float32/float64
-      temporaries of RMSNorm and RoPE: (4 * dtype_bytes + 48) * dim bytes (measured on CPU: ~46 fp16, ~50 fp32);
-    - one layer's float32 attention scores (n_heads * seq_len), should SDPA fall back to its math kernel.
+      temporaries of RMSNorm and RoPE: (4 * dtype_bytes + 48) * dim bytes eager (measured on CPU: ~46 fp16, ~50
+      fp32); a compiled layer (`fused`) keeps those in registers: two float32 copies are counted instead;
+    - one layer's float32 attention scores (n_heads * seq_len, 1/tp of the heads), only where SDPA may take its
+      math kernel (`math_attention`: the CPU); CUDA's flash/cuDNN/memory-efficient kernels never materialise them.
     """
     b = dtype_bytes
-    return batch * seq_len * (5 * ffn_dim * b + (4 * b + 48) * dim + 4 * n_heads * seq_len)
+    temps = 8 if fused else 48
+    scores = 4 * n_heads * seq_len // tp if math_attention else 0
+    return batch * seq_len * (5 * ffn_dim * b // tp + (4 * b + temps) * dim + scores)
+
+
+def ffn_width(cfg) -> int:
+    """The MLP width a token goes through: the dense ffn_dim, or for a Qwen3-MoE layer its k routed experts' rows
+    (k * moe_ffn_dim) plus the gathered inputs and outputs of those rows (2 * k * dim, in ffn units of 5 values)."""
+    if not getattr(cfg, "n_experts", 0):
+        return cfg.ffn_dim
+    k = cfg.n_experts_per_tok
+    sparse = k * cfg.moe_ffn_dim + (2 * k * cfg.dim + 4) // 5
+    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    return max(sparse, cfg.ffn_dim if dense else 0)
 
 
 def v1_total_params(p: v1.V1Params) -> int:
@@ -69,22 +88,26 @@ def v1_weight_bytes(p: v1.V1Params, dtype: str) -> tuple[int, int]:
     return (total - p.vocab_size * p.dim) * DTYPE_BYTES[dtype], 4 * v1.pool_size(total)
 
 
-def v1_estimate(p: v1.V1Params, batch_size: int, dtype: str) -> Estimate:
+def v1_estimate(p: v1.V1Params, batch_size: int, dtype: str, *, tp: int = 1, pp: int = 1, cuda: bool = False,
+                fused: bool = False) -> Estimate:
+    """One rank's share (tp x pp ranks split the weights; each builds from the whole pool)."""
     w, pool = v1_weight_bytes(p, dtype)
-    act = activation_bytes(batch_size, p.seq_len, p.dim, p.ffn_dim, p.n_heads, DTYPE_BYTES[dtype])
+    act = activation_bytes(batch_size, p.seq_len, p.dim, p.ffn_dim, p.n_heads, DTYPE_BYTES[dtype], tp=tp,
+                           fused=fused, math_attention=not cuda)
     # last position only: logits, their permuted and normalised float32 copies, the float64 difference, and the
     # int64 permutations on the device
     act += batch_size * p.vocab_size * 36
     # up to three batches in the pipeline (prepared, running, collected): fp16 inputs and int64 permutations
     host = 3 * batch_size * (p.seq_len * p.dim * 2 + p.vocab_size * 8)
-    return Estimate(weights=w, pool=pool, activations=act, host=host)
+    return Estimate(weights=w // (tp * pp), pool=pool, activations=act, host=host)
 
 
-def v2_estimate(cfg, batch_size: int, seq_len: int, dtype_bytes: int = 4) -> Estimate:
+def v2_estimate(cfg, batch_size: int, seq_len: int, dtype_bytes: int = 4, *, tp: int = 1, cuda: bool = False,
+                fused: bool = False) -> Estimate:
     """The checkpoint is already loaded: only activations count (cfg is a poc.model ModelConfig; dtype_bytes the
-    loaded model's: float32 on CPU by default)."""
-    return Estimate(activations=activation_bytes(batch_size, seq_len, cfg.dim, cfg.ffn_dim, cfg.n_heads,
-                                                 dtype_bytes))
+    loaded model's: float32 on CPU by default), one rank's share with tensor parallelism."""
+    return Estimate(activations=activation_bytes(batch_size, seq_len, cfg.dim, ffn_width(cfg), cfg.n_heads,
+                                                 dtype_bytes, tp=tp, fused=fused, math_attention=not cuda))
 
 
 def available_bytes(device: torch.device) -> int:
@@ -105,11 +128,15 @@ def available_bytes(device: torch.device) -> int:
 
 
 def check_fits(est: Estimate, device: torch.device, *, reclaimable: int = 0, headroom: float = 0.9,
-               field: str = "params") -> None:
+               field: str = "params", free: int | None = None, ranks: int = 1) -> None:
     """InputError(422) when `est` exceeds `headroom` of the free memory (+ what the job would free first). On CUDA
-    only the device part counts (host buffers are in host RAM)."""
-    free = available_bytes(device) + reclaimable
-    need = est.device_total if device.type == "cuda" else est.total
+    only the device part counts (host buffers are in host RAM) and `est` is one GPU's (one rank's) share, checked
+    against `free` (the tightest rank's, as the ranks report it) or this process's view of `device`; on the CPU
+    the `ranks` processes share the host memory."""
+    if free is None:
+        free = available_bytes(device)
+    free += reclaimable
+    need = est.device_total if device.type == "cuda" else est.total * ranks
     if need > headroom * free:
         raise InputError(
             f"this job needs about {need / GiB:.2f} GiB on {device} ({est.describe()}), but only "

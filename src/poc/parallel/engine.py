@@ -108,6 +108,8 @@ class DistEngine(DeviceLock):
         self.log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self.v2: V2Info | None = None
         self._v1 = None  # the server's memory check reads this on Engine; ranks hold their own v1 models
+        self.rank_free: dict[int, int] = {}  # rank -> free GPU bytes, as last reported (free_bytes)
+        self.last_v1: tuple | None = None  # (params, dtype) of the v1 model the ranks hold: freed before the next
         self.state = "loading" if model_dir else "ready"
         self.broken_reason: str | None = None
         self.load_seconds: float | None = None
@@ -268,6 +270,7 @@ class DistEngine(DeviceLock):
 
     def _shutdown(self, graceful: bool) -> None:
         g, self._ranks = self._ranks, None
+        self.rank_free, self.last_v1 = {}, None  # what the gone ranks held and reported
         if g is None:
             return
         g.closing = True
@@ -299,6 +302,7 @@ class DistEngine(DeviceLock):
             for r in range(self.layout.replicas):
                 g.send(self.layout.leader(r), ("load", self.model_dir, dtype))
             infos = self._wait_all(g, "loaded", self.layout.world, limit=3600.0)
+            self.rank_free = {i: info["free"] for i, info in enumerate(infos) if info.get("free") is not None}
             cfg = _model_config(self.model_dir)
             self.v2 = V2Info(cfg, Path(self.model_dir).name, DTYPES[infos[0]["dtype"]])
         self.load_seconds = time.perf_counter() - t0
@@ -318,13 +322,19 @@ class DistEngine(DeviceLock):
         return out
 
     def _next(self, g: _Ranks, timeout: float):
-        """The next message from the ranks, None after `timeout` s; RankFailure if the engine broke."""
+        """The next message from the ranks, None after `timeout` s; RankFailure if the engine broke. A rank's
+        ("memory", rank, free bytes) report is recorded here (free_bytes) and not returned."""
         if self.broken_reason:
             raise RankFailure(self.broken_reason)
-        try:
-            msg = g.inbox.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                msg = g.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if msg[0] != "memory":
+                break
+            self.rank_free[msg[1]] = msg[2]
         if msg[0] == "failed":
             raise RankFailure(msg[1])
         return msg
@@ -347,6 +357,11 @@ class DistEngine(DeviceLock):
             raise InputError("no PoC v2 model is loaded: start the server with --model DIR", "params.model")
         return self.v2
 
+    def free_bytes(self) -> int | None:
+        """The tightest GPU's free memory (free + cached-but-unused) as the ranks last reported it (after loading,
+        after each job); None on the CPU or before any report."""
+        return min(self.rank_free.values()) if self.rank_free else None
+
     def check_v1(self, params: v1.V1Params) -> None:
         """Refuse v1 params whose model does not split over this layout, naming the numbers."""
         from poc.model.random_init import v1_config
@@ -365,6 +380,7 @@ class DistEngine(DeviceLock):
         t0 = time.perf_counter()
         if isinstance(job, V1Job):
             self.check_v1(job.params)
+            self.last_v1 = (job.params, job.dtype)  # the ranks build it for this job and keep it
         else:  # refused here: a rank that raised on it would break the engine
             self._check_v2(job.seq_len, job.k_dim)
         g = self._ready_ranks()

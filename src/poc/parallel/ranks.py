@@ -43,6 +43,15 @@ log = logging.getLogger("poc.ranks")
 HEARTBEAT_S = 5.0  # an idle leader broadcasts this often, so waiting ranks never hit the collective timeout
 
 
+def free_bytes(device: torch.device) -> int | None:
+    """What a job could allocate on this rank's GPU: the free memory plus the allocator's cached-but-unused blocks;
+    None on the CPU (the ranks share the host memory, which the server reads itself)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free) + max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
 class _OnlyRank0(logging.Filter):
     def __init__(self, rank: int):
         super().__init__()
@@ -197,7 +206,7 @@ class Rank:
         log.info("loaded %s: stage %d/%d tp %d/%d, %.1f MB on this rank in %.1f s", model_dir, self.stage, L.pp,
                  self.tp_rank, L.tp, n_bytes / 1e6, time.perf_counter() - t0)
         self.send(("loaded", self.rank, {"bytes": n_bytes, "seconds": time.perf_counter() - t0,
-                                         "dtype": str(mdtype).removeprefix("torch.")}))
+                                         "dtype": str(mdtype).removeprefix("torch."), "free": free_bytes(self.device)}))
 
     def v1_model(self, job: V1Job):
         key = (job.params, job.block_hash, job.dtype)
@@ -256,6 +265,8 @@ class Rank:
                 if prof is not None:
                     prof.close()
                 break
+        if self.device.type == "cuda":  # for the server's memory check before the next job (poc.engine.memory)
+            self.send(("memory", self.rank, free_bytes(self.device)))
         if self.is_reporter:
             self.send(("done", job_id, self.replica))
 

@@ -184,22 +184,45 @@ def served_model(app: web.Application) -> ServedModel | None:
     return ServedModel.of(cfg.model, engine.v2.cfg, cfg.served_model_name)
 
 
+def _layout(engine) -> tuple[int, int, int]:
+    """(tp, pp, ranks) of a multi-process engine (poc.parallel), (1, 1, 1) for one device."""
+    L = getattr(engine, "layout", None)
+    return (L.tp, L.pp, L.world) if L is not None else (1, 1, 1)
+
+
+def _free(engine) -> int | None:
+    """The ranks' own report of their GPUs' free memory (the server process does not hold their memory)."""
+    free = getattr(engine, "free_bytes", None)
+    return free() if callable(free) else None
+
+
 def check_v1_memory(app: web.Application, params, batch_size: int, dtype: str) -> None:
     engine = app[engine_key]
+    tp, pp, ranks = _layout(engine)
     held = 0
     cur = getattr(engine, "_v1", None)  # the cached v1 model is freed before the next one is built
     if cur is not None:
         held = memory.v1_weight_bytes(cur.params, DTYPE_NAMES[cur.dtype])[0]
-    memory.check_fits(memory.v1_estimate(params, batch_size, dtype), engine.device, reclaimable=held,
-                      headroom=app[config_key].memory_headroom, field="params")
+    last = getattr(engine, "last_v1", None)  # the ranks' model: each frees its shard before the next build
+    if last is not None:
+        held = memory.v1_weight_bytes(last[0], last[1])[0] // (tp * pp)
+    cuda = engine.device.type == "cuda"
+    fused = cuda and getattr(engine, "compile_v1", False)
+    est = memory.v1_estimate(params, batch_size, dtype, tp=tp, pp=pp, cuda=cuda, fused=fused)
+    memory.check_fits(est, engine.device, reclaimable=held, headroom=app[config_key].memory_headroom,
+                      field="params", free=_free(engine), ranks=ranks)
 
 
 def check_v2_memory(app: web.Application, batch_size: int, seq_len: int) -> None:
     engine = app[engine_key]
+    tp, _pp, ranks = _layout(engine)
     dtype = getattr(engine.v2, "dtype", None)  # the loaded model's (float32 on CPU by default)
     size = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
-    memory.check_fits(memory.v2_estimate(engine.v2.cfg, batch_size, seq_len, size), engine.device,
-                      headroom=app[config_key].memory_headroom, field="params.seq_len")
+    cuda = engine.device.type == "cuda"
+    est = memory.v2_estimate(engine.v2.cfg, batch_size, seq_len, size, tp=tp, cuda=cuda,
+                             fused=cuda and getattr(engine, "compile_v2", False))
+    memory.check_fits(est, engine.device, headroom=app[config_key].memory_headroom, field="params.seq_len",
+                      free=_free(engine), ranks=ranks)
 
 
 # --------------------------------------------------------------------------------------------------
