@@ -322,15 +322,17 @@ class DistEngine(DeviceLock):
         return out
 
     def _next(self, g: _Ranks, timeout: float):
-        """The next message from the ranks, None after `timeout` s; RankFailure if the engine broke. A rank's
-        ("memory", rank, free bytes) report is recorded here (free_bytes) and not returned."""
-        if self.broken_reason:
-            raise RankFailure(self.broken_reason)
+        """The next message from the ranks, None after `timeout` s; RankFailure if the engine broke. The messages
+        the ranks sent before the failure come first (results reported before it are still emitted); _fail queues
+        ("failed", reason) after them. A rank's ("memory", rank, free bytes) report is recorded here (free_bytes)
+        and not returned."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                msg = g.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+                msg = g.inbox.get(timeout=0 if self.broken_reason else max(0.0, deadline - time.monotonic()))
             except queue.Empty:
+                if self.broken_reason:
+                    raise RankFailure(self.broken_reason) from None
                 return None
             if msg[0] != "memory":
                 break
@@ -392,9 +394,14 @@ class DistEngine(DeviceLock):
         seqs = itertools.count(1)
         ended, done = [False] * L.replicas, [False] * L.replicas
         reason = None
+        failure: Exception | None = None  # the nonce iterator's error: the job ends as on a stop, then raises it
         # the clock starts when a replica reports its model built ("started"): max_duration counts compute, not a
         # v1 model's build, as on one device; the batches dealt ahead meanwhile wait in the ranks' queues
         t_start, last = None, time.monotonic()
+
+        def post(r: int, msg) -> None:
+            if not g.closing:  # a broken engine's ranks are gone; the results they sent before are still emitted
+                g.send(L.leader(r), msg)
 
         def end_all(why: str, drop: bool) -> None:
             nonlocal reason
@@ -402,14 +409,14 @@ class DistEngine(DeviceLock):
             for r in range(L.replicas):
                 if not ended[r]:
                     ended[r] = True
-                    g.send(L.leader(r), ("end", jid, drop))
+                    post(r, ("end", jid, drop))
 
         def over_time() -> bool:
             return (lim.max_duration is not None and t_start is not None
                     and time.perf_counter() - t_start >= lim.max_duration)
 
         def deal(r: int) -> None:
-            nonlocal taken
+            nonlocal taken, failure
             if ended[r]:
                 return
             if stop.is_set():
@@ -417,20 +424,28 @@ class DistEngine(DeviceLock):
             if over_time():
                 return end_all("max_duration", True)
             n = job.batch_size if lim.max_nonces is None else min(job.batch_size, lim.max_nonces - taken)
-            nonces = take(job.nonces, n) if n > 0 else []
+            try:
+                nonces = take(job.nonces, n) if n > 0 else []
+            except Exception as e:  # noqa: BLE001 - raised once the batches already launched are emitted
+                failure = e
+                return end_all("error", True)
             if not nonces:
                 return end_all("exhausted", False)
             taken += len(nonces)
-            g.send(L.leader(r), ("batch", jid, next(seqs), nonces))
+            post(r, ("batch", jid, next(seqs), nonces))
 
         def finish_on_error() -> None:
-            """Something failed here (emit, the nonce iterator): end the job on the ranks so they stay in step."""
+            """emit failed: end the job on the ranks so they stay in step (the results still arriving have no
+            consumer left); ranks that do not end it break the engine rather than meet the next job mid-job."""
             end_all("error", True)
             wait_until = time.monotonic() + self.timeout
             while not all(done) and time.monotonic() < wait_until:
                 msg = self._next(g, 0.1)
                 if msg is not None and msg[0] == "done" and msg[1] == jid:
                     done[msg[2]] = True
+            if not all(done):
+                self._fail(g, f"replica(s) {[r for r in range(L.replicas) if not done[r]]} did not end job {jid} "
+                              f"within {self.timeout:.0f} s of an error")
 
         try:
             for _ in range(DEPTH + L.pp - 1):  # a pipeline of pp stages holds pp batches at once, plus one queued
@@ -469,6 +484,8 @@ class DistEngine(DeviceLock):
             with contextlib.suppress(Exception):
                 finish_on_error()
             raise
+        if failure is not None:
+            raise failure
         if reason == "exhausted" and lim.max_nonces is not None and computed >= lim.max_nonces:
             reason = "max_nonces"
         return JobSummary(reason=reason or "exhausted", batches=batches, computed=computed,
