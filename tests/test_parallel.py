@@ -871,3 +871,42 @@ def test_an_emit_error_with_a_replica_that_does_not_end_breaks_the_engine():
     with pytest.raises(KeyError):
         e.run(_v1_job(v1.worker_nonces(0, 0, 1)), emit, threading.Event())
     assert time.monotonic() - t0 < 5 and e.state == "broken" and "did not end job" in e.broken_reason
+
+
+def test_results_still_in_the_sockets_reach_the_job_before_a_failure():
+    """The reader reads one message per connection per round: when one rank's error arrives, results another
+    replica had already sent are still in its socket. They go to the inbox ahead of the failure (before, the reader
+    stopped at the failure and they were lost)."""
+    from multiprocessing import Pipe
+
+    from poc.parallel.engine import _Ranks
+
+    class Proc:  # a rank process: killing it closes its end of the connection
+        def __init__(self, end, pid):
+            self.end, self.pid, self.returncode = end, pid, None
+
+        def poll(self):
+            return self.returncode
+
+        def kill(self):
+            self.end.close()
+            self.returncode = -9
+
+        def wait(self, timeout=None):
+            return self.returncode
+
+    e = DistEngine("cpu", world=2, tp=1, timeout=5)
+    g = _Ranks(2)
+    ends = [Pipe() for _ in range(2)]
+    g.conns = {r: ends[r][0] for r in range(2)}
+    g.procs = [Proc(ends[r][1], 1000 + r) for r in range(2)]
+    e._ranks = g
+    for seq in (1, 3, 5):
+        ends[0][1].send(("result", 1, 0, seq, {"nonces": [seq]}, 0.1))
+    ends[1][1].send(("error", 1, "RuntimeError: boom"))
+    e._read(g)
+    msgs = []
+    while not g.inbox.empty():
+        msgs.append(g.inbox.get())
+    assert [m[3] for m in msgs if m[0] == "result"] == [1, 3, 5] and msgs[-1][0] == "failed", msgs
+    assert e.state == "broken" and "boom" in e.broken_reason

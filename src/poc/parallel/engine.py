@@ -222,14 +222,14 @@ class DistEngine(DeviceLock):
                         with contextlib.suppress(subprocess.TimeoutExpired):
                             code = g.procs[r].wait(timeout=2)
                         self._fail(g, f"rank {r} (pid {g.procs[r].pid}) exited"
-                                      + (f" with code {code}" if code is not None else ""))
+                                      + (f" with code {code}" if code is not None else ""), drain=list(live))
                     continue
                 if msg[0] == "error":
                     # a dead peer makes the survivors' collectives fail first ("connection reset"): name the
                     # rank that actually died when there is one, not the one that noticed
                     dead = self._dead_rank(g, wait_s=1.0, exclude=msg[1])
                     self._fail(g, f"rank {dead[0]} (pid {dead[1]}) exited with code {dead[2]}; rank {msg[1]} then "
-                                  f"failed: {msg[2]}" if dead else f"rank {msg[1]} failed: {msg[2]}")
+                                  f"failed: {msg[2]}" if dead else f"rank {msg[1]} failed: {msg[2]}", drain=list(live))
                 else:
                     g.inbox.put(msg)
 
@@ -247,13 +247,21 @@ class DistEngine(DeviceLock):
                 return None
             time.sleep(0.05)
 
-    def _fail(self, g: _Ranks, reason: str) -> None:
-        """Mark the engine broken, wake the running job, and stop every other rank (no hang on a dead peer)."""
+    def _fail(self, g: _Ranks, reason: str, drain: Sequence[Connection] = ()) -> None:
+        """Mark the engine broken, wake the running job, and stop every other rank (no hang on a dead peer).
+        The reader passes the ranks' connections as `drain`: what the ranks sent before they were stopped (results
+        of other replicas still in the sockets) goes to the job ahead of the failure."""
         if g.closing or g is not self._ranks:
             return
         g.closing = True
         log.error("engine broken: %s; stopping the other ranks", reason)
         g.kill()  # first: when the job sees the failure, no rank is left running
+        for c in drain:  # the ranks have exited: each connection holds what was sent, then EOF
+            with contextlib.suppress(EOFError, OSError):
+                while c.poll(0):
+                    msg = c.recv()
+                    if msg[0] != "error":
+                        g.inbox.put(msg)
         self.broken_reason = reason
         self.state = "broken"
         g.inbox.put(("failed", reason))
