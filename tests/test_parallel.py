@@ -910,3 +910,39 @@ def test_results_still_in_the_sockets_reach_the_job_before_a_failure():
         msgs.append(g.inbox.get())
     assert [m[3] for m in msgs if m[0] == "result"] == [1, 3, 5] and msgs[-1][0] == "failed", msgs
     assert e.state == "broken" and "boom" in e.broken_reason
+
+
+def test_a_rank_failing_a_batch_reports_the_batch_it_had_in_flight(tmp_path, monkeypatch):
+    """A replica's launch raises on a batch (injected in the rank processes: nonce 10**9 fails v2.input_seeds):
+    the batch it had launched before is computed, so the rank reports it before its error, as the single-device
+    Engine emits the batch in flight; the engine breaks with the rank's error and restart() recovers."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "from poc.protocol import v2\n"
+        "_seeds = v2.input_seeds\n"
+        "def input_seeds(bh, pk, nonces, *a, **kw):\n"
+        "    if 10**9 in nonces:\n"
+        "        raise RuntimeError('injected failure')\n"
+        "    return _seeds(bh, pk, nonces, *a, **kw)\n"
+        "v2.input_seeds = input_seeds\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    e = DistEngine("cpu", model_dir=str(v2_checkpoint("qwen3")), dtype="float32", tp=1, world=2, timeout=30)
+    try:
+        e.load()
+        seen = []
+
+        def nonces():
+            yield from range(8)  # seqs 1, 3 to replica 0 and 2, 4 to replica 1 (DEPTH 2), then the bad batch
+            while True:
+                yield 10**9
+
+        job = V2Job(BH, PK, 1, SEQ, K, nonces(), 2, limits=Limits(max_nonces=None, max_duration=None))
+        with pytest.raises(RankFailure, match="injected failure"):
+            with e.exclusive():
+                e._run(job, lambda seq, b, p: seen.append((seq, p["replica"])), threading.Event())
+        failed = int(e.broken_reason.split("rank ")[1].split()[0])
+        assert {s for s, r in seen if r == failed} == ({1, 3} if failed == 0 else {2, 4}), (e.broken_reason, seen)
+        e.restart()
+        arts, _ = e.v2_artifacts(BH, PK, [3, 4, 5], SEQ, K, batch_size=2)
+        assert [a["nonce"] for a in arts] == [3, 4, 5]
+    finally:
+        e.close()

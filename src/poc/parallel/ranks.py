@@ -12,6 +12,7 @@ the embeddings, the last stage post-processes and its tp rank 0 sends the small 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import sys
@@ -252,7 +253,13 @@ class Rank:
                 _, _, seq, nonces = cmd
                 with torch.inference_mode():
                     t0 = time.perf_counter()
-                    out = self.launch_v1(job, nonces) if isinstance(job, V1Job) else self.launch_v2(job, nonces)
+                    try:
+                        out = self.launch_v1(job, nonces) if isinstance(job, V1Job) else self.launch_v2(job, nonces)
+                    except BaseException:  # the job fails, but the batches launched before are computed: report
+                        with contextlib.suppress(Exception):  # them ahead of the error, as Engine emits its one
+                            while inflight:
+                                self.report(job_id, job, opts, *inflight.popleft())
+                        raise
                     inflight.append((seq, nonces, out, t0))
                 if prof is not None:
                     prof.step()
