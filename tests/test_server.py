@@ -547,6 +547,7 @@ BAD = [
     ("/generate", v2_request(n_groups=2**200), 400, "n_groups"),
     ("/validate", validate_request(SET_A["runs"]["float16"], node_id=2**200), 400, "node_id"),
     ("/validate", validate_request(SET_A["runs"]["float16"], fraud_threshold=10**400), 400, "fraud_threshold"),
+    ("/validate", {**validate_request(SET_A["runs"]["float16"]), "nonces": [0], "dist": [10**400]}, 400, "dist"),
     ("/pooled", {"orchestrator_url": "http://"}, 400, "orchestrator_url"),
     ("/pooled", {"orchestrator_url": "http://x:99999"}, 400, "orchestrator_url"),
     ("/pooled", {"orchestrator_url": "http://[::1"}, 400, "orchestrator_url"),

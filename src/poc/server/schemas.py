@@ -419,8 +419,8 @@ def parse_proof_batch(body: dict, cfg: ServerConfig, as_reference: bool = False)
     if not isinstance(dist, list) or len(dist) != len(nonces):
         raise InputError(f"dist must be a list of {len(nonces)} numbers (one per nonce)", "dist")
     for d in dist:
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d):
-            raise InputError(f"dist must hold finite numbers, got {d!r}", "dist")
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not _finite(d):
+            raise InputError(f"dist must hold finite numbers, got {_short(d)}", "dist")
     node_id = get_int(body, "node_id", lo=-MAX_INT64 - 1, hi=MAX_INT64)
     return v1.ProofBatch(public_key=pk, block_hash=bh, block_height=height, nonces=nonces,
                          dist=[float(d) for d in dist], node_id=node_id)
