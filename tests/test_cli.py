@@ -73,7 +73,7 @@ def _bad_checkpoints(tmp_path):
 @pytest.mark.parametrize("case", [
     "unknown_key", "mistyped_key", "missing_seq_len", "not_json", "nonce_text", "nonce_float", "k_dim_0",
     "k_dim_big", "seq_len_0", "missing_model", "truncated", "corrupt", "arch", "unknown_flag", "no_protocol",
-    "device_unknown", "device_meta"])
+    "device_unknown", "device_meta", "nonce_over_int64", "params_overflow", "params_too_big", "seq_len_big"])
 def test_bad_input_exit_2_one_line(case, tmp_path):
     bad = _bad_checkpoints(tmp_path) if case in ("missing_model", "truncated", "corrupt", "arch") else {}
     args = {
@@ -94,6 +94,10 @@ def test_bad_input_exit_2_one_line(case, tmp_path):
         "no_protocol": ["v3"],
         "device_unknown": v1_args(PARAMS_A, "0", "--device", "tpu"),
         "device_meta": v1_args(PARAMS_A, "0", "--device", "meta"),
+        "nonce_over_int64": v1_args(PARAMS_A, str(2**70)),
+        "params_overflow": v1_args({**PARAMS_A, "norm_eps": 10**400}, "0"),
+        "params_too_big": v1_args({**PARAMS_A, "dim": 10**6, "n_heads": 1, "n_kv_heads": 1}, "0"),
+        "seq_len_big": v2_args(None, "0")[:-1] + [str(2**70)],
     }[case]
     r = cli(*args)
     assert r.returncode == 2, (case, r.returncode, r.stderr)

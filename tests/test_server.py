@@ -20,7 +20,7 @@ from poc.protocol import v1, v2
 from poc.server.app import create_app, engine_key
 from poc.server.config import ServerConfig, parse_args
 from poc.server.logs import OneLineFormatter, defuse
-from poc.server.schemas import stride_nonces
+from poc.server.schemas import get_nonces, stride_nonces
 
 from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2, v2_checkpoint
 
@@ -528,6 +528,36 @@ BAD = [
     ("/api/v1/pow/init/generate", {**_drop(v1_request(), "max_nonces"), "node_id": -1, "node_count": -1}, 400,
      "node_count"),
     ("/generate", {"x": "y" * (300 << 10)}, 413, None),
+    # hostile values: deep nesting, ints past float or int64, URLs without a usable host
+    ("/generate", b"[" * 100_000 + b"]" * 100_000, 400, None),
+    ("/generate", _v1(r_target=10**400), 400, "r_target"),
+    ("/generate", _v1(max_duration=10**400), 400, "max_duration"),
+    ("/generate", _v1(block_height=2**200), 400, "block_height"),
+    ("/generate", _v1(max_nonces=2**200), 400, "max_nonces"),
+    ("/generate", _v1p(norm_eps=10**400), 400, "params.norm_eps"),
+    ("/generate", _v1p(n_layers=10**400), 400, "params.n_layers"),
+    ("/generate", _v1p(dim=2**200, n_heads=1, n_kv_heads=1), 400, "params.dim"),
+    ("/generate", _v1p(dim=2**62, n_heads=1, n_kv_heads=1), 422, "params"),
+    ("/generate", _v1p(n_layers=2**63 - 1), 422, "params"),
+    ("/generate", _v1p(seq_len=2**63 - 1), 422, "params"),
+    ("/generate", _v1p(ffn_dim_multiplier=1e308), 400, "params.ffn_dim_multiplier"),
+    ("/generate", _v1p(dim=2**62, n_heads=1, n_kv_heads=1, n_layers=2**63 - 1, ffn_dim_multiplier=1e30), 400,
+     "params.ffn_dim_multiplier"),
+    ("/generate", v2_request(node_count=2**200), 400, "node_count"),
+    ("/generate", v2_request(n_groups=2**200), 400, "n_groups"),
+    ("/validate", validate_request(SET_A["runs"]["float16"], node_id=2**200), 400, "node_id"),
+    ("/validate", validate_request(SET_A["runs"]["float16"], fraud_threshold=10**400), 400, "fraud_threshold"),
+    ("/validate", {**validate_request(SET_A["runs"]["float16"]), "nonces": [0], "dist": [10**400]}, 400, "dist"),
+    ("/pooled", {"orchestrator_url": "http://"}, 400, "orchestrator_url"),
+    ("/pooled", {"orchestrator_url": "http://x:99999"}, 400, "orchestrator_url"),
+    ("/pooled", {"orchestrator_url": "http://[::1"}, 400, "orchestrator_url"),
+    ("/pooled", {"orchestrator_url": "http://a b/"}, 400, "orchestrator_url"),
+    ("/pooled", {"orchestrator_url": "http://127.0.0.1:1", "max_duration": 10**400}, 400, "max_duration"),
+    ("/warmup", {"callback_url": "http:///x"}, 400, "callback_url"),
+    ("/api/v1/pow/init/generate", {**_drop(v2_request(), "max_nonces"), "node_id": 2**200}, 400, "node_id"),
+    ("/api/v1/pow/init/generate", {**_drop(v2_request(), "max_nonces"), "url": "http://"}, 400, "url"),
+    ("/api/v1/pow/generate", _pow_gen(node_count=2**200), 400, "node_count"),
+    ("/api/v1/pow/generate", _pow_gen(stat_test={"p_mismatch": 10**400}), 400, "stat_test.p_mismatch"),
 ]
 
 
@@ -540,6 +570,14 @@ async def test_bad_input_is_refused_and_server_stays_healthy(client, path, body,
     assert err["field"] == field and err["error"]
     h = await client.get("/health")
     assert h.status == 200 and (await h.json())["state"] == "ready"
+
+
+def test_repeated_nonce_is_found_in_linear_time():
+    # at the 100k-nonce limit a repeat at the end took ~50 s of quadratic search, blocking the event loop
+    t0 = time.monotonic()
+    with pytest.raises(InputError, match="holds 5 more than once"):
+        get_nonces({"nonces": [*range(99_999), 5]}, "nonces", 100_000)
+    assert time.monotonic() - t0 < 1.0
 
 
 async def test_missing_fields_message_as_the_reference(client):

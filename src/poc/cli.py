@@ -21,6 +21,7 @@ import sys
 from poc.errors import InputError
 
 MAX_CLI_NONCES = 1_000_000
+MAX_NONCE = (1 << 63) - 1  # nonces are int64 on the chain and the device, as the server's
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,6 +37,8 @@ def parse_nonces(text: str) -> list[int]:
         a, b = int(m.group(1)), int(m.group(2))
         if b < a:
             raise InputError(f"--nonces range {text!r} ends before it starts", "nonces")
+        if b > MAX_NONCE:
+            raise InputError(f"--nonces: {b} is over the int64 range", "nonces")
         if b - a + 1 > MAX_CLI_NONCES:
             raise InputError(f"--nonces range {text!r} has more than {MAX_CLI_NONCES} nonces", "nonces")
         return list(range(a, b + 1))
@@ -47,6 +50,8 @@ def parse_nonces(text: str) -> list[int]:
         n = int(part)
         if n < 0:
             raise InputError(f"--nonces: {n} is negative", "nonces")
+        if n > MAX_NONCE:
+            raise InputError(f"--nonces: {n} is over the int64 range", "nonces")
         out.append(n)
     return out
 
@@ -99,6 +104,7 @@ def run(argv: list[str]) -> int:
         except json.JSONDecodeError as e:
             raise InputError(f"--params is not valid JSON: {e}", "params") from None
         params = V1Params.from_json(obj)
+        _check_v1_memory(params, min(args.batch_size, len(nonces)), args.dtype, args.device, par)
         engine = make_engine(args.device, **par)
         try:
             dists = engine.v1_distances(params, args.block_hash, args.public_key, nonces, args.dtype, args.batch_size)
@@ -115,7 +121,11 @@ def run(argv: list[str]) -> int:
 
         if not Path(args.model).is_dir():
             raise InputError(f"model directory {args.model} does not exist", "model")
-        hidden = ModelConfig.from_hf(args.model).dim  # config.json only: bad flags fail before any loading
+        cfg = ModelConfig.from_hf(args.model)  # config.json only: bad flags fail before any loading
+        hidden = cfg.dim
+        if args.seq_len > cfg.max_seq_len:
+            raise InputError(f"--seq-len must be <= {cfg.max_seq_len} (the model's max_position_embeddings), got "
+                             f"{args.seq_len}", "seq_len")
         if not 1 <= args.k_dim <= hidden:
             raise InputError(f"--k-dim must be in [1, {hidden}] (the model's hidden size), got {args.k_dim}", "k_dim")
         engine = make_engine(args.device, model_dir=args.model, dtype=args.dtype, **par)
@@ -133,6 +143,16 @@ def run(argv: list[str]) -> int:
                 print(json.dumps({"nonce": n, "error": "non-finite output (NaN/Inf): no artifact"}))
     sys.stdout.flush()
     return 0
+
+
+def _check_v1_memory(params, batch_size: int, dtype: str, device: str, par: dict) -> None:
+    """The server's estimate (a 422 there): params far too large are refused here, not half-allocated."""
+    from poc.engine import memory
+    from poc.parallel.engine import resolve_device, world_for
+
+    dev = resolve_device(device)
+    est = memory.v1_estimate(params, batch_size, dtype, tp=par["tp"], pp=par["pp"], cuda=dev.type == "cuda")
+    memory.check_fits(est, dev, field="params", ranks=world_for(dev, par["tp"], par["pp"], par["replicas"]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,8 +108,13 @@ class V1Params:
             raise InputError(f"params.rope_theta must be a positive number, got {self.rope_theta}", "params.rope_theta")
         if self.ffn_dim_multiplier is not None and not (self.ffn_dim_multiplier > 0 and math.isfinite(self.ffn_dim_multiplier)):
             raise InputError("params.ffn_dim_multiplier must be positive or null", "params.ffn_dim_multiplier")
-        if self.ffn_dim <= 0:
-            raise InputError(f"the FFN hidden size works out to {self.ffn_dim}", "params.ffn_dim_multiplier")
+        try:
+            ffn = self.ffn_dim
+        except OverflowError:  # ffn_dim_multiplier * hidden is past float range
+            ffn = math.inf
+        if not 0 < ffn <= _MAX_INT:
+            raise InputError(f"the FFN hidden size works out to {ffn if ffn <= 0 else 'more than ' + str(_MAX_INT)}",
+                             "params.ffn_dim_multiplier")
 
     @property
     def total_params(self) -> int:
@@ -120,18 +125,27 @@ class V1Params:
 _IGNORED_KEYS = {"use_fp8"}
 
 
+_MAX_INT = (1 << 63) - 1  # tensor sizes are int64; larger values would overflow float maths in the estimate
+
+
 def _int(v, f: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         if isinstance(v, float) and v.is_integer():
-            return int(v)
-        raise InputError(f"{f} must be an integer, got {v!r}", f)
+            v = int(v)
+        else:
+            raise InputError(f"{f} must be an integer, got {v!r}", f)
+    if v > _MAX_INT:
+        raise InputError(f"{f} must be <= {_MAX_INT}, got a {len(str(v))}-digit number", f)
     return v
 
 
 def _number(v, f: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise InputError(f"{f} must be a number, got {v!r}", f)
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an int past float range (10**400 is valid JSON)
+        raise InputError(f"{f} must be a finite number, got a {len(str(v))}-digit integer", f) from None
 
 
 # Named presets (spec-v1 §1.1). PARAMS_V2 is gonka's MainNetParams.

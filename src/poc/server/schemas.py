@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -23,6 +24,7 @@ from poc.server.config import ServerConfig
 
 MISSING = object()
 MAX_NONCE = (1 << 63) - 1  # nonces travel as int64 on the device
+MAX_INT64 = MAX_NONCE  # heights, node numbers: int64 on the chain
 V1_DTYPES = ("float16", "bfloat16", "float32")
 V2_PARAM_KEYS = {"model", "seq_len", "k_dim"}
 
@@ -86,6 +88,8 @@ async def read_json(request: web.Request, max_bytes: int) -> dict:
         obj = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise InputError(f"Invalid JSON: {e}", None) from None
+    except RecursionError:
+        raise InputError("Invalid JSON: nested too deeply", None) from None
     if not isinstance(obj, dict):
         raise InputError("the body must be a JSON object", None)
     return obj
@@ -148,9 +152,9 @@ def get_int(obj: dict, name: str, *, prefix: str = "", default=MISSING, lo: int 
     if isinstance(v, bool) or not isinstance(v, int):
         raise InputError(f"{f} must be an integer, got {v!r}", f)
     if lo is not None and v < lo:
-        raise InputError(f"{f} must be >= {lo}{what}, got {v}", f)
+        raise InputError(f"{f} must be >= {lo}{what}, got {_short(v)}", f)
     if hi is not None and v > hi:
-        raise InputError(f"{f} must be <= {hi}{what}, got {v}", f)
+        raise InputError(f"{f} must be <= {hi}{what}, got {_short(v)}", f)
     return v
 
 
@@ -160,14 +164,27 @@ def get_number(obj: dict, name: str, *, prefix: str = "", default=MISSING, lo: f
     v = _get(obj, name, default)
     if v is MISSING:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise InputError(f"{f} must be a finite number, got {v!r}", f)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
+        raise InputError(f"{f} must be a finite number, got {_short(v)}", f)
     v = float(v)
     if lo is not None and (v <= lo if lo_open else v < lo):
         raise InputError(f"{f} must be {'>' if lo_open else '>='} {lo}, got {v}", f)
     if hi is not None and v > hi:
         raise InputError(f"{f} must be <= {hi}, got {v}", f)
     return v
+
+
+def _finite(v: int | float) -> bool:
+    """math.isfinite, False for an int too large for a float (10**400 is valid JSON)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else f"{r[:20]}...({len(r)} characters)"
 
 
 def get_str(obj: dict, name: str, *, prefix: str = "", default=MISSING, nonempty: bool = True) -> str:
@@ -193,9 +210,20 @@ def get_bool(obj: dict, name: str, *, prefix: str = "", default=MISSING) -> bool
 
 
 def get_url(obj: dict, name: str = "url") -> str | None:
+    """An http(s) URL with a host (and a valid port if it gives one): anything else fails here, not later in a
+    background sender or a stream that has already answered 200."""
     u = get_str(obj, name, default=None)
-    if u is not None and not u.startswith(("http://", "https://")):
-        raise InputError(f"{name} must be an http(s) URL, got {u!r}", name)
+    if u is None:
+        return None
+    try:
+        parts = urllib.parse.urlsplit(u)
+        ok = (u.startswith(("http://", "https://")) and bool(parts.hostname)
+              and not any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in u))
+        parts.port  # ValueError for a port that is not a number in 0..65535
+    except ValueError:
+        ok = False
+    if not ok:
+        raise InputError(f"{name} must be an http(s) URL with a host, got {_short(u)}", name)
     return u
 
 
@@ -216,9 +244,11 @@ def get_nonces(obj: dict, name: str, max_len: int, *, prefix: str = "") -> list[
             raise InputError(f"{f} must hold non-negative integers, got {n}", f)
         if n > MAX_NONCE:
             raise InputError(f"{f}: {n} is over the int64 range", f)
-    if len(set(v)) != len(v):
-        dup = next(n for i, n in enumerate(v) if n in v[:i])
-        raise InputError(f"{f} holds {dup} more than once", f)
+    seen: set[int] = set()
+    for n in v:
+        if n in seen:
+            raise InputError(f"{f} holds {n} more than once", f)
+        seen.add(n)
     return v
 
 
@@ -241,14 +271,14 @@ def get_batch_size(obj: dict, cfg: ServerConfig, default=MISSING) -> int:
 
 
 def get_limits(obj: dict, cfg: ServerConfig) -> Limits:
-    return Limits(max_nonces=get_int(obj, "max_nonces", default=None, lo=1),
+    return Limits(max_nonces=get_int(obj, "max_nonces", default=None, lo=1, hi=MAX_NONCE),
                   max_duration=get_number(obj, "max_duration", default=cfg.default_max_duration, lo=0,
                                           lo_open=True, hi=cfg.max_duration_limit))
 
 
 def get_header(obj: dict) -> tuple[str, int, str]:
     """(block_hash, block_height, public_key)"""
-    return get_str(obj, "block_hash"), get_int(obj, "block_height", lo=0), get_str(obj, "public_key")
+    return get_str(obj, "block_hash"), get_int(obj, "block_height", lo=0, hi=MAX_INT64), get_str(obj, "public_key")
 
 
 def get_node(obj: dict, *, groups: bool = True, bounded: bool = True) -> tuple[int, int, int, int]:
@@ -256,11 +286,12 @@ def get_node(obj: dict, *, groups: bool = True, bounded: bool = True) -> tuple[i
 
     /api/v1/pow/init/generate is not bounded: the reference takes any node_id >= 0 (an MLNode's node numbers may
     have gaps) and the lattice formula is defined for it."""
-    node_count = get_int(obj, "node_count", lo=1)
-    node_id = get_int(obj, "node_id", lo=0, hi=node_count - 1 if bounded else None, what=" (node_count - 1)")
-    n_groups = get_int(obj, "n_groups", default=1, lo=1) if groups else 1
-    group_id = get_int(obj, "group_id", default=0, lo=0, hi=n_groups - 1 if bounded else None,
-                       what=" (n_groups - 1)") if groups else 0
+    node_count = get_int(obj, "node_count", lo=1, hi=MAX_INT64)
+    node_id = get_int(obj, "node_id", lo=0, hi=node_count - 1 if bounded else MAX_INT64,
+                      what=" (node_count - 1)" if bounded else "")
+    n_groups = get_int(obj, "n_groups", default=1, lo=1, hi=MAX_INT64) if groups else 1
+    group_id = get_int(obj, "group_id", default=0, lo=0, hi=n_groups - 1 if bounded else MAX_INT64,
+                       what=" (n_groups - 1)" if bounded else "") if groups else 0
     return node_id, node_count, group_id, n_groups
 
 
@@ -388,9 +419,9 @@ def parse_proof_batch(body: dict, cfg: ServerConfig, as_reference: bool = False)
     if not isinstance(dist, list) or len(dist) != len(nonces):
         raise InputError(f"dist must be a list of {len(nonces)} numbers (one per nonce)", "dist")
     for d in dist:
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d):
-            raise InputError(f"dist must hold finite numbers, got {d!r}", "dist")
-    node_id = get_int(body, "node_id")
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not _finite(d):
+            raise InputError(f"dist must hold finite numbers, got {_short(d)}", "dist")
+    node_id = get_int(body, "node_id", lo=-MAX_INT64 - 1, hi=MAX_INT64)
     return v1.ProofBatch(public_key=pk, block_hash=bh, block_height=height, nonces=nonces,
                          dist=[float(d) for d in dist], node_id=node_id)
 
@@ -474,8 +505,8 @@ def parse_pow_v2_generate(body: dict, cfg: ServerConfig, served: ServedModel | N
                strict=False)
     seq_len, k_dim = parse_v2_params(body["params"], served)
     bh, height, pk = get_header(body)
-    node_id = get_int(body, "node_id", lo=0)
-    node_count = get_int(body, "node_count", lo=1)
+    node_id = get_int(body, "node_id", lo=0, hi=MAX_INT64)
+    node_count = get_int(body, "node_count", lo=1, hi=MAX_INT64)
     nonces = get_nonces(body, "nonces", cfg.max_request_nonces)
     req = PowV2Generate(bh, height, pk, node_id, node_count, nonces, seq_len, k_dim,
                         get_batch_size(body, cfg, default=v2.DEFAULT_BATCH_SIZE), get_bool(body, "wait", default=False),
@@ -551,8 +582,8 @@ def parse_pow_v1_init(body: dict, cfg: ServerConfig, need_node: bool) -> PowV1In
     check_keys(body, {"block_hash", "block_height", "public_key", "params"}, strict=False)
     params = parse_v1_params(body["params"])
     bh, height, pk = get_header(body)
-    node_count = get_int(body, "node_count", default=-1, lo=-1)
-    node_id = get_int(body, "node_id", default=-1, lo=-1)
+    node_count = get_int(body, "node_count", default=-1, lo=-1, hi=MAX_INT64)
+    node_id = get_int(body, "node_id", default=-1, lo=-1, hi=MAX_INT64)
     if need_node or node_id != -1 or node_count != -1:
         # unbounded above, as the reference (and the v2 init): an MLNode's node numbers may have gaps
         if node_count < 1:
