@@ -537,7 +537,8 @@ BAD = [
     ("/generate", _v1p(norm_eps=10**400), 400, "params.norm_eps"),
     ("/generate", _v1p(n_layers=10**400), 400, "params.n_layers"),
     ("/generate", _v1p(dim=2**200, n_heads=1, n_kv_heads=1), 400, "params.dim"),
-    ("/generate", _v1p(dim=2**62, n_heads=1, n_kv_heads=1), 422, "params"),
+    ("/generate", _v1p(dim=2**62, n_heads=1, n_kv_heads=1), 400, "params.ffn_dim_multiplier"),  # FFN past int64
+    ("/generate", _v1p(dim=2**40, n_heads=1, n_kv_heads=1), 422, "params"),  # fits int64, not in memory
     ("/generate", _v1p(n_layers=2**63 - 1), 422, "params"),
     ("/generate", _v1p(seq_len=2**63 - 1), 422, "params"),
     ("/generate", _v1p(ffn_dim_multiplier=1e308), 400, "params.ffn_dim_multiplier"),
