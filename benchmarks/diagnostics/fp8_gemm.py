@@ -1,6 +1,6 @@
-"""FP8 GEMMs against dequantise-then-bf16 on the expert shapes of Qwen3-MoE (issue 7: the choice, measured).
+"""FP8 GEMMs against dequantise-then-bf16 on the expert shapes of Qwen3-MoE.
 
-    python benchmarks/fp8_gemm.py [--out benchmarks/h100/fp8_gemm.json]
+    python benchmarks/diagnostics/fp8_gemm.py [--out benchmarks/h100/fp8_gemm.json]
 
 For each (tokens per expert M, K, N): bf16 torch.mm; the FP8 weights dequantised (128x128 block scales, one fused
 kernel as the engine does per layer) and then the bf16 GEMM; torch._scaled_mm with per-row / per-column scales
@@ -18,16 +18,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from poc.bench import _cuda_time  # noqa: E402
+from poc.bench import cuda_time  # noqa: E402
 from poc.model.transformer import dequantize_blocks  # noqa: E402
 
 E4M3_MAX = 448.0
 
 
 def timed(fn, iters: int = 20) -> float:
-    return _cuda_time(fn, iters)
+    return cuda_time(fn, iters)
 
 
 def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,11 +1,12 @@
-"""Where does the compiled bf16 decoder layer round differently from eager on the GPU?
+"""Where, if anywhere, does the compiled bf16 decoder layer round differently from eager on the GPU?
 
-    python benchmarks/diag_compile.py [--out benchmarks/h100/diag_compile.json]
+    python benchmarks/diagnostics/compiled_layers.py [--out benchmarks/h100/compiled_layers.json] [--smoke]
 
-Each piece of the layer runs eager and torch.compile'd (as the engine compiles: emulate_precision_casts) on the
-same bf16 inputs; the fraction of output elements that differ says which op rounds differently. Then the
-sensitivity of the whole model: final-norm state change after one bf16 ulp on one input element, against the
-bf16-vs-fp32 gap; and what allow_bf16_reduced_precision_reduction does to the eager GEMMs.
+Each piece of a Qwen3-0.6B-shaped layer runs eager and compiled (as the engine compiles: compute.eager_numerics)
+on the same bf16 inputs; the fraction of output elements that differ says which op rounds differently. Then every
+one of the 28 layers, and the sensitivity of the whole model: the final-norm state's change after one bf16 ulp on
+one input element, against the bf16-vs-fp32 gap and the compiled-vs-eager gap; and what
+allow_bf16_reduced_precision_reduction does to the eager GEMMs. --smoke: the tiny shape on the CPU.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from poc.engine.compute import maybe_compile  # noqa: E402
 from poc.model.config import PRESETS  # noqa: E402
 from poc.model.random_weights import random_model  # noqa: E402
-from poc.model.transformer import Transformer, _mul, apply_rope, reflect, sum_exact  # noqa: E402
+from poc.model.transformer import Transformer, apply_rope, reflect, sum_exact  # noqa: E402
 
 
 def diff(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -35,22 +36,9 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/h100/diag_compile.json")
+    ap.add_argument("--out", default="benchmarks/h100/compiled_layers.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU (checks the script runs)")
-    ap.add_argument("--exact", action="store_true",
-                    help="as the engine compiles now (compute.eager_numerics: IEEE division, no FMA contraction, "
-                         "PyTorch's libdevice); without it only emulate_precision_casts, as before")
     args = ap.parse_args()
-    if not args.exact:  # only the precision casts, as the engine compiled before eager_numerics()
-        import torch._inductor.config as inductor_config
-
-        import poc.engine.compute as compute
-
-        def casts_only() -> dict:
-            inductor_config.emulate_precision_casts = True
-            return {}
-
-        compute.eager_numerics = casts_only
     dev, dt = torch.device("cpu" if args.smoke else "cuda"), torch.bfloat16
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = PRESETS["tiny" if args.smoke else "qwen3-0.6b"]
@@ -60,14 +48,14 @@ def main() -> None:
     x = torch.randn(B, S, D, device=dev, generator=g).to(dt)
     blk = model.layers["0"]
     cos, sin = model.rope_cos[:S], model.rope_sin[:S]
-    out: dict = {"exact": args.exact, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__, "ops": {}}
+    out: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__, "ops": {}}
     gg = torch.randn(B * S, cfg.ffn_dim, device=dev, generator=g).to(dt) * 2
     uu = torch.randn(B * S, cfg.ffn_dim, device=dev, generator=g).to(dt)
     q = torch.randn(B, cfg.n_heads, S, cfg.head_dim, device=dev, generator=g).to(dt)
     v = F.normalize(torch.randn(D, device=dev, generator=g), dim=0).to(dt)
     pieces = {
-        "silu_mul (F.silu)": (lambda a, b: _mul(F.silu(a.float()).to(a.dtype), b), (gg, uu)),
-        "silu_mul (x/(1+exp(-x)))": (lambda a, b: _mul((a.float() / (1 + torch.exp(-a.float()))).to(a.dtype), b),
+        "silu_mul (F.silu)": (lambda a, b: F.silu(a) * b, (gg, uu)),  # as the model's MLP writes it
+        "silu_mul (x/(1+exp(-x)))": (lambda a, b: (a.float() / (1 + torch.exp(-a.float()))).to(a.dtype) * b,
                                      (gg, uu)),
         "exp fp32": (lambda a: torch.exp(a.float()), (gg,)),
         "sigmoid fp32": (lambda a: torch.sigmoid(a.float()), (gg,)),

@@ -1,41 +1,57 @@
-#!/usr/bin/env bash
-# tp=2, pp=2 and 2 replicas against one GPU (issue 4), on a 2-GPU box (nvidia-h200-x2). From the repo root:
-#
-#     bash benchmarks/gpu_parallel.sh            # prints one JSON summary; also written to $OUT/gpu_parallel.json
-#
-# 1. float32 equality on the golden tiny qwen3/llama checkpoints (./shared/golden or ../shared/golden): L2 < 1e-5
-# 2. a random-weight Qwen3-0.6B-shaped checkpoint (28 layers, float32 safetensors in a temp dir): float32 L2 < 1e-5
-#    and bfloat16 L2 < 0.02 against the single-GPU engine on the same nonces, for every layout
-# 3. nonces/s of 2 replicas vs one GPU, W4-like (seq_len 1024, batch 64, bf16): target >= 1.9x
-#    (tp=2 and pp=2 throughput is printed too, for the record)
-# Exit code 1 when a check fails. Env: SEQ (1024), BATCH (64), BATCHES (timed batches per run, 24),
-# DEVICE (cuda; "cpu" runs a small dry run of the same code), LAYERS (28).
-set -euo pipefail
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp}
-mkdir -p "$OUT"
-python3 - "$OUT" <<'EOF'
-import json, os, sys, tempfile, threading, time
+"""tp=2, pp=2 and two replicas against one GPU, on a box with two GPUs: equality and nonces/s.
+
+    python benchmarks/diagnostics/parallel_check.py [--out benchmarks/h200x2/parallel_check.json]
+    python benchmarks/diagnostics/parallel_check.py --floor-only --out benchmarks/h100/parallel_check_floor.json
+
+1. float32 on the golden tiny qwen3/llama checkpoints (../shared/golden or ./shared/golden): L2 < 1e-5
+2. a random-weight Qwen3-0.6B-shaped checkpoint (28 layers, float32 safetensors in a temp dir): float32 L2 < 1e-5
+   and bfloat16 L2 < 0.02 against the single-GPU engine on the same nonces, for every layout; and the bf16 noise
+   floor of that comparison (one input element of every nonce moved by one ulp, on one GPU; --floor-only: only it)
+3. nonces/s of 2 replicas over one GPU, W4-like (seq_len 1024, batch 64, bf16): >= 1.9x (tp=2 and pp=2 printed)
+Prints one JSON summary and writes it to --out; exit code 1 when a check fails. --device cpu: a small dry run of
+the same code over gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from poc.engine.engine import Engine
-from poc.engine.jobs import Limits, V2Job
-from poc.model.config import PRESETS
-from poc.model.transformer import Transformer
-from poc.parallel.engine import DistEngine
-from poc.protocol import v1
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-out_dir = Path(sys.argv[1])
-DEVICE = os.environ.get("DEVICE", "cuda")
+from poc.bench import one_ulp  # noqa: E402
+from poc.engine.engine import Engine  # noqa: E402
+from poc.engine.jobs import Limits, V2Job  # noqa: E402
+from poc.model.config import PRESETS  # noqa: E402
+from poc.model.transformer import Transformer  # noqa: E402
+from poc.parallel.engine import DistEngine  # noqa: E402
+from poc.protocol import v1  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", default="benchmarks/h200x2/parallel_check.json")
+ap.add_argument("--device", default="cuda", help="cuda, or cpu for a small dry run")
+ap.add_argument("--seq", type=int, help="seq_len of the throughput runs (1024; cpu 32)")
+ap.add_argument("--batch", type=int, help="batch size of the throughput runs (64; cpu 4)")
+ap.add_argument("--batches", type=int, help="timed batches per throughput run (24; cpu 4)")
+ap.add_argument("--layers", type=int, help="layers of the Qwen3-0.6B-shaped checkpoint (28; cpu 2)")
+ap.add_argument("--big-nonces", type=int, default=16, help="nonces of the Qwen3-0.6B-shape comparisons")
+ap.add_argument("--floor-only", action="store_true", help="only the bf16 noise floor, on one GPU")
+args = ap.parse_args()
+DEVICE = args.device
 CPU = DEVICE == "cpu"
-SEQ = int(os.environ.get("SEQ", 32 if CPU else 1024))
-BATCH = int(os.environ.get("BATCH", 4 if CPU else 64))
-BATCHES = int(os.environ.get("BATCHES", 4 if CPU else 24))
-LAYERS = int(os.environ.get("LAYERS", 2 if CPU else 28))
+SEQ = args.seq or (32 if CPU else 1024)
+BATCH = args.batch or (4 if CPU else 64)
+BATCHES = args.batches or (4 if CPU else 24)
+LAYERS = args.layers or (2 if CPU else 28)
 BH, PK, K = "ab" * 32, "03" + "cd" * 32, 12
 LAYOUTS = {"tp2": dict(tp=2, pp=1), "pp2": dict(tp=1, pp=2), "rep2": dict(tp=1, pp=1)}
 summary = {"device": torch.cuda.get_device_name() if not CPU else "cpu", "torch": torch.__version__,
@@ -43,7 +59,7 @@ summary = {"device": torch.cuda.get_device_name() if not CPU else "cpu", "torch"
 
 
 def golden_dir() -> Path:
-    for p in (Path("shared/golden"), Path("../shared/golden")):
+    for p in (Path("../shared/golden"), Path("shared/golden"), Path("tests/golden_copy")):
         if p.is_dir():
             return p
     raise SystemExit("no shared/golden here")
@@ -79,12 +95,11 @@ def write_qwen3(path: Path) -> Path:
     return path
 
 
-def single_vectors(model_dir, dtype, nonces, seq, batch, one_ulp=False) -> np.ndarray:
+def single_vectors(model_dir, dtype, nonces, seq, batch, perturbed=False) -> np.ndarray:
     e = Engine(DEVICE, model_dir=str(model_dir), dtype=dtype, v1_input_workers=0)
     e.load()
-    if one_ulp:  # one input element of every nonce moved by one ulp: the model's own rounding noise floor
-        from poc.bench import _one_ulp
-        _one_ulp(e.v2)
+    if perturbed:  # one input element of every nonce moved by one ulp: the model's own rounding noise floor
+        one_ulp(e.v2)
     v = np.concatenate([e.v2.vectors(e.v2.prepare(BH, PK, nonces[i:i + batch], seq, K)).numpy()
                         for i in range(0, len(nonces), batch)])
     e.close()
@@ -115,19 +130,20 @@ with tempfile.TemporaryDirectory() as tmp:
     t0 = time.perf_counter()
     big = write_qwen3(Path(tmp) / "qwen3-0.6b-random")
     summary["checkpoint_write_s"] = round(time.perf_counter() - t0, 1)
-    small_nonces, big_nonces = list(range(12)), list(range(int(os.environ.get("BIG_NONCES", 16))))
+    small_nonces, big_nonces = list(range(12)), list(range(args.big_nonces))
     ref = {}
     for name, d in tiny.items():
         ref[(name, "float32")] = single_vectors(d, "float32", small_nonces, 16, 4)
     for dtype in ("float32", "bfloat16"):
         ref[("big", dtype)] = single_vectors(big, dtype, big_nonces, min(SEQ, 256), 8)
-    floor = np.linalg.norm(single_vectors(big, "bfloat16", big_nonces, min(SEQ, 256), 8, one_ulp=True)
+    floor = np.linalg.norm(single_vectors(big, "bfloat16", big_nonces, min(SEQ, 256), 8, perturbed=True)
                            - ref[("big", "bfloat16")], axis=1)
     summary["bf16_one_input_ulp_vs_one_gpu_L2"] = {"mean": float(floor.mean()), "max": float(floor.max()),
                                                    "n": len(big_nonces)}
     print(f"bf16 noise floor (one input ulp): mean {floor.mean():.3g} max {floor.max():.3g}", file=sys.stderr)
-    if os.environ.get("FLOOR_ONLY"):
-        (out_dir / "gpu_parallel_floor.json").write_text(json.dumps(summary, indent=1))
+    if args.floor_only:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(summary, indent=1))
         print(json.dumps(summary, indent=1))
         sys.exit(0)
     single = Engine(DEVICE, model_dir=str(big), dtype="bfloat16", v1_input_workers=0)
@@ -165,6 +181,6 @@ with tempfile.TemporaryDirectory() as tmp:
 
 text = json.dumps(summary, indent=1)
 print(text)
-(out_dir / "gpu_parallel.json").write_text(text)
+Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+Path(args.out).write_text(text)
 sys.exit(0 if summary["ok"] else 1)
-EOF

@@ -1,10 +1,11 @@
-"""Bit-level: which elementwise steps does the compiled (Triton) path still round differently from eager?
+"""Bit level: does the compiled (Triton) path round each elementwise step of the model as eager does?
 
-    python benchmarks/diag_bits.py [--out benchmarks/h100/diag_bits.json]
+    python benchmarks/diagnostics/compiled_bits.py [--out benchmarks/h100/compiled_bits.json]
 
-Each step runs eager and compiled (the engine's knobs, compute.eager_numerics) on the same inputs. For steps that
-differ: the fraction of elements, and the first few differing elements with the eager value, the compiled value
-and a float64 reference, so one can tell which side rounds correctly.
+Each step runs eager and compiled (with the engine's inductor settings, compute.eager_numerics) on the same bf16
+inputs. For a step that differs: the fraction of elements, and the first differing elements with the eager value,
+the compiled value and a float64 reference, so one can tell which side rounds correctly. Run it after a torch
+upgrade: every step bit-identical is what lets `--compile` compute eager's bits.
 """
 
 from __future__ import annotations
@@ -17,15 +18,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from poc.engine.compute import eager_numerics, maybe_compile  # noqa: E402
-from poc.model.transformer import RMSNorm, _mul, apply_rope, reflect, rope_table  # noqa: E402
+from poc.model.transformer import RMSNorm, apply_rope, reflect, rope_table  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/h100/diag_bits.json")
+    ap.add_argument("--out", default="benchmarks/h100/compiled_bits.json")
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     out: dict = {"torch": torch.__version__, "knobs": eager_numerics(), "steps": {}}
@@ -46,7 +47,7 @@ def main() -> None:
         "x/(1+exp(-x))": (lambda a: f(a) / (1 + torch.exp(-f(a))), (x,), lambda a: a.double() / (1 + torch.exp(-a.double()))),
         "F.silu fp32": (lambda a: F.silu(f(a)), (x,), lambda a: a.double() / (1 + torch.exp(-a.double()))),
         "x/y fp32": (lambda a, b: f(a) / (f(b).abs() + 1), (x, u), lambda a, b: a.double() / (b.double().abs() + 1)),
-        "silu_mul bf16": (lambda a, b: _mul(F.silu(f(a)).to(dt), b), (x, u), None),
+        "silu_mul bf16": (lambda a, b: F.silu(a) * b, (x, u), None),  # as the model's MLP writes it
         "rope (table inputs)": (lambda a, c, s: apply_rope(a, c, s), (q, cos, sin), None),
         "q*cos fp32": (lambda a, c: f(a) * c.to(dt).float(), (q, cos), None),
         "q*cos+q*sin fp32": (lambda a, c, s: f(a) * c.to(dt).float() + f(a).flip(-1) * s.to(dt).float(), (q, cos, sin), None),
