@@ -12,7 +12,8 @@
 #   accuracy      `python -m poc.bench --check`: the compiled path against eager (v2 bf16, v1 fp16), DIR/accuracy.json;
 #   profile:W4    `python -m poc.bench --profile` of that workload (kernel time by kind), DIR/W4_profile.json;
 #   a diagnostic  benchmarks/diagnostics/<name>.py (DIR/<name>.json) or <name>.sh (its output in DIR/<name>.txt).
-# GPU_KIND names the folder (h100, h200, h200x2, h200x4, ...); DIR is benchmarks/GPU_KIND unless --out-dir.
+# GPU_KIND names the folder (h100, h200, h200x2, h200x4, ...); DIR is benchmarks/GPU_KIND unless --out-dir (a
+# relative DIR is taken from the repo root).
 # --eager adds _eager to the file names, --tag NAME adds _NAME (a variant: another environment, other flags).
 # FLAGS after -- go to every command (e.g. -- --batch 64 --warm 2 --timed 8). The environment passes through, and
 # poc.bench writes the exact command, with the POC_* and TORCHINDUCTOR_* settings it ran under, into each JSON.
