@@ -133,3 +133,15 @@ def test_bench_refuses_bad_flags_and_a_machine_without_cuda(args, rc, words):
                        env=env, cwd=ROOT)
     assert r.returncode == rc and words in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_bench_records_the_command_with_the_settings_it_ran_under(monkeypatch):
+    """Each result file's `command` reproduces the run: the POC_*/TORCHINDUCTOR_* settings, then the flags."""
+    from poc.bench import command
+
+    for k in [k for k in os.environ if k.startswith(("POC_", "TORCHINDUCTOR_"))]:
+        monkeypatch.delenv(k)  # e.g. POC_TEST_DEVICE on a GPU run of the tests
+    monkeypatch.setenv("POC_TP_REDUCE", "model")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/x")  # set by importing inductor: no setting of the run
+    assert command(["--workload", "W7R", "--out", "a b.json"]) == \
+        "POC_TP_REDUCE=model python -m poc.bench --workload W7R --out 'a b.json'"

@@ -150,8 +150,8 @@ def test_ranks_on_the_cpu_share_the_host_memory():
 
 
 @pytest.mark.parametrize(("file", "workload", "batch"), [
-    ("w1_w2_compile.json", "W1", 64), ("w1_w2_compile.json", "W1", 128), ("w2_compile.json", "W2", 128),
-    ("w2_compile.json", "W2", 256), ("w1_w2_eager.json", "W1", 128), ("w1_w2_eager.json", "W2", 128)])
+    ("W1.json", "W1", 64), ("W2.json", "W2", 128), ("W2.json", "W2", 256), ("W1_eager.json", "W1", 64),
+    ("W1_eager.json", "W1", 128), ("W2_eager.json", "W2", 128)])
 def test_the_cuda_estimate_covers_the_peaks_measured_on_the_h100(file, workload, batch):
     """The estimate on CUDA against the peak GPU memory the benchmark measured on the lent H100 (torch.cuda
     max_memory_allocated, benchmarks/h100): never under it, and compiled within 2x of it (refusing a job that

@@ -1,6 +1,7 @@
 """End-to-end throughput benchmark on a GPU box (random weights of the real shapes, made on the GPU).
 
-    python -m poc.bench --workload W3 W4 --batch 256 512 --out benchmarks/h100.json [--hf] [--compile]
+    python -m poc.bench --workload W3 W4 --batch 256 512 --out benchmarks/h100/W3.json [--hf] [--compile]
+    bash benchmarks/run.sh h100 W3 W4          (the suite: one file per workload under benchmarks/<gpu-kind>/)
 
 For each workload and batch size: nonces/s through the engine (inputs, forward, post-processing, results to
 the host), TFLOP/s, % of the matmul ceiling measured in the same run, peak GPU memory, model build time and time
@@ -15,7 +16,9 @@ import gc
 import json
 import os
 import platform
+import shlex
 import statistics
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -76,7 +79,7 @@ def flops_per_nonce(cfg: ModelConfig, seq_len: int, head: bool) -> float:
     return f + (2.0 * cfg.dim * cfg.vocab_size if head else 0.0)
 
 
-def _cuda_time(fn, iters: int, warmup: int = 3) -> float:
+def cuda_time(fn, iters: int, warmup: int = 3) -> float:
     """Median seconds per call, timed with CUDA events."""
     for _ in range(warmup):
         fn()
@@ -102,7 +105,7 @@ def matmul_ceiling(dtype: torch.dtype, n: int = 8192) -> float:
         i[0] += 1
         return xs[i[0] % 3] @ w
 
-    t = _cuda_time(step, 10)
+    t = cuda_time(step, 10)
     return 2 * n ** 3 / t / 1e12
 
 
@@ -145,7 +148,7 @@ def hf_forward_rate(cfg: ModelConfig, seq_len: int, batch: int, dtype: torch.dty
         torch.set_default_dtype(prev)
     x = torch.randn(batch, seq_len, cfg.dim, device="cuda", dtype=dtype)
     with torch.inference_mode():
-        t = _cuda_time(lambda: model(inputs_embeds=x, use_cache=False), iters, warmup=2)
+        t = cuda_time(lambda: model(inputs_embeds=x, use_cache=False), iters, warmup=2)
     return {"nonces_per_s": batch / t}
 
 
@@ -280,7 +283,7 @@ def check_accuracy(n_v2: int = 1000, n_v1: int = 256) -> dict:
                                                               compile_model=False), 250),
                            ("eager_fp32", V2Compute(m32, cfg, torch.float32, dev, "fp32"), 250),
                            ("compiled_fp32", V2Compute(m32, cfg, torch.float32, dev, "fp32c", compile=True), 250),
-                           ("eager_one_ulp", _one_ulp(V2Compute(model, cfg, torch.bfloat16, dev, "u")), 250)]:
+                           ("eager_one_ulp", one_ulp(V2Compute(model, cfg, torch.bfloat16, dev, "u")), 250)]:
         arts = {}
         for i in range(0, n_v2, bs):
             prep = comp.prepare(BH, PK, list(range(i, min(n_v2, i + bs))), 64, 12)
@@ -314,7 +317,7 @@ def check_accuracy(n_v2: int = 1000, n_v1: int = 256) -> dict:
     return out
 
 
-def _one_ulp(comp: V2Compute) -> V2Compute:
+def one_ulp(comp: V2Compute) -> V2Compute:
     """comp with one element of every nonce's bf16 input (middle position, column 7) moved up by one ulp."""
     inputs = comp._inputs
 
@@ -366,6 +369,14 @@ def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4)
     print(json.dumps(out, indent=1), flush=True)
     engine.close()
     return out
+
+
+def command(argv: list[str] | None) -> str:
+    """The command line of this run, prefixed with the POC_* and TORCHINDUCTOR_* settings it ran under
+    (not TORCHINDUCTOR_CACHE_DIR, which importing inductor sets and which changes no result)."""
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+           if k.startswith(("POC_", "TORCHINDUCTOR_")) and k != "TORCHINDUCTOR_CACHE_DIR"]
+    return " ".join([*env, "python -m poc.bench", shlex.join(argv if argv is not None else sys.argv[1:])])
 
 
 def plot(results: dict, path: Path) -> None:
@@ -421,10 +432,12 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.profile:
         name = args.workload[0]
-        out.write_text(json.dumps(profile(name, (args.batch or WORKLOADS[name]["batches"])[0], args.compile), indent=1))
+        result = profile(name, (args.batch or WORKLOADS[name]["batches"])[0], args.compile)
+        out.write_text(json.dumps({**result, "command": command(argv)}, indent=1))
         return
     if args.check:
-        out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "accuracy": check_accuracy()}, indent=1))
+        out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "accuracy": check_accuracy(),
+                                   "command": command(argv)}, indent=1))
         return
     ceil = {"bfloat16": matmul_ceiling(torch.bfloat16), "float16": matmul_ceiling(torch.float16)}
     print(f"matmul ceiling: bf16 {ceil['bfloat16']:.0f} TFLOP/s, fp16 {ceil['float16']:.0f} TFLOP/s", flush=True)
@@ -434,8 +447,7 @@ def main(argv=None) -> None:
         rows += bench_workload(name, args.batch or w["batches"], args.compile, args.hf, ceil[w["dtype"]],
                                args.warm, args.timed)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-               "ceiling_tflops": ceil["bfloat16"], "ceilings": ceil, "command": "python -m poc.bench " +
-               " ".join(argv if argv is not None else os.sys.argv[1:]), "rows": rows,
+               "ceiling_tflops": ceil["bfloat16"], "ceilings": ceil, "command": command(argv), "rows": rows,
                "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     out.write_text(json.dumps(results, indent=1))
     plot(results, out.with_suffix(".png"))

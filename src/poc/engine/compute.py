@@ -147,7 +147,7 @@ def _keep_lossy_casts() -> bool:
 def compile_flags(compile, device: torch.device) -> tuple[bool, bool]:
     """(compile v1, compile v2) for the --compile flag: "auto" and "on" compile both protocols on CUDA, "off" and
     the CPU neither. The compiled path computes eager's bits (eager_numerics; v2 bf16 over 1000 nonces: mean L2
-    3e-10, v1 fp16: |delta dist| 8e-8, benchmarks/h100/accuracy_exact.json), so there is no accuracy reason to
+    3e-10, v1 fp16: |delta dist| 8e-8, benchmarks/h100/accuracy.json), so there is no accuracy reason to
     keep it off; the cost is compiling each new batch shape once (about 20 s on the first batch)."""
     from poc.errors import InputError
 
