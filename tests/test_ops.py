@@ -1,0 +1,162 @@
+"""The operator's path (issue 17): restarts, fatal start-ups, installs, start-up time.
+
+- a restarted container (scripts/docker_entrypoint.sh -> start_server.sh) whose log still holds the previous run's
+  `Error: POC-FATAL` line: the log is made fresh before the PyWorker reads it, and the fake autoscaler sees the
+  worker loaded with no error;
+- a fatal start-up (a --model that does not exist) exits 3 by default (POC_FATAL_KEEPALIVE=1 keeps it up:
+  tests/test_worker.py);
+- scripts/fresh_log.sh keeps the old logs beside the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .fakes import ROOT, ServerProcess, free_port
+
+FATAL = "Error: POC-FATAL"
+
+
+def wait_for(cond, timeout: float, what: str, log=None) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}\n{log() if log else ''}"
+        time.sleep(0.05)
+
+
+def copy_repo(dst: Path, *extra: str) -> Path:
+    """The files a start needs (scripts, entry files, src), without caches: the scripts cd to their checkout."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for d in ("scripts", "src", *[e for e in extra if (ROOT / e).is_dir()]):
+        shutil.copytree(ROOT / d, dst / d, ignore=ignore)
+    for f in ("model_server.py", "worker.py", "start_server.sh", "requirements.txt", "pyproject.toml",
+              *[e for e in extra if (ROOT / e).is_file()]):
+        shutil.copy2(ROOT / f, dst / f)
+    return dst
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process group this test started (entrypoint -> server, tee, worker.py), then SIGKILL."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # worker.py and tee are in the same group and may outlive the server
+        proc.poll()
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+# --------------------------------------------------------------------------------------------------
+# restart safety
+
+
+def test_fresh_log_rotates_the_old_logs_beside_the_new_one(tmp_path):
+    log = tmp_path / "model" / "server.log"
+    script = ROOT / "scripts/fresh_log.sh"
+    out = subprocess.run([str(script), str(log)], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(log) and log.read_text() == ""  # created, nothing to rotate
+    assert not (tmp_path / "model" / "server.log.1").exists()
+    for run in range(1, 8):
+        log.write_text(f"run {run}\n")
+        subprocess.run([str(script), str(log)], capture_output=True, check=True)
+        assert log.read_text() == ""
+    kept = sorted(p.name for p in log.parent.iterdir())
+    assert kept == ["server.log", "server.log.1", "server.log.2", "server.log.3", "server.log.4", "server.log.5"]
+    assert [(log.parent / f"server.log.{i}").read_text() for i in (1, 5)] == ["run 7\n", "run 3\n"]
+    subprocess.run([str(script), str(log)], capture_output=True, check=True)  # an empty log is not rotated
+    assert (log.parent / "server.log.1").read_text() == "run 7\n"
+
+
+def test_a_restarted_worker_is_not_failed_by_the_previous_runs_fatal_line(tmp_path):
+    """docker_entrypoint.sh on a Vast worker: the PyWorker (real vastai 1.9.1) and the model server, with the log
+    of a previous run that ended in a FATAL line; the autoscaler must see the worker loaded and no error."""
+    pytest.importorskip("vastai.serverless.server.worker")
+    from .test_server import PARAMS_A
+    from .test_worker import ThreadLoop
+    from .fakes import FakeAutoscaler
+
+    repo = copy_repo(tmp_path / "repo")
+    log = tmp_path / "logs" / "server.log"
+    log.parent.mkdir()
+    stale = f"{FATAL} model_server: model load failed: the previous run's failure\n"
+    log.write_text("2026-11-22 10:00:00 INFO poc.server: loading /models/x on cuda\n" + stale)
+    loop = ThreadLoop()
+    autoscaler = FakeAutoscaler("unused: UNSECURED=true")
+    loop.run(autoscaler.start())
+    port, http_port, server_port = free_port(), free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("POC_", "VAST_", "TORCHINDUCTOR_", "TRITON_"))}
+    env.update(PYTHONUNBUFFERED="1", CONTAINER_ID="7", REPORT_ADDR=autoscaler.url, WORKER_PORT=str(port),
+               WORKER_HTTP_PORT=str(http_port), PUBLIC_IPADDR="127.0.0.1", **{f"VAST_TCP_PORT_{port}": str(port)},
+               UNSECURED="true", MODEL_LOG=str(log), POC_PORT=str(server_port), POC_WORKER_HOST="127.0.0.1",
+               POC_START_PYWORKER="1", POC_PYTHON=sys.executable, POC_DEVICE="cpu",
+               POC_SPOOL_DIR=str(tmp_path / "spool"), POC_BENCH_PARAMS=json.dumps(PARAMS_A),
+               POC_BENCH_NONCES="400", POC_BENCH_BATCH="100", POC_BENCH_RUNS="1")
+    out = open(tmp_path / "entrypoint.out", "wb")
+    proc = subprocess.Popen(["bash", str(repo / "scripts/docker_entrypoint.sh")], cwd=repo, env=env, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    pyworker_log = log.parent / "pyworker.log"
+
+    def logs() -> str:
+        return "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}"
+                         for p in (tmp_path / "entrypoint.out", log, pyworker_log) if p.exists())
+
+    def loaded() -> bool:
+        assert proc.poll() is None, logs()
+        return pyworker_log.exists() and "marking model as loaded" in pyworker_log.read_text(errors="replace")
+
+    try:
+        wait_for(loaded, 120, "the PyWorker to mark the model loaded", logs)
+        n = len(autoscaler.status)
+        wait_for(lambda: len(autoscaler.status) > n, 20, "a worker_status report after loading", logs)
+        reports = [d for _, d in autoscaler.status]
+        assert all(d["error_msg"] == "" for d in reports), reports[-1]
+        assert reports[-1]["loadtime"] > 0 and reports[-1]["max_perf"] > 0
+        assert (log.parent / "server.log.1").read_text().endswith(stale)  # the old log kept beside the new one
+        assert FATAL not in log.read_text() and "Application startup complete." in log.read_text()
+    finally:
+        stop_group(proc)
+        out.close()
+        loop.run(autoscaler.stop())
+        loop.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# a fatal start-up
+
+
+def test_a_fatal_start_exits_nonzero_by_default(tmp_path):
+    s = ServerProcess(tmp_path / "s.log", "--model", str(tmp_path / "missing"), "--spool-dir", str(tmp_path / "sp"),
+                      env={"POC_FATAL_KEEPALIVE": "0"})
+    try:
+        wait_for(lambda: FATAL in s.text() or s.proc.poll() is not None, 90, "the fatal line", s.text)
+        t_fatal = time.monotonic()
+        rc = s.proc.wait(10)  # the issue's bound: exit within 10 s of the fatal line
+        print(f"\n[fatal start] exit {rc} {time.monotonic() - t_fatal:.2f} s after the FATAL line")
+    finally:
+        s.terminate()
+    assert rc == 3, s.text()
+    fatal = [line for line in s.text().splitlines() if FATAL in line]
+    assert len(fatal) == 1 and "does not exist" in fatal[0] and "Application startup complete." not in s.text()
+
+
+def test_fatal_keepalive_setting_is_checked():
+    p = subprocess.run([sys.executable, str(ROOT / "model_server.py"), "--device", "cpu"], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "POC_FATAL_KEEPALIVE": "maybe"})
+    assert p.returncode == 2 and "POC_FATAL_KEEPALIVE must be 0 or 1" in p.stderr
