@@ -10,8 +10,9 @@ POC_FP8_EXPERTS); the flag wins. README.md's Configuration table says what each 
 v1 (the random model is built from each request's params); with --model it loads that Hugging Face checkpoint at
 start and serves PoC v2 for it, and v1. It logs one "Application startup complete." line when it can take work.
 SIGTERM stops the jobs, ends open streams with a final line and exits 0. An unrecoverable start-up failure (bad
-flags, an unusable --spool-dir: exit 2; the port in use: exit 1; the --model checkpoint failing to load: the server
-stays up, /health says broken) is one line on stderr starting with FATAL ("Error: POC-FATAL"), the on_error pattern
+flags, an unusable --spool-dir: exit 2; the port in use: exit 1; the --model checkpoint failing to load: exit 3
+within seconds, or with POC_FATAL_KEEPALIVE=1 (scripts/docker_entrypoint.sh sets it) the server stays up and
+/health answers 503 with the reason) is one line on stderr starting with FATAL ("Error: POC-FATAL"), the on_error pattern
 of worker.py, so that the Vast PyWorker marks the worker failed at once. The log formatter turns every "Error:" of a
 logged event into "Error -", so no handled event (whatever text a request carries) can print it.
 """
@@ -24,6 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # runs from a checkout without `pip install -e .`
 
 import asyncio  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
 
 from aiohttp import web  # noqa: E402
@@ -33,6 +36,8 @@ from poc.server.config import check_spool_dir, parse_args  # noqa: E402
 from poc.server.logs import setup_logging  # noqa: E402
 
 FATAL = "Error: POC-FATAL"  # worker.py's on_error pattern: printed only here
+EXIT_LOAD_FAILED = 3  # the --model checkpoint failed to load (without POC_FATAL_KEEPALIVE)
+_exit_code = 0  # set by the fatal watch before it stops the server
 
 
 def fatal(message: str) -> None:
@@ -41,13 +46,17 @@ def fatal(message: str) -> None:
 
 async def _fatal_if_load_fails(app: web.Application) -> None:
     """on_startup, after the engine's start-up began loading --model: a failed load is fatal for the PyWorker."""
-    from poc.server.app import engine_key, tasks_key
+    from poc.server.app import config_key, engine_key, tasks_key
 
     async def watch():
         await asyncio.shield(app[tasks_key]["load"])
         engine = app[engine_key]
         if engine.state == "broken":
             fatal(engine.broken_reason or "model load failed")
+            if not app[config_key].fatal_keepalive:  # exit, so that a terminal or a restart policy sees it
+                global _exit_code
+                _exit_code = EXIT_LOAD_FAILED
+                os.kill(os.getpid(), signal.SIGTERM)  # run_app's handler: a clean shutdown, then main returns
 
     app[tasks_key]["fatal-watch"] = asyncio.create_task(watch(), name="fatal-watch")
 
@@ -73,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             fatal(f"start-up failed: {type(e).__name__}: {e}")
         return 1
-    return 0
+    return _exit_code
 
 
 if __name__ == "__main__":

@@ -229,11 +229,18 @@ def test_model_server_fatal_line_on_bad_flags_and_on_a_failed_model_load(tmp_pat
     p = subprocess.run([sys.executable, str(ROOT / "model_server.py"), "--port", "nope"], capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 2 and p.stderr.startswith("Error: POC-FATAL model_server: bad input: --port")
-    s = ServerProcess(tmp_path / "s.log", "--model", str(tmp_path / "missing"), "--spool-dir", str(tmp_path / "sp"))
+    s = ServerProcess(tmp_path / "s.log", "--model", str(tmp_path / "missing"), "--spool-dir", str(tmp_path / "sp"),
+                      env={"POC_FATAL_KEEPALIVE": "1"})  # without it the server exits 3 (tests/test_ops.py)
     try:
         wait_for(lambda: "Error: POC-FATAL" in s.text(), 60, "the fatal line", s.text)
+        import urllib.error
+        import urllib.request
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(s.url + "/health", timeout=10)
+        health = json.loads(e.value.read())
+        assert e.value.code == 503 and health["state"] == "broken" and "does not exist" in health["reason"]
     finally:
-        assert s.terminate() == 0  # the server stays up (/health: broken) until stopped
+        assert s.terminate() == 0  # kept up (/health: broken) until stopped
     fatal = [line for line in s.text().splitlines() if "Error: POC-FATAL" in line]
     assert len(fatal) == 1 and "does not exist" in fatal[0] and "Application startup complete." not in s.text()
 

@@ -77,6 +77,9 @@ class ServerConfig:
     # /warmup (spec-v1 §4.2)
     warmup_poll_interval: float = 5.0
     warmup_max_duration: float = 600.0
+    # start-up (env only): after a fatal start-up failure stay up with /health 503 and the reason, rather than
+    # exit 3 (POC_FATAL_KEEPALIVE=1; scripts/docker_entrypoint.sh sets it for the Vast PyWorker's healthcheck)
+    fatal_keepalive: bool = False
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -154,7 +157,10 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     level = str(a.log_level).upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise InputError(f"--log-level must be debug, info, warning or error, got {a.log_level!r}", "log_level")
+    keepalive = env.get("POC_FATAL_KEEPALIVE", "0").strip().lower()
+    if keepalive not in ("", "0", "1", "false", "true"):
+        raise InputError(f"POC_FATAL_KEEPALIVE must be 0 or 1, got {keepalive!r}", "fatal_keepalive")
     return ServerConfig(host=a.host, port=port, model=a.model, served_model_name=tuple(a.served_model_name),
                         dtype=a.dtype, device=a.device, log_level=level,
                         spool_dir=a.spool_dir, compile=str(a.compile),
-                        fp8_experts=str(a.fp8_experts), **par)
+                        fp8_experts=str(a.fp8_experts), fatal_keepalive=keepalive in ("1", "true"), **par)
