@@ -160,3 +160,41 @@ def test_fatal_keepalive_setting_is_checked():
     p = subprocess.run([sys.executable, str(ROOT / "model_server.py"), "--device", "cpu"], capture_output=True,
                        text=True, timeout=60, env={**os.environ, "POC_FATAL_KEEPALIVE": "maybe"})
     assert p.returncode == 2 and "POC_FATAL_KEEPALIVE must be 0 or 1" in p.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# start-up time of the tools: arguments are checked before torch, dynamo and scipy.stats are imported
+
+
+def _startup_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("startup_time", ROOT / "scripts/startup_time.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_help_version_and_bad_arguments_import_no_heavy_module():
+    """Each command of scripts/startup_time.py (which prints the seconds) answers without importing torch,
+    torch._dynamo or scipy.stats: python -X importtime lists every module a process imported."""
+    st = _startup_script()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    assert st.imported_heavy(["-c", "import torch, scipy.stats"], env) == ["scipy.stats", "torch"]  # it can see them
+    for args in st.COMMANDS:
+        p = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+        bad = "--help" not in args and "--version" not in args
+        assert p.returncode == (2 if bad else 0), (args, p.stderr)
+        if bad:
+            assert p.stderr.strip() and "Traceback" not in p.stderr, (args, p.stderr)
+        assert st.imported_heavy(args, env) == [], args
+
+
+def test_version_flags_say_the_package_version():
+    import poc
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    for args, name in ((["-m", "poc"], "poc"), (["-m", "poc.bench"], "poc.bench"),
+                       ([str(ROOT / "model_server.py")], "poc-server")):
+        p = subprocess.run([sys.executable, *args, "--version"], capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 0 and p.stdout.strip() == f"{name} {poc.__version__}", (args, p.stdout, p.stderr)

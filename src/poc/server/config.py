@@ -123,7 +123,10 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
 
     env = os.environ if env is None else env
     d = ServerConfig()
+    from poc import __version__
+
     ap = _Parser(prog="python model_server.py", description="The PoC model server (v1 and v2, NDJSON streaming).")
+    ap.add_argument("--version", action="version", version=f"poc-server {__version__}")
     ap.add_argument("--host", default=env.get(ENV["host"], d.host), help=f"bind address (env {ENV['host']})")
     ap.add_argument("--port", default=env.get(ENV["port"], d.port), help=f"(env {ENV['port']})")
     ap.add_argument("--model", default=env.get(ENV["model"]) or None,
