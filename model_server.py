@@ -1,4 +1,5 @@
-"""The proof-of-compute model server (PoC v1 and v2 for the Gonka network), aiohttp, one process.
+"""The proof-of-compute model server (PoC v1 and v2 for the Gonka network), aiohttp, one process. The code is
+poc.serve; an installed wheel has it as the `poc-server` console script (same flags).
 
     python model_server.py [--host 127.0.0.1] [--port 18000] [--model DIR] [--served-model-name NAME ...] \
         [--dtype auto|float16|bfloat16|float32] [--device cpu|cuda|cuda:N] [--log-level info] [--spool-dir spool] \
@@ -17,73 +18,12 @@ of worker.py, so that the Vast PyWorker marks the worker failed at once. The log
 logged event into "Error -", so no handled event (whatever text a request carries) can print it.
 """
 
-from __future__ import annotations
-
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # runs from a checkout without `pip install -e .`
 
-import asyncio  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-
-from aiohttp import web  # noqa: E402
-
-from poc.errors import InputError  # noqa: E402
-from poc.server.config import check_spool_dir, parse_args  # noqa: E402
-from poc.server.logs import setup_logging  # noqa: E402
-
-FATAL = "Error: POC-FATAL"  # worker.py's on_error pattern: printed only here
-EXIT_LOAD_FAILED = 3  # the --model checkpoint failed to load (without POC_FATAL_KEEPALIVE)
-_exit_code = 0  # set by the fatal watch before it stops the server
-
-
-def fatal(message: str) -> None:
-    print(f"{FATAL} model_server: {' '.join(message.split())}", file=sys.stderr, flush=True)  # one line
-
-
-async def _fatal_if_load_fails(app: web.Application) -> None:
-    """on_startup, after the engine's start-up began loading --model: a failed load is fatal for the PyWorker."""
-    from poc.server.app import config_key, engine_key, tasks_key
-
-    async def watch():
-        await asyncio.shield(app[tasks_key]["load"])
-        engine = app[engine_key]
-        if engine.state == "broken":
-            fatal(engine.broken_reason or "model load failed")
-            if not app[config_key].fatal_keepalive:  # exit, so that a terminal or a restart policy sees it
-                global _exit_code
-                _exit_code = EXIT_LOAD_FAILED
-                os.kill(os.getpid(), signal.SIGTERM)  # run_app's handler: a clean shutdown, then main returns
-
-    app[tasks_key]["fatal-watch"] = asyncio.create_task(watch(), name="fatal-watch")
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = parse_args(argv)
-        check_spool_dir(cfg.spool_dir)
-        setup_logging(cfg.log_level)
-        from poc.server.app import create_app, mark_listening  # torch is imported here, after the flags
-
-        app = create_app(cfg)
-        app.on_startup.append(_fatal_if_load_fails)
-    except InputError as e:
-        fatal(f"bad input: {e.message}")  # the PyWorker marks the worker failed on it
-        return 2
-    try:
-        web.run_app(app, host=cfg.host, port=cfg.port, print=lambda *_: mark_listening(app), shutdown_timeout=30,
-                    access_log_format='%a "%r" %s %b %Tf s')
-    except OSError as e:  # cannot listen (port in use, bad host), or start-up I/O failed: fatal, one line
-        if isinstance(e, socket.gaierror) or "attempting to bind" in str(e):
-            fatal(f"cannot serve on {cfg.host}:{cfg.port}: {e.strerror or e}")
-        else:
-            fatal(f"start-up failed: {type(e).__name__}: {e}")
-        return 1
-    return _exit_code
-
+from poc.serve import FATAL, main  # noqa: E402,F401  (FATAL: worker.py's on_error pattern, printed only there)
 
 if __name__ == "__main__":
     sys.exit(main())

