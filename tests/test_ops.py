@@ -248,3 +248,69 @@ def test_the_pyworker_needs_no_torch():
                         "print(sorted(m for m in ('torch', 'numpy', 'poc') if m in sys.modules))", str(ROOT)],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# --model <Hugging Face repo id>, from the local cache only
+
+TINY = Path(__file__).resolve().parents[2] / "shared" / "golden" / "v2_tiny" / "qwen3"
+REV = "0123456789abcdef0123456789abcdef01234567"
+
+
+def make_hub_cache(root: Path, repo: str = "TestOrg/tiny-qwen3") -> Path:
+    """The layout huggingface_hub writes: models--Org--Name/{refs/main, snapshots/<rev>/<files>}."""
+    d = root / f"models--{repo.replace('/', '--')}"
+    snap = d / "snapshots" / REV
+    snap.mkdir(parents=True)
+    for f in TINY.iterdir():
+        shutil.copyfile(f, snap / f.name)
+    (d / "refs").mkdir()
+    (d / "refs" / "main").write_text(REV)
+    return snap
+
+
+def test_model_repo_id_resolves_from_the_local_hub_cache_only(tmp_path, monkeypatch):
+    if not TINY.is_dir():
+        pytest.skip(f"no golden checkpoint at {TINY}")
+    from poc.errors import InputError
+    from poc.hub import resolve_model
+
+    snap = make_hub_cache(tmp_path / "hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model("TestOrg/tiny-qwen3") == str(snap)
+    assert resolve_model(str(TINY)) == str(TINY) and resolve_model("random:tiny") == "random:tiny"
+    assert resolve_model(str(tmp_path / "no" / "dir")) == str(tmp_path / "no" / "dir")  # the loader says it
+    with pytest.raises(InputError) as e:
+        resolve_model("TestOrg/not-downloaded")
+    assert str(tmp_path / "hub") in e.value.message and "TestOrg/not-downloaded" in e.value.message
+
+
+async def test_server_serves_a_repo_id_from_the_hub_cache(tmp_path):
+    if not TINY.is_dir():
+        pytest.skip(f"no golden checkpoint at {TINY}")
+    import aiohttp
+
+    make_hub_cache(tmp_path / "hub")
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    s = ServerProcess(tmp_path / "s.log", "--model", "TestOrg/tiny-qwen3", "--spool-dir", str(tmp_path / "sp"),
+                      env=env)
+    try:
+        await s.wait_ready(90)
+        body = {"block_hash": "hub", "block_height": 1, "public_key": "k", "node_id": 0, "node_count": 1,
+                "batch_size": 4, "max_nonces": 8, "params": {"model": "TestOrg/tiny-qwen3", "seq_len": 8, "k_dim": 12}}
+        async with aiohttp.ClientSession() as http:
+            async with http.get(s.url + "/health") as r:
+                health = await r.json()
+            async with http.post(s.url + "/generate", json=body) as r:
+                assert r.status == 200, await r.text()
+                lines = [json.loads(x) for x in (await r.read()).splitlines()]
+        assert health["state"] == "ready" and health["model"] == REV  # the snapshot directory's name
+        assert lines[-1]["status"] == "done" and lines[-1]["computed"] == 8, lines[-1]
+    finally:
+        assert s.terminate() == 0, s.text()
+    missing = subprocess.run([sys.executable, str(ROOT / "model_server.py"), "--device", "cpu", "--model",
+                              "TestOrg/not-downloaded", "--spool-dir", str(tmp_path / "sp")], capture_output=True,
+                             text=True, timeout=60, env={**os.environ, **env})
+    assert missing.returncode == 2 and missing.stderr.startswith(f"{FATAL} model_server: bad input: --model")
+    assert str(tmp_path / "hub") in missing.stderr

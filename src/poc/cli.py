@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"],
                            help="float16 is what validators run")
         else:
-            p.add_argument("--model", required=True, help="a Hugging Face checkpoint directory")
+            p.add_argument("--model", required=True,
+                           help="a Hugging Face checkpoint directory, or a repo id in the local Hugging Face cache")
             p.add_argument("--seq-len", type=int, required=True)
             p.add_argument("--k-dim", type=int, default=12)
             p.add_argument("--stronger-rng", action="store_true")
@@ -122,8 +123,10 @@ def run(argv: list[str]) -> int:
             raise InputError(f"--seq-len must be positive, got {args.seq_len}", "seq_len")
         from pathlib import Path
 
+        from poc.hub import resolve_model
         from poc.model.config import ModelConfig
 
+        args.model = resolve_model(args.model)  # a Hugging Face repo id: its snapshot in the local cache, offline
         if not Path(args.model).is_dir():
             raise InputError(f"model directory {args.model} does not exist", "model")
         cfg = ModelConfig.from_hf(args.model)  # config.json only: bad flags fail before any loading

@@ -9,6 +9,7 @@ model_server.py's docstring lists the flags and the exit codes; `--help` too.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         check_spool_dir(cfg.spool_dir)
+        if cfg.model:  # a Hugging Face repo id -> its snapshot in the local cache (offline)
+            from poc.hub import resolve_model
+
+            cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model))
         setup_logging(cfg.log_level)
         from poc.server.app import create_app, mark_listening  # torch is imported here, after the flags
 

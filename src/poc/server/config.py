@@ -130,7 +130,8 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     ap.add_argument("--host", default=env.get(ENV["host"], d.host), help=f"bind address (env {ENV['host']})")
     ap.add_argument("--port", default=env.get(ENV["port"], d.port), help=f"(env {ENV['port']})")
     ap.add_argument("--model", default=env.get(ENV["model"]) or None,
-                    help=f"HF checkpoint dir for PoC v2; without it only v1 is served (env {ENV['model']})")
+                    help="HF checkpoint dir, or a repo id in the local HF cache, for PoC v2; without it only v1 is "
+                         f"served (env {ENV['model']})")
     ap.add_argument("--served-model-name", nargs="+",
                     default=[n.strip() for n in env.get(ENV["served_model_name"], "").split(",") if n.strip()],
                     help="names params.model may use besides the checkpoint's path, e.g. the Hub repo id "
