@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -314,3 +315,65 @@ async def test_server_serves_a_repo_id_from_the_hub_cache(tmp_path):
                              text=True, timeout=60, env={**os.environ, **env})
     assert missing.returncode == 2 and missing.stderr.startswith(f"{FATAL} model_server: bad input: --model")
     assert str(tmp_path / "hub") in missing.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# /metrics: what a Prometheus user expects of a target
+
+
+async def test_metrics_parse_and_carry_process_latency_queue_and_build_families(aiohttp_client, aiohttp_server):
+    from aiohttp import web
+    from prometheus_client.parser import text_string_to_metric_families
+
+    import torch
+    from poc import __version__
+    from poc.server.app import create_app, sender_key
+
+    from .test_server import QWEN3, server_config, v1_request, wait_status
+
+    received = []
+
+    async def generated(request):
+        received.append(await request.json())
+        return web.json_response({})
+
+    receiver = web.Application()
+    receiver.router.add_post("/cb/generated", generated)
+    rx = await aiohttp_server(receiver)
+    client = await aiohttp_client(create_app(server_config(model=QWEN3)))
+    await wait_status(client)
+    r = await client.post("/generate", json=v1_request(max_nonces=15, batch_size=5))
+    assert r.status == 200 and json.loads((await r.read()).splitlines()[-1])["computed"] == 15
+    sender = client.server.app[sender_key]
+    assert sender.submit("generated", str(rx.make_url("/cb")), {"nonces": [1]}, "metrics-test-1")
+
+    async def scrape() -> dict:
+        r = await client.get("/metrics")
+        assert r.status == 200
+        return {f.name: f for f in text_string_to_metric_families(await r.text())}  # raises on malformed text
+
+    t0 = time.monotonic()
+    while not received or sender.pending:
+        assert time.monotonic() - t0 < 10, "the callback was not delivered"
+        await asyncio.sleep(0.02)
+    fams = await scrape()
+
+    def value(family: str, sample: str, **labels) -> float:
+        return next(s.value for s in fams[family].samples if s.name == sample and all(
+            s.labels.get(k) == v for k, v in labels.items()))
+
+    for name in ("process_cpu_seconds", "process_resident_memory_bytes", "process_open_fds", "python_info",
+                 "python_gc_objects_collected"):
+        assert name in fams, name  # the default collectors, on the app's own registry
+    assert fams["poc_batch_seconds"].type == "histogram"
+    assert value("poc_batch_seconds", "poc_batch_seconds_count", protocol="v1") == 3  # 15 nonces, 5 a batch
+    assert value("poc_batch_seconds", "poc_batch_seconds_bucket", protocol="v1", le="+Inf") == 3
+    assert value("poc_batch_seconds", "poc_batch_seconds_sum", protocol="v1") > 0
+    assert value("poc_callback_post_seconds", "poc_callback_post_seconds_count", kind="generated") == 1
+    assert value("poc_callback_delivery_seconds", "poc_callback_delivery_seconds_count", kind="generated") == 1
+    assert value("poc_pow_queue_jobs", "poc_pow_queue_jobs") == 0
+    assert value("poc_pow_queued_nonces", "poc_pow_queued_nonces") == 0
+    assert value("poc_callbacks_pending", "poc_callbacks_pending") == 0
+    build = next(s for s in fams["poc_build_info"].samples if s.name == "poc_build_info")  # text 0.0.4: a gauge
+    assert build.value == 1 and build.labels == {"version": __version__, "torch": torch.__version__,
+                                                 "cuda": torch.version.cuda or "none", "device": "cpu"}

@@ -74,6 +74,9 @@ def create_app(config: ServerConfig) -> web.Application:
     pow.setup(app)
     pooled.setup(app)
     warmup.setup(app)
+    from poc.server.scrape import AppCollector
+
+    metrics.registry.register(AppCollector(app))  # queue depths and build info, read at scrape time
     app.cleanup_ctx.append(engine_ctx)
     app.on_shutdown.append(on_shutdown)
     return app
