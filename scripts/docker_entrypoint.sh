@@ -13,6 +13,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export POC_FATAL_KEEPALIVE=${POC_FATAL_KEEPALIVE:-1}
+# On a Vast worker, compile the PyWorker benchmark's shape (worker.py's bench_payload) before the readiness line, so
+# the benchmark and the first job run at full speed; POC_COMPILE_AT_START="" turns it off (warm_start.py).
+if [[ -n ${REPORT_ADDR:-} && -z ${POC_COMPILE_AT_START+set} ]]; then
+    bench_batch=${POC_BENCH_BATCH:-256}
+    if [[ -n ${POC_BENCH_PARAMS:-} ]]; then
+        POC_COMPILE_AT_START="[{\"batch_size\": $bench_batch, \"params\": $POC_BENCH_PARAMS}]"
+    elif [[ -n ${POC_MODEL:-} ]]; then
+        POC_COMPILE_AT_START="v2:$bench_batch:${POC_BENCH_SEQ_LEN:-256}"
+    else
+        POC_COMPILE_AT_START="v1:$bench_batch"
+    fi
+    export POC_COMPILE_AT_START
+fi
 MODEL_LOG=$(scripts/fresh_log.sh "${MODEL_LOG:-/var/log/model/server.log}")
 export MODEL_LOG
 

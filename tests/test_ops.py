@@ -131,7 +131,10 @@ def test_a_restarted_worker_is_not_failed_by_the_previous_runs_fatal_line(tmp_pa
         assert all(d["error_msg"] == "" for d in reports), [d["error_msg"] for d in reports]
         assert reports[-1]["loadtime"] > 0 and reports[-1]["max_perf"] > 0
         assert (log.parent / "server.log.1").read_text().endswith(stale)  # the old log kept beside the new one
-        assert FATAL not in log.read_text() and "Application startup complete." in log.read_text()
+        text = log.read_text()
+        assert FATAL not in text and "Application startup complete." in text
+        # the entrypoint's default on Vast: the benchmark's shape run (compiled on CUDA) before the readiness line
+        assert -1 < text.find("compile at start: v1 batch 100 dim 64") < text.find("Application startup complete.")
     finally:
         stop_group(proc)
         out.close()
@@ -377,3 +380,63 @@ async def test_metrics_parse_and_carry_process_latency_queue_and_build_families(
     build = next(s for s in fams["poc_build_info"].samples if s.name == "poc_build_info")  # text 0.0.4: a gauge
     assert build.value == 1 and build.labels == {"version": __version__, "torch": torch.__version__,
                                                  "cuda": torch.version.cuda or "none", "device": "cpu"}
+
+
+# --------------------------------------------------------------------------------------------------
+# compile at start: the setting, and its batches run through the engine before the readiness line
+
+
+def test_compile_at_start_setting_is_parsed_and_checked():
+    from poc.errors import InputError
+    from poc.protocol.v1 import PARAMS_V2
+    from poc.server.config import parse_args
+    from poc.server.warm_start import WarmShape
+
+    from .test_server import PARAMS_A
+
+    cfg = parse_args(["--model", "m", "--compile-at-start", "v2:256:256, v1:64"], env={})
+    assert cfg.compile_at_start == (WarmShape("v2", 256, '{"seq_len": 256, "k_dim": 12}'),
+                                    WarmShape("v1", 64, json.dumps(PARAMS_V2.to_json())))
+    env = {"POC_COMPILE_AT_START": json.dumps([{"batch_size": 8, "params": PARAMS_A, "dtype": "float32"},
+                                               {"batch_size": 2, "params": {"seq_len": 16, "k_dim": 4}}])}
+    shapes = parse_args(["--model", "m"], env=env).compile_at_start
+    assert [(s.protocol, s.batch_size, s.dtype) for s in shapes] == [("v1", 8, "float32"), ("v2", 2, "float16")]
+    assert json.loads(shapes[0].params) == PARAMS_A and json.loads(shapes[1].params) == {"seq_len": 16, "k_dim": 4}
+    assert parse_args([], env={}).compile_at_start == ()
+    for bad, words in (("v2:8:64", "needs --model"), ("v3:1", "is not v2:BATCH"), ("v1:0", "1..4096"),
+                       ("[{\"batch_size\": 4}]", "each item"), ("[1", "not valid JSON"),
+                       ('[{"batch_size": 4, "params": {"dim": 64}}]', "missing --compile-at-start params key")):
+        with pytest.raises(InputError) as e:
+            parse_args(["--compile-at-start", bad], env={})
+        assert words in e.value.message, (bad, e.value.message)
+
+
+async def test_compile_at_start_runs_its_batches_before_the_readiness_line(tmp_path):
+    """On the CPU compile is off: the batches run all the same, through the engine, before the line."""
+    from .test_server import QWEN3
+
+    s = ServerProcess(tmp_path / "s.log", "--model", QWEN3, "--spool-dir", str(tmp_path / "sp"),
+                      "--compile-at-start", "v2:6:16,v2:3:8", env={"POC_LOG_LEVEL": "info"})
+    try:
+        await s.wait_ready(90)
+    finally:
+        assert s.terminate() == 0, s.text()
+    lines = s.text().splitlines()
+    ready = next(i for i, line in enumerate(lines) if "Application startup complete." in line)
+    warm = [(i, line) for i, line in enumerate(lines) if "compile at start:" in line]
+    assert [i < ready for i, _ in warm] == [True, True], lines
+    assert "v2 batch 6 seq_len 16, 6 nonces in 1 batch(es)" in warm[0][1]
+    assert "v2 batch 3 seq_len 8, 3 nonces in 1 batch(es)" in warm[1][1] and "compile is off" in warm[1][1]
+
+
+async def test_a_failed_warm_up_is_logged_and_the_server_starts(tmp_path):
+    from .test_server import QWEN3
+
+    s = ServerProcess(tmp_path / "s.log", "--model", QWEN3, "--spool-dir", str(tmp_path / "sp"),
+                      "--compile-at-start", "v2:2:100000")  # past the tiny model's max_position_embeddings
+    try:
+        await s.wait_ready(90)
+    finally:
+        assert s.terminate() == 0, s.text()
+    warn = [line for line in s.text().splitlines() if "compile at start:" in line]
+    assert len(warn) == 1 and "WARNING" in warn[0] and "failed" in warn[0] and FATAL not in s.text()

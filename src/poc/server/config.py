@@ -23,7 +23,8 @@ DTYPE_CHOICES = ("auto", "float16", "bfloat16", "float32")
 ENV = {"host": "POC_HOST", "port": "POC_PORT", "model": "POC_MODEL", "dtype": "POC_DTYPE", "device": "POC_DEVICE",
        "log_level": "POC_LOG_LEVEL", "spool_dir": "POC_SPOOL_DIR", "tp": "POC_TP", "pp": "POC_PP",
        "replicas": "POC_REPLICAS", "compile": "POC_COMPILE",
-       "fp8_experts": "POC_FP8_EXPERTS", "served_model_name": "POC_SERVED_MODEL_NAME"}
+       "fp8_experts": "POC_FP8_EXPERTS", "served_model_name": "POC_SERVED_MODEL_NAME",
+       "compile_at_start": "POC_COMPILE_AT_START"}
 DEFAULT_SPOOL_DIR = "spool"  # relative to the working directory (start_server.sh: the checkout, beside ./logs)
 
 
@@ -80,6 +81,8 @@ class ServerConfig:
     # start-up (env only): after a fatal start-up failure stay up with /health 503 and the reason, rather than
     # exit 3 (POC_FATAL_KEEPALIVE=1; scripts/docker_entrypoint.sh sets it for the Vast PyWorker's healthcheck)
     fatal_keepalive: bool = False
+    # batch shapes run through the engine before "Application startup complete." (compiled on CUDA): warm_start.py
+    compile_at_start: tuple = ()
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -147,6 +150,9 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
                     help=f"torch.compile on CUDA (same bits as eager, ~2.7x faster v2): auto = on, off (env {ENV['compile']})")
     ap.add_argument("--fp8-experts", default=env.get(ENV["fp8_experts"], d.fp8_experts),
                     help=f"FP8 MoE experts: keep (FP8 in memory) or dequant (at load) (env {ENV['fp8_experts']})")
+    ap.add_argument("--compile-at-start", default=env.get(ENV["compile_at_start"], ""), metavar="SPEC",
+                    help="shapes to compile before the readiness line: v2:BATCH:SEQ_LEN, v1:BATCH (MainNet params) or "
+                         f"a JSON list of {{batch_size, params}} (env {ENV['compile_at_start']}; warm_start.py)")
     a = ap.parse_args(argv)
     try:
         port = int(a.port)
@@ -164,7 +170,11 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     keepalive = env.get("POC_FATAL_KEEPALIVE", "0").strip().lower()
     if keepalive not in ("", "0", "1", "false", "true"):
         raise InputError(f"POC_FATAL_KEEPALIVE must be 0 or 1, got {keepalive!r}", "fatal_keepalive")
+    from poc.server import warm_start
+
+    shapes = warm_start.parse(a.compile_at_start, a.model)
     return ServerConfig(host=a.host, port=port, model=a.model, served_model_name=tuple(a.served_model_name),
                         dtype=a.dtype, device=a.device, log_level=level,
                         spool_dir=a.spool_dir, compile=str(a.compile),
-                        fp8_experts=str(a.fp8_experts), fatal_keepalive=keepalive in ("1", "true"), **par)
+                        fp8_experts=str(a.fp8_experts), fatal_keepalive=keepalive in ("1", "true"),
+                        compile_at_start=shapes, **par)
