@@ -65,9 +65,9 @@ def bench_params() -> dict:
     if raw:
         return json.loads(raw)
     model = os.environ.get("POC_MODEL")
-    if model:  # the server serves PoC v2 for this checkpoint
-        return {"model": os.path.basename(model.rstrip("/")), "seq_len": int(os.environ.get("POC_BENCH_SEQ_LEN", "256")),
-                "k_dim": 12}
+    if model:  # the server serves PoC v2 for this checkpoint: its directory's name, or the repo id as given
+        name = os.path.basename(model.rstrip("/")) if os.path.isdir(model) else model
+        return {"model": name, "seq_len": int(os.environ.get("POC_BENCH_SEQ_LEN", "256")), "k_dim": 12}
     return MAINNET_V1
 
 

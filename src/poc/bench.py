@@ -24,16 +24,27 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
+from poc.protocol import v1  # numpy only: the workloads' params
 
-from poc.engine.compute import DTYPES, V2Compute
-from poc.engine.engine import Engine
-from poc.engine.jobs import Limits, V1Job, V2Job
-from poc.model.config import PRESETS, ModelConfig
-from poc.model.random_init import v1_config
-from poc.model.random_weights import random_model
-from poc.model.transformer import Transformer
-from poc.protocol import v1
+
+def _import_heavy() -> None:
+    """torch and the engine, as module globals. `python -m poc.bench` imports them after its flags are parsed (so
+    --help and a bad flag answer at once, not after torch and dynamo load); an import of poc.bench, at once."""
+    global torch, DTYPES, V2Compute, Engine, Limits, V1Job, V2Job, PRESETS, ModelConfig, v1_config, random_model
+    global Transformer
+    import torch
+
+    from poc.engine.compute import DTYPES, V2Compute
+    from poc.engine.engine import Engine
+    from poc.engine.jobs import Limits, V1Job, V2Job
+    from poc.model.config import PRESETS, ModelConfig
+    from poc.model.random_init import v1_config
+    from poc.model.random_weights import random_model
+    from poc.model.transformer import Transformer
+
+
+if __name__ != "__main__":
+    _import_heavy()
 
 BH = "ba5b00876d55f32856a5fbae8b4ebd79c5a90c763b23c15b7ec813cda54965ab"
 PK = "03b9be7b7bcc197eadcd6cd0ab62d129aa39b94e53ea72ecacc4d95ccec859435c"
@@ -409,7 +420,10 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv=None) -> None:
+    from poc import __version__
+
     ap = argparse.ArgumentParser(prog="python -m poc.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--version", action="version", version=f"poc.bench {__version__}")
     ap.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--batch", nargs="+", type=int, help="batch sizes (default: per workload)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the batch function")
@@ -424,6 +438,7 @@ def main(argv=None) -> None:
         ap.error(f"--batch sizes must be >= 1, got {min(args.batch)}")
     if args.warm < 0 or args.timed < 1:
         ap.error(f"--warm must be >= 0 and --timed >= 1, got {args.warm} and {args.timed}")
+    _import_heavy()
     if not torch.cuda.is_available():
         raise SystemExit("poc.bench needs a CUDA GPU (none is visible here): nothing was run; "
                          "on a CPU, the test suite checks the same engine")

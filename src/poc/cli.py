@@ -57,7 +57,10 @@ def parse_nonces(text: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from poc import __version__
+
     ap = _Parser(prog="python -m poc", description="Compute PoC v1 distances or v2 artifacts offline.")
+    ap.add_argument("--version", action="version", version=f"poc {__version__}")
     sub = ap.add_subparsers(dest="protocol", required=True, parser_class=_Parser)
     for name in ("v1", "v2"):
         p = sub.add_parser(name)
@@ -75,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"],
                            help="float16 is what validators run")
         else:
-            p.add_argument("--model", required=True, help="a Hugging Face checkpoint directory")
+            p.add_argument("--model", required=True,
+                           help="a Hugging Face checkpoint directory, or a repo id in the local Hugging Face cache")
             p.add_argument("--seq-len", type=int, required=True)
             p.add_argument("--k-dim", type=int, default=12)
             p.add_argument("--stronger-rng", action="store_true")
@@ -92,9 +96,9 @@ def run(argv: list[str]) -> int:
     for flag in ("tp", "pp", "replicas"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise InputError(f"--{flag} must be positive, got {getattr(args, flag)}", flag)
-    from poc.parallel.engine import make_engine  # torch import after argument checks: fast errors
-
     par = dict(tp=args.tp, pp=args.pp, replicas=args.replicas)
+    # torch (via poc.parallel.engine) is imported only after every check that needs no device: a bad argument is
+    # answered in well under a second (tests/test_ops.py checks the imports, scripts/startup_time.py the time)
 
     if args.protocol == "v1":
         from poc.protocol.v1 import V1Params
@@ -104,6 +108,8 @@ def run(argv: list[str]) -> int:
         except json.JSONDecodeError as e:
             raise InputError(f"--params is not valid JSON: {e}", "params") from None
         params = V1Params.from_json(obj)
+        from poc.parallel.engine import make_engine
+
         _check_v1_memory(params, min(args.batch_size, len(nonces)), args.dtype, args.device, par)
         engine = make_engine(args.device, **par)
         try:
@@ -117,8 +123,10 @@ def run(argv: list[str]) -> int:
             raise InputError(f"--seq-len must be positive, got {args.seq_len}", "seq_len")
         from pathlib import Path
 
+        from poc.hub import resolve_model
         from poc.model.config import ModelConfig
 
+        args.model = resolve_model(args.model)  # a Hugging Face repo id: its snapshot in the local cache, offline
         if not Path(args.model).is_dir():
             raise InputError(f"model directory {args.model} does not exist", "model")
         cfg = ModelConfig.from_hf(args.model)  # config.json only: bad flags fail before any loading
@@ -128,6 +136,8 @@ def run(argv: list[str]) -> int:
                              f"{args.seq_len}", "seq_len")
         if not 1 <= args.k_dim <= hidden:
             raise InputError(f"--k-dim must be in [1, {hidden}] (the model's hidden size), got {args.k_dim}", "k_dim")
+        from poc.parallel.engine import make_engine
+
         engine = make_engine(args.device, model_dir=args.model, dtype=args.dtype, **par)
         try:
             engine.load()

@@ -384,7 +384,13 @@ class CallbackSender:
             group, bodies = await self._read(self._take())
             if not group:
                 continue
+            t_post = time.monotonic()
             ok, why, status = await self._post(group, bodies)
+            if self.metrics is not None:  # the POST's time, and (delivered) each record's since it was created
+                now = time.monotonic()
+                self.metrics.callback_post_seconds.labels(group[0].kind).observe(now - t_post)
+                for i in group if ok else ():
+                    self.metrics.callback_delivery_seconds.labels(i.kind).observe(now - i.created)
             if ok:
                 await self._acknowledge(group)
                 continue

@@ -74,6 +74,9 @@ def create_app(config: ServerConfig) -> web.Application:
     pow.setup(app)
     pooled.setup(app)
     warmup.setup(app)
+    from poc.server.scrape import AppCollector
+
+    metrics.registry.register(AppCollector(app))  # queue depths and build info, read at scrape time
     app.cleanup_ctx.append(engine_ctx)
     app.on_shutdown.append(on_shutdown)
     return app
@@ -112,6 +115,12 @@ async def _load(app: web.Application) -> None:
     claim = app[gate_key].try_claim("load and warm-up")  # free at start; keeps jobs off the engine meanwhile
     try:
         await asyncio.to_thread(engine.load)  # also warms torch up: the first request does not pay for it
+        shapes = app[config_key].compile_at_start
+        if shapes:  # the expected shapes compiled before the readiness line (warm_start.py)
+            from poc.server import warm_start
+
+            engine.state = "loading"
+            await asyncio.to_thread(warm_start.run, engine, shapes)
     except Exception as e:
         engine.broken_reason = f"model load failed: {type(e).__name__}: {e}"
         engine.state = "broken"

@@ -23,7 +23,8 @@ DTYPE_CHOICES = ("auto", "float16", "bfloat16", "float32")
 ENV = {"host": "POC_HOST", "port": "POC_PORT", "model": "POC_MODEL", "dtype": "POC_DTYPE", "device": "POC_DEVICE",
        "log_level": "POC_LOG_LEVEL", "spool_dir": "POC_SPOOL_DIR", "tp": "POC_TP", "pp": "POC_PP",
        "replicas": "POC_REPLICAS", "compile": "POC_COMPILE",
-       "fp8_experts": "POC_FP8_EXPERTS", "served_model_name": "POC_SERVED_MODEL_NAME"}
+       "fp8_experts": "POC_FP8_EXPERTS", "served_model_name": "POC_SERVED_MODEL_NAME",
+       "compile_at_start": "POC_COMPILE_AT_START"}
 DEFAULT_SPOOL_DIR = "spool"  # relative to the working directory (start_server.sh: the checkout, beside ./logs)
 
 
@@ -77,6 +78,11 @@ class ServerConfig:
     # /warmup (spec-v1 §4.2)
     warmup_poll_interval: float = 5.0
     warmup_max_duration: float = 600.0
+    # start-up (env only): after a fatal start-up failure stay up with /health 503 and the reason, rather than
+    # exit 3 (POC_FATAL_KEEPALIVE=1; scripts/docker_entrypoint.sh sets it for the Vast PyWorker's healthcheck)
+    fatal_keepalive: bool = False
+    # batch shapes run through the engine before "Application startup complete." (compiled on CUDA): warm_start.py
+    compile_at_start: tuple = ()
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -120,11 +126,15 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
 
     env = os.environ if env is None else env
     d = ServerConfig()
+    from poc import __version__
+
     ap = _Parser(prog="python model_server.py", description="The PoC model server (v1 and v2, NDJSON streaming).")
+    ap.add_argument("--version", action="version", version=f"poc-server {__version__}")
     ap.add_argument("--host", default=env.get(ENV["host"], d.host), help=f"bind address (env {ENV['host']})")
     ap.add_argument("--port", default=env.get(ENV["port"], d.port), help=f"(env {ENV['port']})")
     ap.add_argument("--model", default=env.get(ENV["model"]) or None,
-                    help=f"HF checkpoint dir for PoC v2; without it only v1 is served (env {ENV['model']})")
+                    help="HF checkpoint dir, or a repo id in the local HF cache, for PoC v2; without it only v1 is "
+                         f"served (env {ENV['model']})")
     ap.add_argument("--served-model-name", nargs="+",
                     default=[n.strip() for n in env.get(ENV["served_model_name"], "").split(",") if n.strip()],
                     help="names params.model may use besides the checkpoint's path, e.g. the Hub repo id "
@@ -140,6 +150,9 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
                     help=f"torch.compile on CUDA (same bits as eager, ~2.7x faster v2): auto = on, off (env {ENV['compile']})")
     ap.add_argument("--fp8-experts", default=env.get(ENV["fp8_experts"], d.fp8_experts),
                     help=f"FP8 MoE experts: keep (FP8 in memory) or dequant (at load) (env {ENV['fp8_experts']})")
+    ap.add_argument("--compile-at-start", default=env.get(ENV["compile_at_start"], ""), metavar="SPEC",
+                    help="shapes to compile before the readiness line: v2:BATCH:SEQ_LEN, v1:BATCH (MainNet params) or "
+                         f"a JSON list of {{batch_size, params}} (env {ENV['compile_at_start']}; warm_start.py)")
     a = ap.parse_args(argv)
     try:
         port = int(a.port)
@@ -154,7 +167,14 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     level = str(a.log_level).upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise InputError(f"--log-level must be debug, info, warning or error, got {a.log_level!r}", "log_level")
+    keepalive = env.get("POC_FATAL_KEEPALIVE", "0").strip().lower()
+    if keepalive not in ("", "0", "1", "false", "true"):
+        raise InputError(f"POC_FATAL_KEEPALIVE must be 0 or 1, got {keepalive!r}", "fatal_keepalive")
+    from poc.server import warm_start
+
+    shapes = warm_start.parse(a.compile_at_start, a.model)
     return ServerConfig(host=a.host, port=port, model=a.model, served_model_name=tuple(a.served_model_name),
                         dtype=a.dtype, device=a.device, log_level=level,
                         spool_dir=a.spool_dir, compile=str(a.compile),
-                        fp8_experts=str(a.fp8_experts), **par)
+                        fp8_experts=str(a.fp8_experts), fatal_keepalive=keepalive in ("1", "true"),
+                        compile_at_start=shapes, **par)

@@ -265,7 +265,7 @@ class JobRunner:
         valid = self._valid(b)
         self.arrived_computed += len(b.nonces)
         self.arrived_valid += valid
-        self.metrics.batch(self.stats.protocol, len(b.nonces), valid, self.stats.rate)
+        self.metrics.batch(self.stats.protocol, len(b.nonces), valid, self.stats.rate, b.batch_seconds)
         q.put_nowait(b)
 
     def _count(self, b: BatchResult) -> None:

@@ -1,0 +1,146 @@
+"""Compile at start: batches of the expected shapes run through the engine before "Application startup complete.",
+so that the first job's first batch does not wait ~20 s for torch.compile (issue 17; on CUDA, where the server
+compiles; on the CPU nothing compiles and the batches run all the same).
+
+    --compile-at-start SPEC   (env POC_COMPILE_AT_START)
+
+SPEC is a comma-separated list of
+    v2:BATCH:SEQ_LEN     the --model checkpoint (PoC v2) at that batch size and seq_len (k_dim 12)
+    v1:BATCH             PoC v1 at gonka's MainNet params (what worker.py benchmarks by default), float16
+or a JSON list of {"batch_size": N, "params": {...}} objects, `params` as in a /generate request (v1: every key; v2:
+seq_len and k_dim, its model is the served one) and an optional "dtype" for v1. scripts/docker_entrypoint.sh sets
+it on a Vast worker to the PyWorker benchmark's shape. The batches use worker.py's benchmark block hash, so the v1
+model that the warm-up builds is the one the PyWorker's benchmark then uses. Compiled kernels also land in the
+on-disk caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR): a restart with the cache kept compiles much faster.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+from poc.errors import InputError
+
+log = logging.getLogger("poc.server")
+
+FLAG = "--compile-at-start"
+BLOCK_HASH = PUBLIC_KEY = "pyworker-benchmark"  # worker.py's bench_payload(): the benchmark reuses the v1 model
+V1_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class WarmShape:
+    protocol: str  # v1 | v2
+    batch_size: int
+    params: str  # the params object as JSON (v1: every key; v2: seq_len, k_dim): hashable, as ServerConfig is
+    dtype: str = "float16"  # v1 only
+
+    def label(self) -> str:
+        p = json.loads(self.params)
+        if self.protocol == "v2":
+            return f"v2 batch {self.batch_size} seq_len {p['seq_len']}"
+        return f"v1 batch {self.batch_size} dim {p['dim']} layers {p['n_layers']} seq_len {p['seq_len']} {self.dtype}"
+
+
+def parse(text: str | None, model: str | None) -> tuple[WarmShape, ...]:
+    """The setting -> shapes; an InputError naming the flag and the bad item."""
+    text = (text or "").strip()
+    if not text:
+        return ()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{FLAG}: not valid JSON: {e}", "compile_at_start") from None
+        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+            raise InputError(f"{FLAG}: a JSON list of {{\"batch_size\", \"params\"}} objects", "compile_at_start")
+        shapes = [_from_json(i) for i in items]
+    else:
+        shapes = [_from_short(part.strip()) for part in text.split(",") if part.strip()]
+    if any(s.protocol == "v2" for s in shapes) and not model:
+        raise InputError(f"{FLAG}: a v2 shape needs --model (the checkpoint it compiles)", "compile_at_start")
+    return tuple(shapes)
+
+
+def _batch(v, item) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
+        raise InputError(f"{FLAG}: batch_size must be an integer in 1..4096 in {item!r}", "compile_at_start")
+    return v
+
+
+def _from_short(item: str) -> WarmShape:
+    m = re.fullmatch(r"v2:(\d+):(\d+)", item)
+    if m:
+        seq = int(m.group(2))
+        if seq < 1:
+            raise InputError(f"{FLAG}: seq_len must be >= 1 in {item!r}", "compile_at_start")
+        return WarmShape("v2", _batch(int(m.group(1)), item), json.dumps({"seq_len": seq, "k_dim": 12}))
+    m = re.fullmatch(r"v1:(\d+)", item)
+    if m:
+        from poc.protocol.v1 import PARAMS_V2  # gonka's MainNet v1 params
+
+        return WarmShape("v1", _batch(int(m.group(1)), item), json.dumps(PARAMS_V2.to_json()))
+    raise InputError(f"{FLAG}: {item!r} is not v2:BATCH:SEQ_LEN, v1:BATCH or a JSON list", "compile_at_start")
+
+
+def _from_json(item: dict) -> WarmShape:
+    extra = sorted(set(item) - {"batch_size", "params", "dtype"})
+    if extra or "params" not in item or not isinstance(item["params"], dict):
+        raise InputError(f"{FLAG}: each item is {{\"batch_size\", \"params\", optional \"dtype\"}}, got {item!r}",
+                         "compile_at_start")
+    batch, p = _batch(item.get("batch_size"), item), item["params"]
+    if "dim" in p:  # v1, as /generate tells them apart
+        from poc.protocol.v1 import V1Params
+
+        params = V1Params.from_json(p, f"{FLAG} params")
+        dtype = item.get("dtype", "float16")
+        if dtype not in V1_DTYPES:
+            raise InputError(f"{FLAG}: dtype must be one of {', '.join(V1_DTYPES)}, got {dtype!r}", "compile_at_start")
+        return WarmShape("v1", batch, json.dumps(params.to_json()), dtype)
+    seq, k = p.get("seq_len"), p.get("k_dim", 12)
+    for name, v in (("seq_len", seq), ("k_dim", k)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InputError(f"{FLAG}: params.{name} must be a positive integer in {item!r}", "compile_at_start")
+    return WarmShape("v2", batch, json.dumps({"seq_len": seq, "k_dim": k}))
+
+
+def _job(shape: WarmShape):
+    import itertools
+
+    from poc.engine.jobs import Limits, V1Job, V2Job
+
+    p = json.loads(shape.params)
+    limits = Limits(max_nonces=shape.batch_size, max_duration=None)  # one full batch: the shape that compiles
+    if shape.protocol == "v2":
+        return V2Job(BLOCK_HASH, PUBLIC_KEY, 1, p["seq_len"], p["k_dim"], itertools.count(), shape.batch_size,
+                     limits=limits)
+    from poc.protocol.v1 import V1Params
+
+    return V1Job(BLOCK_HASH, PUBLIC_KEY, 1, V1Params.from_json(p), 1.4, itertools.count(), shape.batch_size,
+                 dtype=shape.dtype, limits=limits)
+
+
+def run(engine, shapes: tuple[WarmShape, ...]) -> None:
+    """Blocking (a worker thread): one batch of each shape through engine.run. A failure is logged and the server
+    starts all the same (its first job of that shape then compiles, or fails the same way, visibly)."""
+    from poc.server.logs import describe
+
+    compiled = getattr(engine, "compile_v2", False) or getattr(engine, "compile_v1", False)
+    for s in shapes:
+        t0 = time.perf_counter()
+        try:
+            if s.protocol == "v2":  # the request schema's checks (a /generate of this shape would get a 400)
+                cfg, p = engine.require_v2().cfg, json.loads(s.params)
+                if p["seq_len"] > cfg.max_seq_len or p["k_dim"] > cfg.dim:
+                    raise InputError(f"seq_len {p['seq_len']} / k_dim {p['k_dim']} past the model's "
+                                     f"max_position_embeddings {cfg.max_seq_len} / hidden size {cfg.dim}")
+            summary = engine.run(_job(s), lambda _batch: None, threading.Event())
+        except Exception as e:
+            log.warning("compile at start: %s failed %s; serving without it", s.label(), describe(e))
+            continue
+        log.info("compile at start: %s, %d nonces in %d batch(es), %.1f s%s", s.label(), summary.computed,
+                 summary.batches, time.perf_counter() - t0, "" if compiled else " (compile is off: run, not compiled)")
