@@ -414,20 +414,22 @@ def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
     # where each routed row lands in the padded layout: its expert's padded start + its place in the expert's group
     grp = torch.repeat_interleave(torch.arange(E, device=x.device), counts, output_size=rows.numel())
     dest = torch.arange(rows.numel(), device=x.device) - (ends - counts)[grp] + (pends - padded)[grp]
-    # each token quantised once (the quantisation is per row), its routed copies gathered as FP8; padding rows zero
+    # each token quantised once (the quantisation is per row); its routed copies are rows of that
     qt, st = quantize_act(x)
     tok = rows // k
-    q = torch.zeros((n_alloc, x.shape[1]), dtype=FP8, device=x.device)
-    q[dest] = qt[tok]
-    s = torch.zeros((n_alloc, st.shape[1]), dtype=torch.float32, device=x.device)
-    s[dest] = st[tok]
     gmm = _triton_grouped() if x.is_cuda and _RECIPE[0] == "fast" else None
     if gmm is not None and w13.shape[2] % GROUP == 0 and w2.shape[2] % GROUP == 0:
         tiles = torch.arange(0, n_alloc, GROUP_ROWS, device=x.device)
         tile_expert = torch.searchsorted(pends, tiles, right=True).to(torch.int32)  # E: past the last group
-        h = gmm(q, col_major(s), w13, s13, tile_expert, x.dtype)
+        a_rows = torch.full((n_alloc,), -1, dtype=torch.int32, device=x.device)  # padded row -> token (-1: zero)
+        a_rows[dest] = tok.to(torch.int32)
+        h = gmm(qt, col_major(st), w13, s13, tile_expert, x.dtype, a_rows)  # the gather is in the kernel's loads
         aq, as_ = quantize_act(act(h))
         return gmm(aq, as_, w2, s2, tile_expert, x.dtype), dest
+    q = torch.zeros((n_alloc, x.shape[1]), dtype=FP8, device=x.device)
+    q[dest] = qt[tok]
+    s = torch.zeros((n_alloc, st.shape[1]), dtype=torch.float32, device=x.device)
+    s[dest] = st[tok]
     bounds = pends.tolist()  # one host sync per layer: each expert's GEMM takes its own row count
     n = bounds[-1] if bounds else 0
     h = fp8_grouped_mm(q[:n], s[:n], w13, s13, bounds, x.dtype)
@@ -457,39 +459,51 @@ def _make_triton_grouped():
         return None
 
     @triton.jit
-    def kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_e_ptr, K, E, s_am, s_asm, s_asg, s_be, s_bn, s_bse, s_bsn,
-               s_cm, TILES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_e_ptr, a_rows_ptr, K, E, s_am, s_asm, s_asg, s_be, s_bn,
+               s_bse, s_bsn, s_cm, GATHER: tl.constexpr, TILES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(tile_e_ptr + pid_m // TILES)
         if e < E:
             rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
             cols = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
             ks = tl.arange(0, BK)
-            a_ptrs = a_ptr + rows[:, None] * s_am + ks[None, :]
+            if GATHER:  # A's row of each output row (a token), -1 for a padding row (read as zero)
+                src = tl.load(a_rows_ptr + rows).to(tl.int64)
+            else:
+                src = rows
+            live = src >= 0
+            src = tl.where(live, src, 0)
+            a_ptrs = a_ptr + src[:, None] * s_am + ks[None, :]
             b_ptrs = b_ptr + e.to(tl.int64) * s_be + cols[None, :] * s_bn + ks[:, None]
-            as_ptrs = as_ptr + rows * s_asm
+            as_ptrs = as_ptr + src * s_asm
             bs_ptrs = bs_ptr + e.to(tl.int64) * s_bse + (pid_n * BN // BK) * s_bsn
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for kb in range(0, K // BK):
-                a = tl.load(a_ptrs)
+                a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
                 b = tl.load(b_ptrs)
-                sa = tl.load(as_ptrs + kb * s_asg)
+                sa = tl.load(as_ptrs + kb * s_asg, mask=live, other=0.0)
                 sb = tl.load(bs_ptrs + kb)
                 acc += tl.dot(a, b) * sa[:, None] * sb
                 a_ptrs += BK
                 b_ptrs += BK
             tl.store(c_ptr + rows[:, None] * s_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty))
 
-    def run(q: Tensor, s: Tensor, w: Tensor, w_scale: Tensor, tile_expert: Tensor, out_dtype: torch.dtype) -> Tensor:
-        M, K = q.shape
+    def run(q: Tensor, s: Tensor, w: Tensor, w_scale: Tensor, tile_expert: Tensor, out_dtype: torch.dtype,
+            a_rows: Tensor | None = None) -> Tensor:
+        """Rows of the padded layout (tile_expert.numel() * GROUP_ROWS), each q's row a_rows[i] (or the i-th)."""
+        K = q.shape[1]
+        M = tile_expert.numel() * GROUP_ROWS
         E, N, _ = w.shape
         w_scale = w_scale.contiguous()
         out = torch.empty((M, N), dtype=out_dtype, device=q.device)
         bm, warps, stages = GROUPED_CONFIG["BM"], GROUPED_CONFIG["num_warps"], GROUPED_CONFIG["num_stages"]
         grid = (tile_expert.numel() * (GROUP_ROWS // bm), N // GROUP)
-        kernel[grid](q, s, w, w_scale, out, tile_expert, K, E, q.stride(0), s.stride(0), s.stride(1), w.stride(0),
-                     w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0), TILES=GROUP_ROWS // bm, BM=bm,
-                     BN=GROUP, BK=GROUP, num_warps=warps, num_stages=stages)
+        gather = a_rows is not None
+        kernel[grid](q, s, w, w_scale, out, tile_expert, a_rows if gather else tile_expert, K, E, q.stride(0),
+                     s.stride(0), s.stride(1), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
+                     out.stride(0), GATHER=gather, TILES=GROUP_ROWS // bm, BM=bm, BN=GROUP, BK=GROUP,
+                     num_warps=warps, num_stages=stages)
         return out
 
     return run
