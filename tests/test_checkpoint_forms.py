@@ -82,6 +82,16 @@ FORMS = {  # name: (config.json as written on the Hub, checkpoint options)
                          dict(drop_head=True)),
 }
 
+@pytest.fixture(scope="module", autouse=True)
+def _dequant_forward():
+    """The FP8 cases here check the dequantise forward (POC_FP8=dequant; their tiny shapes do not split on 128-blocks
+    under tensor parallel); the validators' W8A8 forward, the default, is tests/test_w8a8.py's."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("POC_FP8", "dequant")
+    yield
+    mp.undo()
+
+
 
 def hub_config(over: dict) -> dict:
     return {"architectures": [ARCH[over["model_type"]]], **COMMON, **over}

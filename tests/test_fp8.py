@@ -1,5 +1,6 @@
 """FP8 checkpoints as Qwen ships them: float8_e4m3fn weights with per-128x128-block weight_scale_inv, dequantised
-into the model dtype while loading."""
+into the model dtype while loading (the dequantise forward, POC_FP8=dequant; the default W8A8 forward is
+tests/test_w8a8.py's)."""
 
 import json
 import math
@@ -16,6 +17,16 @@ from tests.test_moe import make_hf_moe
 
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _dequant_forward():
+    """These tests are about the dequantise forward of FP8 checkpoints (POC_FP8=dequant); the validators' W8A8
+    forward, the default, is tests/test_w8a8.py's."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("POC_FP8", "dequant")
+    yield
+    mp.undo()
 
 
 def quantize(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

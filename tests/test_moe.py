@@ -24,6 +24,16 @@ CASES = {  # name: config overrides; both layer kinds appear in each
                             norm_topk_prob=True, tie_word_embeddings=True),
 }
 
+@pytest.fixture(scope="module", autouse=True)
+def _dequant_forward():
+    """The FP8 cases here check the dequantise forward (POC_FP8=dequant; their tiny shapes do not split on 128-blocks
+    under tensor parallel); the validators' W8A8 forward, the default, is tests/test_w8a8.py's."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("POC_FP8", "dequant")
+    yield
+    mp.undo()
+
+
 
 def hf_moe_config(**overrides):
     kw = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,

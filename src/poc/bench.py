@@ -59,8 +59,12 @@ WORKLOADS = {
     "W5": {"protocol": "v2", "model": "qwen3-8b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32]},
     # Qwen3-MoE (issue 7): bf16 experts, and FP8 experts kept in memory (dequantised per layer)
     "W6": {"protocol": "v2", "model": "qwen3-30b-a3b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32]},
+    # the Qwen3-30B-A3B-FP8 shape: the dequantise forward (experts FP8 in memory, dequantised per layer) and the
+    # validators' W8A8 forward (FP8 x FP8 GEMMs on quantised activations), the same weights
     "W6F": {"protocol": "v2", "model": "qwen3-30b-a3b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32],
-            "fp8": True},
+            "fp8": True, "fp8_forward": "dequant"},
+    "W6Q": {"protocol": "v2", "model": "qwen3-30b-a3b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32, 64],
+            "fp8": True, "fp8_forward": "w8a8"},
     # the network's PoC v2 model: 235B-A22B with FP8 experts over 4 GPUs (attention by heads, experts by expert)
     "W7": {"protocol": "v2", "model": "qwen3-235b-a22b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32],
            "fp8": True, "tp": 4},
@@ -120,9 +124,28 @@ def matmul_ceiling(dtype: torch.dtype, n: int = 8192) -> float:
     return 2 * n ** 3 / t / 1e12
 
 
-def random_v2_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8: bool = False) -> "Transformer":
-    """A model of the real shape with N(0, 0.02) weights and norms near 1, made on the device."""
-    return random_model(cfg, dtype, device, fp8_experts=fp8)
+_FP8_CEILING: list = []
+
+
+def fp8_ceiling(n: int = 8192) -> float:
+    """Measured TFLOP/s of the block-scaled FP8 GEMM the W8A8 forward runs (1x128 / 128x128 scales), at n^3."""
+    if not _FP8_CEILING:
+        from poc.model import fp8
+
+        x = torch.randn(n, n, device="cuda").bfloat16()
+        w = torch.randn(n, n, device="cuda").mul_(64).clamp_(-448, 448).to(fp8.FP8)
+        ws = torch.full((n // 128, n // 128), 0.02 / 64, device="cuda")
+        q, s = fp8.quantize_act(x)
+        _FP8_CEILING.append(2 * n ** 3 / _cuda_time(lambda: fp8.fp8_mm(q, s, w, ws, torch.bfloat16), 10) / 1e12)
+        print(f"fp8 block-scaled matmul ceiling: {_FP8_CEILING[0]:.0f} TFLOP/s", flush=True)
+    return _FP8_CEILING[0]
+
+
+def random_v2_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8: bool = False,
+                    fp8_forward: str | None = None) -> "Transformer":
+    """A model of the real shape with N(0, 0.02) weights and norms near 1, made on the device (FP8 weights with
+    fp8: computed as fp8_forward says, w8a8 or dequant)."""
+    return random_model(cfg, dtype, device, fp8_experts=fp8, fp8=fp8_forward)
 
 
 def run_engine(engine: Engine, job, warm_batches: int, timed_batches: int) -> dict:
@@ -183,7 +206,7 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
         cfg, seq_len, head = v1_config(p), p.seq_len, True
     else:
         cfg = replace(PRESETS[w["model"]])
-        engine.v2 = V2Compute(random_v2_model(cfg, dtype, "cuda", w.get("fp8", False)), cfg, dtype,
+        engine.v2 = V2Compute(random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w.get("fp8_forward")), cfg, dtype,
                               torch.device("cuda"), w["model"], compile=compile, compile_inputs=COMPILE_INPUTS)
         torch.cuda.synchronize()
         seq_len, head = w["seq_len"], False
@@ -202,13 +225,15 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
             torch.cuda.empty_cache()
             continue
         row = {"workload": name, "batch": b, "dtype": w["dtype"], "fp8_experts": w.get("fp8", False),
-               "seq_len": seq_len, "compile": compile,
+               "fp8_forward": w.get("fp8_forward"), "seq_len": seq_len, "compile": compile,
                "compile_inputs": compile and COMPILE_INPUTS and w["protocol"] == "v2",
                "flops_per_nonce": fl, **r, "tflops": r["nonces_per_s"] * fl / 1e12,
                "pct_of_ceiling": 100 * r["nonces_per_s"] * fl / 1e12 / ceiling,
                "flop_limit_nonces_per_s": ceiling * 1e12 / fl,
                "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2 ** 30, "model_build_s": build,
                "nonces_per_min": 60 * r["nonces_per_s"]}
+        if w.get("fp8_forward") == "w8a8":
+            row["pct_of_fp8_ceiling"] = 100 * row["tflops"] / fp8_ceiling()
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
         rows.append(row)
     engine.v2 = None

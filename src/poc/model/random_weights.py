@@ -2,8 +2,10 @@
 
 N(0, 0.02) matrices and norms near 1, as transformers initialises a fresh model. The model is built on the meta
 device and filled in place, so a 30B-parameter bf16 model needs its own size on the GPU and nothing more.
-MoE experts are made stacked (the layout `fuse()` produces); with `fp8_experts` they are float8_e4m3fn with
-per-128x128-block scales, kept FP8 in memory (what an FP8 checkpoint's experts become with `--fp8 keep`).
+MoE experts are made stacked (the layout `fuse()` produces). With `fp8_experts` (random:<preset>:fp8) the model is an
+FP8 checkpoint's: attention, dense-MLP and expert weights float8_e4m3fn with per-128x128-block scales, computed W8A8
+(fp8.fp8_mode, the default) or, with fp8="dequant", the same weights dequantised (linears at build time, experts
+per layer).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from poc.model.config import ModelConfig
+from poc.model.fp8 import FP8, dequantize_linears, fp8_mode, use_fp8_linears
 from poc.model.transformer import MoE, Transformer
 
 RANDOM_PREFIX = "random:"  # a model "directory" of the form random:<preset>[:fp8] (benchmarks, demos)
@@ -21,41 +24,56 @@ FP8_SPREAD = 64.0  # the fp8 payload is N(0, 64) (max 448), its scale 0.02 / 64:
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_experts: bool = False, seed: int = 0,
-                 shard: Callable[[Transformer], None] | None = None) -> Transformer:
+                 shard: Callable[[Transformer], None] | None = None, fp8: str | None = None) -> Transformer:
     """A fused, eval-mode headless model of `cfg`'s shape. `shard(model)` runs on the meta model first (e.g. keep a
-    pipeline stage, apply tensor/expert parallel) so only this rank's part is ever allocated."""
+    pipeline stage, apply tensor/expert parallel) so only this rank's part is ever allocated. fp8_experts: FP8
+    weights, run as fp8 says (fp8.fp8_mode: w8a8 or dequant); the same seed gives the same FP8 weights in both."""
     device = torch.device(device)
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg).to(dtype)
+    if fp8_experts:
+        use_fp8_linears(model, lambda name: True)
     if shard is not None:
         shard(model)
     moes = [b.mlp for b in model.layers.values() if b is not None and isinstance(b.mlp, MoE)]
     for moe in moes:
         moe.experts = nn.ModuleDict()  # made stacked below, one layer at a time
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
+    w8a8 = fp8_experts and fp8_mode(fp8) == "w8a8"
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if p.dtype == FP8:
+                p.copy_(_fp8_payload(p.shape, device, g))
+            elif name.endswith("weight_scale_inv"):
+                p.uniform_(0.9, 1.1, generator=g).mul_(0.02 / FP8_SPREAD)
+            elif name.endswith("norm.weight"):
                 p.normal_(1.0, 0.05, generator=g)
             else:
                 p.normal_(0.0, 0.02, generator=g)
         for moe in moes:
             n, f, d = moe.stop - moe.first, cfg.moe_ffn_dim, cfg.dim
             if fp8_experts:
-                moe.set_fp8(*_fp8(n, 2 * f, d, device, g), *_fp8(n, d, f, device, g))
+                moe.set_fp8(*_fp8(n, 2 * f, d, device, g), *_fp8(n, d, f, device, g), w8a8=w8a8)
             else:
                 moe.w13 = torch.empty(n, 2 * f, d, device=device, dtype=dtype).normal_(0.0, 0.02, generator=g)
                 moe.w2 = torch.empty(n, d, f, device=device, dtype=dtype).normal_(0.0, 0.02, generator=g)
+    if fp8_experts and not w8a8:
+        dequantize_linears(model, dtype)
     model.init_rope(device)
     return model.fuse().requires_grad_(False).eval()
 
 
+def _fp8_payload(shape, device, g) -> torch.Tensor:
+    """float8_e4m3fn values N(0, FP8_SPREAD) clamped to the format's range."""
+    return torch.empty(shape, device=device).normal_(0.0, FP8_SPREAD, generator=g).clamp_(-448, 448).to(FP8)
+
+
 def _fp8(n: int, rows: int, cols: int, device, g) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, rows, cols) float8_e4m3fn and its (n, ceil(rows/128), ceil(cols/128)) fp32 weight_scale_inv."""
-    w = torch.empty(n, rows, cols, device=device, dtype=torch.float8_e4m3fn)
+    w = torch.empty(n, rows, cols, device=device, dtype=FP8)
     for j in range(n):  # one expert at a time: the fp32 draw stays small
-        w[j] = torch.empty(rows, cols, device=device).normal_(0.0, FP8_SPREAD, generator=g).clamp_(-448, 448)
+        w[j] = _fp8_payload((rows, cols), device, g)
     s = torch.empty(n, -(-rows // 128), -(-cols // 128), device=device).uniform_(0.9, 1.1, generator=g)
     return w, s * (0.02 / FP8_SPREAD)
 

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from poc.model import fp8
 from poc.model.config import ModelConfig
+from poc.model.fp8 import Fp8Linear, dequantize_blocks
 
 # enable_gqa arrived in torch 2.5; before that the kv heads are repeated by hand
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -117,6 +119,11 @@ class Attention(nn.Module):
         """Replace q/k/v by one projection (one GEMM instead of three); same numbers per output element."""
         if self.qkv_proj is not None:
             return
+        if isinstance(self.q_proj, Fp8Linear):  # FP8 W8A8: stacked weights and block scales, when blocks allow
+            qkv = Fp8Linear.cat([self.q_proj, self.k_proj, self.v_proj])
+            if qkv is not None:
+                self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = qkv, None, None, None
+            return
         ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
         qkv = nn.Linear(ws[0].shape[1], sum(w.shape[0] for w in ws), bias=self.q_proj.bias is not None,
                         device=ws[0].device, dtype=ws[0].dtype)
@@ -132,8 +139,9 @@ class Attention(nn.Module):
             return self.q_proj(xq), self.k_proj(x), self.v_proj(x)
         q_dim = self.n_heads * self.head_dim
         w, b = self.qkv_proj.weight, self.qkv_proj.bias
-        if not last_only:
-            return _split3(self.qkv_proj(x), q_dim)
+        if not last_only or isinstance(self.qkv_proj, Fp8Linear):  # FP8: every row's q, the last one kept
+            q, k, v = _split3(self.qkv_proj(x), q_dim)
+            return (q[:, -1:] if last_only else q), k, v
         q = F.linear(xq, w[:q_dim], None if b is None else b[:q_dim])
         kv = F.linear(x, w[q_dim:], None if b is None else b[q_dim:])
         k, v = kv.chunk(2, dim=-1)
@@ -189,6 +197,11 @@ class MLP(nn.Module):
         """One GEMM for gate and up."""
         if self.gate_up_proj is not None:
             return
+        if isinstance(self.gate_proj, Fp8Linear):
+            gu = Fp8Linear.cat([self.gate_proj, self.up_proj])
+            if gu is not None:
+                self.gate_up_proj, self.gate_proj, self.up_proj = gu, None, None
+            return
         g, u = self.gate_proj.weight, self.up_proj.weight
         gu = nn.Linear(g.shape[1], 2 * g.shape[0], bias=False, device=g.device, dtype=g.dtype)
         with torch.no_grad():
@@ -210,7 +223,8 @@ class MoE(nn.Module):
     `fuse()` stacks the experts into `w13` (E, 2F, D) and `w2` (E, D, F), the layout of one grouped GEMM on CUDA.
     `keep_experts(first, stop)`: the experts this rank holds (expert parallel); tokens routed elsewhere add
     nothing here, and with `group` set the fp32 partial sums are all-reduced over the ranks and rounded once.
-    FP8 weights may stay FP8 in memory (`w13_scale`/`w2_scale`, 128x128 blocks) and are dequantised per layer.
+    FP8 weights may stay FP8 in memory (`w13_scale`/`w2_scale`, 128x128 blocks): computed W8A8 (`w8a8`, the
+    validators' recipe: fp8.experts_w8a8) or dequantised per layer.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -223,6 +237,7 @@ class MoE(nn.Module):
         self.w2: Tensor | None = None  # (E_local, D, F)
         self.w13_scale: Tensor | None = None  # FP8 kept in memory: per-128x128-block scales of w13 / w2
         self.w2_scale: Tensor | None = None
+        self.w8a8 = False  # FP8 experts: W8A8 GEMMs (quantised activations) instead of dequantised weights
         self.group = None  # expert-parallel process group (all-reduce of the fp32 partial sums)
         self.fast = False  # compiled elementwise steps in the dispatch (set by the engine when it compiles)
         self.reduce_in_model_dtype = False  # all-reduce rounded partials (POC_TP_REDUCE=model) instead of fp32 ones
@@ -242,9 +257,11 @@ class MoE(nn.Module):
         self.w2 = torch.stack([e.down_proj.weight.detach() for e in ex])
         self.experts = nn.ModuleDict()  # the stacked copies are the only ones kept
 
-    def set_fp8(self, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor) -> None:
-        """Keep float8_e4m3fn stacked weights with their weight_scale_inv blocks (E, rows/128, cols/128)."""
+    def set_fp8(self, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor, w8a8: bool = False) -> None:
+        """Keep float8_e4m3fn stacked weights with their weight_scale_inv blocks (E, rows/128, cols/128); w8a8: run
+        them as the validators do (quantised activations), else dequantise them per layer."""
         self.w13, self.w13_scale, self.w2, self.w2_scale = w13, w13_scale.float(), w2, w2_scale.float()
+        self.w8a8 = w8a8
         self.experts = nn.ModuleDict()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -311,8 +328,8 @@ def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Te
     experts come first, in expert order, and one grouped GEMM per projection (torch._grouped_mm on CUDA; elsewhere
     one GEMM chain per expert) covers exactly those rows. With every expert here all shapes are static (no host
     sync: rows past the last group get weight zero); under expert parallel one host sync per layer sizes the
-    gather to this rank's rows. FP8 weights are dequantised for the duration of this call. With `moe.fast` (the
-    engine compiles) the elementwise steps run as compiled kernels."""
+    gather to this rank's rows. FP8 weights run W8A8 (`moe.w8a8`) or are dequantised for the duration of this call.
+    With `moe.fast` (the engine compiles) the elementwise steps run as compiled kernels."""
     T, k = index.shape
     E, n_local = moe.gate.out_features, moe.stop - moe.first
     key = torch.remainder(index.reshape(-1) - moe.first, E)  # this rank's experts -> 0 .. n_local-1, first
@@ -325,27 +342,39 @@ def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Te
         if n == 0:
             return x.new_zeros(T, x.shape[1], dtype=torch.float32)
         rows = rows[:n]
-    w13, w2 = moe.w13, moe.w2
-    if moe.w13_scale is not None:
-        w13, w2 = dequantize_blocks(w13, moe.w13_scale, x.dtype), dequantize_blocks(w2, moe.w2_scale, x.dtype)
-    xs = x[rows // k]  # (N, D): the routed copies, grouped by expert
     fast = moe.fast and x.is_cuda
     act = _fast(_act, partial) if fast else _act
     combine = _fast(_combine, partial) if fast else _combine
-    if _grouped_mm_ok(xs, w13):
-        offs = ends.to(torch.int32)
-        y = torch._grouped_mm(act(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)), w2.transpose(1, 2),
-                              offs=offs)  # (N, D); rows past ends[-1] are not computed
+    n_valid = ends[-1]
+    if moe.w8a8 and moe.w13_scale is not None and fp8.current_recipe() != "dequant":  # the validators' recipe
+        y, dest = fp8.experts_w8a8(x, rows, k, ends, moe.w13, moe.w13_scale, moe.w2, moe.w2_scale, act)
+        # outputs in a padded layout: route each (token, choice) slot through dest; another rank's slots stay out
+        pos = torch.where(pos < n_valid, dest[pos.clamp(max=dest.numel() - 1)], y.shape[0])
+        n_valid = y.shape[0]
     else:
-        y = xs.new_zeros(xs.shape)
-        start = 0
-        for j, stop in enumerate(ends.tolist()):
-            if stop > start:
-                y[start:stop] = F.linear(act(F.linear(xs[start:stop], w13[j])), w2[j])
-            start = stop
+        y = _experts(moe, x[rows // k], ends, act)
     # the sum leaves the kernel in fp32 only where fp32 partials are all-reduced; otherwise rounded there (fused)
     out_dtype = torch.float32 if moe.group is not None and not moe.reduce_in_model_dtype else x.dtype
-    return combine(y, weights.reshape(-1), pos, ends[-1], T, k, out_dtype)
+    return combine(y, weights.reshape(-1), pos, n_valid, T, k, out_dtype)
+
+
+def _experts(moe: MoE, xs: Tensor, ends: Tensor, act) -> Tensor:
+    """The expert outputs (N, D) of the routed copies xs (N, D), grouped by expert (group j ends at ends[j]), on
+    weights in the model dtype (FP8 ones dequantised for the duration of this call)."""
+    w13, w2 = moe.w13, moe.w2
+    if moe.w13_scale is not None:
+        w13, w2 = dequantize_blocks(w13, moe.w13_scale, xs.dtype), dequantize_blocks(w2, moe.w2_scale, xs.dtype)
+    if _grouped_mm_ok(xs, w13):
+        offs = ends.to(torch.int32)
+        return torch._grouped_mm(act(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)), w2.transpose(1, 2),
+                                 offs=offs)  # (N, D); rows past ends[-1] are not computed
+    y = xs.new_zeros(xs.shape)
+    start = 0
+    for j, stop in enumerate(ends.tolist()):
+        if stop > start:
+            y[start:stop] = F.linear(act(F.linear(xs[start:stop], w13[j])), w2[j])
+        start = stop
+    return y
 
 
 def _act(h: Tensor) -> Tensor:
@@ -399,26 +428,6 @@ def _grouped_mm_ok(xs: Tensor, w: Tensor) -> bool:
     if xs.is_cuda:
         return torch.cuda.get_device_capability(xs.device)[0] >= 9
     return GROUPED_MM_ON_CPU
-
-
-def dequantize_blocks(w: Tensor, scale_inv: Tensor, dtype: torch.dtype, block: int = 128) -> Tensor:
-    """float8 (..., R, C) times its per-block scales (..., ceil(R/128), ceil(C/128)), in fp32, rounded to dtype once:
-    the same numbers as dequantising at load time (weights.dequantize_fp8)."""
-    if w.is_cuda:  # one fused kernel: no fp32 copy of the layer's experts
-        global _dequant_cuda
-        if _dequant_cuda is None:
-            _dequant_cuda = torch.compile(_dequantize_blocks, dynamic=False)
-        return _dequant_cuda(w, scale_inv, dtype, block)
-    return _dequantize_blocks(w, scale_inv, dtype, block)
-
-
-_dequant_cuda = None
-
-
-def _dequantize_blocks(w: Tensor, scale_inv: Tensor, dtype: torch.dtype, block: int) -> Tensor:
-    R, C = w.shape[-2:]
-    s = scale_inv.repeat_interleave(block, -2)[..., :R, :].repeat_interleave(block, -1)[..., :C]
-    return (w.float() * s).to(dtype)
 
 
 class Block(nn.Module):

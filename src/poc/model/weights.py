@@ -1,7 +1,9 @@
 """Safetensors checkpoint (one file or shards) -> Transformer, one tensor at a time.
 
-FP8 checkpoints (float8_e4m3fn weights with per-128x128-block weight_scale_inv, as Qwen ships them) are
-dequantised into the model dtype at load time, one tensor at a time, so the forward pass is the plain one.
+FP8 checkpoints (float8_e4m3fn weights with per-128x128-block weight_scale_inv, as Qwen ships them) are loaded for
+the validators' W8A8 forward by default (fp8.py: FP8 linears stay float8 with their scales, a Qwen3-MoE model's
+experts stacked float8); with fp8="dequant" (POC_FP8) they are dequantised into the model dtype at load time, one
+tensor at a time (a Qwen3-MoE model's experts kept FP8 and dequantised per layer unless fp8_experts="dequant").
 
 Host memory stays at about one copy of the weights: the model is built on meta, every tensor is read, converted
 and placed on its own, and `load_state_dict(assign=True)` adopts the placed tensors without copying them again.
@@ -23,6 +25,7 @@ from tqdm import tqdm
 
 from poc.errors import InputError
 from poc.model.config import ModelConfig
+from poc.model.fp8 import fp8_mode, use_fp8_linears
 from poc.model.transformer import Transformer
 
 FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -135,8 +138,8 @@ def _fill(f, buf: memoryview, ref: TensorRef) -> None:
 
 
 def iter_state_dict(refs: dict[str, TensorRef], names: Iterable[str], dtype: torch.dtype | None = None,
-                    device: torch.device | str = "cpu",
-                    shard: dict[str, tuple[int, int, int]] | None = None) -> Iterator[tuple[str, Tensor]]:
+                    device: torch.device | str = "cpu", shard: dict[str, tuple[int, int, int]] | None = None,
+                    dtypes: dict[str, torch.dtype] | None = None) -> Iterator[tuple[str, Tensor]]:
     """Yield (name, tensor) one at a time, each in a fresh buffer of `dtype` (default: the file's) on `device`.
 
     Plain positioned reads, not mmap: safetensors' mmap keeps every page it touched resident until the file is
@@ -146,14 +149,17 @@ def iter_state_dict(refs: dict[str, TensorRef], names: Iterable[str], dtype: tor
     shard: name -> (dim, start, stop) reads only that slice (a tensor-parallel rank's part): rows (dim 0) are one
     contiguous read; columns (dim 1) are read in row blocks through a small staging block (COLUMN_BYTES) keeping
     only the columns, so the transient does not grow with the model.
+    dtypes: name -> dtype for the tensors not read in `dtype` (W8A8: FP8 weights as they are, their scales float32);
+    an FP8 weight not named there is dequantised into `dtype`.
     """
+    dtypes = dtypes or {}
     device = torch.device(device)
     staging = col_staging = None
     f, f_path = None, None
     try:
         for name in sorted(names, key=lambda n: (str(refs[n].file), refs[n].offset)):  # sequential reads
             ref = refs[name]
-            if ref.dtype == FP8:
+            if ref.dtype == FP8 and name not in dtypes:
                 yield name, _load_fp8(refs, name, dtype or torch.float32, device, shard.get(name) if shard else None)
                 continue
             if ref.file != f_path:
@@ -162,7 +168,7 @@ def iter_state_dict(refs: dict[str, TensorRef], names: Iterable[str], dtype: tor
                 f, f_path = open(ref.file, "rb", buffering=0), ref.file
             src_dtype = FILE_DTYPES[ref.dtype]
             part = shard.get(name) if shard else None
-            out = torch.empty(_sliced_shape(ref, part), dtype=dtype or src_dtype, device=device)
+            out = torch.empty(_sliced_shape(ref, part), dtype=dtypes.get(name, dtype or src_dtype), device=device)
             if part is not None and part[0] == 1:
                 if col_staging is None:
                     col_staging = torch.empty(COLUMN_BYTES, dtype=torch.uint8, pin_memory=device.type == "cuda")
@@ -303,9 +309,27 @@ def fp8_experts_mode(value: str | None = None) -> str:
     return v
 
 
-def keep_fp8_experts(model: Transformer, refs: dict[str, TensorRef], device: torch.device) -> set[str]:
+def use_fp8(model: Transformer, refs: dict[str, TensorRef], fp8: str | None = None,
+            fp8_experts: str | None = None) -> tuple[dict[str, torch.dtype], bool]:
+    """Prepare a meta-built model (before tensor parallel) for an FP8 checkpoint's forward: with W8A8 (the default,
+    fp8.fp8_mode) every FP8 attention / dense-MLP linear that has its scales becomes an fp8.Fp8Linear. Returns the
+    loader's dtype overrides (those weights read as float8, their scales as float32) and whether a sparse layer's
+    FP8 experts are loaded stacked as float8 (keep_fp8_experts: always for W8A8, else per fp8_experts_mode)."""
+    if model.cfg.fp8_block is None:
+        return {}, False
+    if fp8_mode(fp8) != "w8a8":
+        return {}, fp8_experts_mode(fp8_experts) == "keep"
+    names = use_fp8_linears(model, lambda n: n in refs and refs[n].dtype == FP8 and scale_name(n) in refs)
+    dtypes = {n: torch.float8_e4m3fn for n in names}
+    dtypes.update({scale_name(n): torch.float32 for n in names})
+    return dtypes, True
+
+
+def keep_fp8_experts(model: Transformer, refs: dict[str, TensorRef], device: torch.device,
+                     w8a8: bool = False) -> set[str]:
     """Load every sparse layer whose experts are FP8 as stacked float8 weights with their block scales
-    (MoE.set_fp8), for the experts this model holds; return the weight names so loaded (not to be read again).
+    (MoE.set_fp8, computed W8A8 when `w8a8`), for the experts this model holds; return the weight names so loaded
+    (not to be read again).
     A layer whose expert width is not a whole number of 128-blocks (gate|up would share a block row) is left to
     the dequantising loader."""
     from poc.model.transformer import MoE
@@ -331,14 +355,15 @@ def keep_fp8_experts(model: Transformer, refs: dict[str, TensorRef], device: tor
             s13[i, fb:] = read_tensor(refs[scale_name(up)]).to(device, torch.float32)
             w2[i], s2[i] = read_tensor(refs[down]).to(device), read_tensor(refs[scale_name(down)]).to(device, torch.float32)
             done.update((gate, up, down))
-        moe.set_fp8(w13, s13, w2, s2)
+        moe.set_fp8(w13, s13, w2, s2, w8a8=w8a8)
     return done
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
-               with_head: bool = False, progress: bool = True,
-               fp8_experts: str | None = None) -> tuple[Transformer, ModelConfig]:
-    """Build the model of a HF checkpoint directory on meta and fill it from its safetensors, in eval mode."""
+               with_head: bool = False, progress: bool = True, fp8_experts: str | None = None,
+               fp8: str | None = None) -> tuple[Transformer, ModelConfig]:
+    """Build the model of a HF checkpoint directory on meta and fill it from its safetensors, in eval mode.
+    fp8: an FP8 checkpoint's forward, w8a8 (default) or dequant (fp8.fp8_mode)."""
     path = Path(path)
     if not path.is_dir():
         raise InputError(f"model directory {path} does not exist", "model")
@@ -347,18 +372,19 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: torc
     device = torch.device(device)
     with torch.device("meta"):
         model = Transformer(cfg, with_head=with_head)
-    names = expected_keys(model)
     refs = index_checkpoint(path)  # unused tensors (lm_head without a head, rotary inv_freq, ...) are never read
+    dtypes, stack_experts = use_fp8(model, refs, fp8, fp8_experts)
+    names = expected_keys(model)
     check_checkpoint(refs, model, names)
-    if cfg.fp8_block is not None and fp8_experts_mode(fp8_experts) == "keep":
-        kept = keep_fp8_experts(model, refs, device)
+    if stack_experts:
+        kept = keep_fp8_experts(model, refs, device, w8a8=fp8_mode(fp8) == "w8a8")
         names = [n for n in names if n not in kept]
 
     sd = {}
     total = sum(refs[n].nbytes for n in names)
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}", file=sys.stderr,
               disable=not progress) as bar:
-        for name, t in iter_state_dict(refs, names, dtype, device):
+        for name, t in iter_state_dict(refs, names, dtype, device, dtypes=dtypes):
             sd[name] = t
             bar.update(refs[name].nbytes)
     model.load_state_dict(sd, assign=True, strict=False)

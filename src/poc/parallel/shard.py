@@ -17,16 +17,19 @@ from poc.errors import InputError
 from poc.model.config import ModelConfig
 from poc.model.random_init import hf_name, interleaved_to_half, pool_tensor, v1_config
 from poc.model.transformer import Transformer
-from poc.model.weights import (check_checkpoint, expected_keys, fp8_experts_mode, index_checkpoint, iter_state_dict,
-                               keep_fp8_experts, resolve_dtype)
+from poc.model.fp8 import fp8_mode
+from poc.model.weights import (check_checkpoint, expected_keys, index_checkpoint, iter_state_dict, keep_fp8_experts,
+                               resolve_dtype, use_fp8)
 from poc.parallel.pp import keep_stage
 from poc.parallel.tp import apply_tp
 from poc.protocol import v1
 
 
 def load_shard(path: str | Path, dtype, device, stage: int = 0, n_stages: int = 1, tp_rank: int = 0,
-               tp_size: int = 1, tp_group=None, fp8_experts: str | None = None) -> tuple[Transformer, ModelConfig]:
-    """A headless checkpoint model holding only this rank's stage layers and tensor-parallel slices, in eval mode."""
+               tp_size: int = 1, tp_group=None, fp8_experts: str | None = None,
+               fp8: str | None = None) -> tuple[Transformer, ModelConfig]:
+    """A headless checkpoint model holding only this rank's stage layers and tensor-parallel slices, in eval mode.
+    An FP8 checkpoint's W8A8 linears are sliced on 128-blocks with their scales (fp8.scale_slice)."""
     path = Path(path)
     if not path.is_dir():
         raise InputError(f"model directory {path} does not exist", "model")
@@ -35,14 +38,15 @@ def load_shard(path: str | Path, dtype, device, stage: int = 0, n_stages: int = 
     with torch.device("meta"):
         model = Transformer(cfg, with_head=False)
     refs = index_checkpoint(path)
+    dtypes, stack_experts = use_fp8(model, refs, fp8, fp8_experts)
     check_checkpoint(refs, model, expected_keys(model))  # the whole model against the file headers: reads nothing
     keep_stage(model, stage, n_stages)
     plan = apply_tp(model, tp_rank, tp_size, tp_group)
     names = expected_keys(model)
-    if cfg.fp8_block is not None and fp8_experts_mode(fp8_experts) == "keep":  # only this rank's experts
-        kept = keep_fp8_experts(model, refs, torch.device(device))
+    if stack_experts:  # only this rank's experts
+        kept = keep_fp8_experts(model, refs, torch.device(device), w8a8=fp8_mode(fp8) == "w8a8")
         names = [n for n in names if n not in kept]
-    sd = dict(iter_state_dict(refs, names, dtype, device, shard=plan))
+    sd = dict(iter_state_dict(refs, names, dtype, device, shard=plan, dtypes=dtypes))
     model.load_state_dict(sd, assign=True, strict=False)
     del sd
     left = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from poc.model.fp8 import Fp8Linear, scale_slice
 from poc.model.transformer import MoE, Transformer
 
 Plan = dict[str, tuple[int, int, int]]  # parameter name -> (dim, start, stop) of the full tensor
@@ -53,6 +54,11 @@ def tp_plan(model: Transformer, tp_rank: int, tp_size: int) -> Plan:
         plan[m + "gate_proj.weight"] = (0, *f)
         plan[m + "up_proj.weight"] = (0, *f)
         plan[m + "down_proj.weight"] = (1, *f)
+    for name, mod in model.named_modules():  # an FP8 weight's block scales: the blocks of its slice
+        w = name + ".weight"
+        if isinstance(mod, Fp8Linear) and w in plan:
+            dim, start, stop = plan[w]
+            plan[name + ".weight_scale_inv"] = scale_slice(w, dim, start, stop, mod.weight.shape[dim])
     return plan
 
 
@@ -153,7 +159,9 @@ def _row_parallel(lin: nn.Linear, group):
     half_reduce = reduce_in_model_dtype()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in (torch.float16, torch.bfloat16) or half_reduce:
+        if isinstance(lin, Fp8Linear):  # W8A8 on this rank's 128-column groups; the partial in fp32 unless asked
+            y = Fp8Linear.forward(lin, x, out_dtype=x.dtype if half_reduce else torch.float32)  # not lin.forward: this
+        elif x.dtype not in (torch.float16, torch.bfloat16) or half_reduce:
             y = torch.nn.functional.linear(x, lin.weight, lin.bias)
         else:
             y = None

@@ -1,0 +1,509 @@
+"""Block-FP8 checkpoints computed as the network's validators compute them: W8A8 (`../shared/spec/fp8-w8a8.md`).
+
+A Qwen FP8 checkpoint holds float8_e4m3fn weights with one float32 `weight_scale_inv` per 128x128 block. The gonka
+vLLM fork does not dequantise them: every FP8 linear (q/k/v/o, dense MLPs) and both expert GEMMs quantise their input
+per token per 128 columns and multiply FP8 by FP8 with float32 accumulation. This module is that recipe:
+
+- `quantize_act`: the per-token-group activation quantiser, bit for bit the spec's formula (a Triton kernel on CUDA,
+  plain torch ops elsewhere);
+- `fp8_mm` / `fp8_grouped_mm`: block-scaled FP8 x FP8 GEMMs, on the FP8 tensor cores through `torch._scaled_mm` on
+  Hopper or newer, elsewhere an exact emulation (dequantise both operands, float32 matmul, one rounding);
+- `Fp8Linear`: the module the loader puts where the checkpoint has an FP8 linear (`use_fp8_linears`), with the
+  checkpoint's parameter names (`weight`, `weight_scale_inv`), so loading stays a name match.
+
+The router, norms and embeddings are not quantised. `POC_FP8=dequant` (or `fp8="dequant"`) keeps the older forward:
+weights dequantised to the model dtype, bf16 activations; it is a different arithmetic, kept for diagnosis.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from poc.errors import InputError
+
+GROUP = 128  # activation group (columns) and weight block (rows and columns) of Qwen's FP8 checkpoints
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+EPS = 1e-10  # floor of a group's amax (an all-zero group gets scale eps/448, its values quantise to 0)
+FP8 = torch.float8_e4m3fn
+FP8_MODES = ("w8a8", "dequant")
+
+log = logging.getLogger(__name__)
+
+
+def fp8_mode(value: str | None = None) -> str:
+    """`w8a8` (default): FP8 checkpoints compute the validators' W8A8 recipe; `dequant`: weights dequantised to the
+    model dtype at load (experts per layer), activations unquantised. The value, else env POC_FP8, else w8a8."""
+    v = value or os.environ.get("POC_FP8") or "w8a8"
+    if v not in FP8_MODES:
+        raise InputError(f"fp8 forward must be w8a8 or dequant, got {v!r}", "fp8")
+    return v
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+RECIPES = ("fast", "emulate", "dequant")
+_RECIPE = ["fast"]
+
+
+@contextmanager
+def recipe(name: str) -> Iterator[None]:
+    """For diagnostics and the GPU accuracy benchmark, on a W8A8 model: `emulate` computes every FP8 GEMM by the
+    float32 emulation and quantises with plain torch ops, even on CUDA; `dequant` computes the dequantise forward
+    on the same weights (no activation quantisation); `fast` (the default) is the served path."""
+    if name not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {name!r}")
+    prev, _RECIPE[0] = _RECIPE[0], name
+    try:
+        yield
+    finally:
+        _RECIPE[0] = prev
+
+
+def current_recipe() -> str:
+    return _RECIPE[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# activation quantisation
+
+
+def quantize_act(x: Tensor, width: int | None = None) -> tuple[Tensor, Tensor]:
+    """x (M, K) in any float dtype -> (q (M, K) float8_e4m3fn, s (M, ceil(K/128)) float32), per row and 128-column
+    group: amax = max(max|x|, 1e-10); s = amax * (1/448); q = clamp(x / s, -448, 448) rounded to nearest even.
+    The last group of a width that is not a multiple of 128 is the columns left. On CUDA s comes column-major
+    (s.t() contiguous), the layout the block-scaled GEMM takes. width: q is that wide, the columns past K zero (zero
+    groups add nothing to a GEMM: an operand padded for the tensor cores' alignment)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_act takes (M, K), got {tuple(x.shape)}")
+    if x.is_cuda and _RECIPE[0] == "fast" and _triton_quant() is not None and x.shape[0] > 0:
+        return _triton_quant()(x, width or x.shape[1])
+    if width and width > x.shape[1]:
+        x = F.pad(x, (0, width - x.shape[1]))
+    return quantize_act_torch(x)
+
+
+def quantize_act_torch(x: Tensor) -> tuple[Tensor, Tensor]:
+    """The formula in plain torch ops (float32 throughout; IEEE division on every backend)."""
+    M, K = x.shape
+    G = cdiv(K, GROUP)
+    xf = x.float()
+    if G * GROUP != K:  # zero columns change no amax (amax >= eps > 0) and are cut from q
+        xf = F.pad(xf, (0, G * GROUP - K))
+    xg = xf.view(M, G, GROUP)
+    s = xg.abs().amax(-1).clamp(min=EPS) * (1.0 / FP8_MAX)  # (M, G)
+    q = (xg / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(M, G * GROUP)[:, :K]
+    return q.contiguous(), s
+
+
+_TRITON: list = []  # [kernel wrapper or None], resolved once
+
+
+def _triton_quant():
+    if not _TRITON:
+        _TRITON.append(_make_triton_quant())
+    return _TRITON[0]
+
+
+def _make_triton_quant():
+    """The quantiser as one Triton kernel (a tile of rows x one group per program), or None without Triton.
+    Division is div_rn (IEEE, as torch's): Triton's plain `/` on float32 is an approximation that can move a value
+    across an FP8 rounding boundary."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def kernel(x_ptr, q_ptr, s_ptr, M, K, W, stride_xm, stride_qm, stride_sg, ROWS: tl.constexpr,
+               BLOCK: tl.constexpr):
+        pid_m, g = tl.program_id(0), tl.program_id(1)
+        rows = pid_m * ROWS + tl.arange(0, ROWS)
+        cols = g * BLOCK + tl.arange(0, BLOCK)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        r64 = rows.to(tl.int64)[:, None]  # offsets past 2**31 elements at large batches
+        x = tl.load(x_ptr + r64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
+        s = amax * (1.0 / 448.0)
+        q = tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0)
+        out = (rows[:, None] < M) & (cols[None, :] < W)  # columns K..W-1: zero (loaded as 0, quantised to 0)
+        tl.store(q_ptr + r64 * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=out)
+        tl.store(s_ptr + g * stride_sg + rows, s, mask=rows < M)  # (G, >=M) row-major: s.t() column-major
+
+    def run(x: Tensor, width: int) -> tuple[Tensor, Tensor]:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        M, K = x.shape
+        G = cdiv(width, GROUP)
+        q = torch.empty((M, width), dtype=FP8, device=x.device)
+        s = torch.empty((G, _round_up(M, LD_ALIGN)), dtype=torch.float32, device=x.device)
+        rows = 32
+        kernel[(cdiv(M, rows), G)](x, q, s, M, K, width, x.stride(0), q.stride(0), s.stride(0), ROWS=rows,
+                                   BLOCK=GROUP)
+        return q, s[:, :M].t()
+
+    return run
+
+
+def dequantize_act(q: Tensor, s: Tensor) -> Tensor:
+    """q (M, K) float8 x its group scales (M, ceil(K/128)) -> float32 (M, K)."""
+    K = q.shape[-1]
+    return q.float() * s.repeat_interleave(GROUP, -1)[..., :K]
+
+
+def dequantize_blocks(w: Tensor, scale_inv: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """float8 (..., R, C) times its per-block scales (..., ceil(R/128), ceil(C/128)), in float32, rounded to dtype
+    once (edge blocks cropped): the numbers of dequantising at load time (weights.dequantize_fp8)."""
+    if w.is_cuda:  # one fused kernel: no float32 copy of a layer's experts
+        if not _DEQUANT_CUDA:
+            _DEQUANT_CUDA.append(torch.compile(_dequantize_blocks, dynamic=False))
+        return _DEQUANT_CUDA[0](w, scale_inv, dtype)
+    return _dequantize_blocks(w, scale_inv, dtype)
+
+
+_DEQUANT_CUDA: list = []
+
+
+def _dequantize_blocks(w: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    R, C = w.shape[-2:]
+    s = scale_inv.float().repeat_interleave(GROUP, -2)[..., :R, :].repeat_interleave(GROUP, -1)[..., :C]
+    return (w.float() * s).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# block-scaled GEMMs
+
+
+def fp8_mm(q: Tensor, s: Tensor, w: Tensor, w_scale: Tensor, out_dtype: torch.dtype,
+           w_scale_t: Tensor | None = None) -> Tensor:
+    """y (M, N) = (q * s) @ (w * w_scale).T with float32 accumulation, written in out_dtype.
+    q (M, K) float8 with group scales s (M, K/128); w (N, K) float8 with block scales (N/128, K/128); w_scale_t:
+    weight_scale_t(w_scale) when the caller keeps it."""
+    if _scaled_mm_ok(q, w, out_dtype):
+        try:
+            return _scaled_mm(q, s, w, w_scale_t if w_scale_t is not None else weight_scale_t(w_scale), out_dtype)
+        except (RuntimeError, TypeError, NotImplementedError) as e:  # an unsupported shape or build: emulate it
+            key = (tuple(w.shape), out_dtype)
+            if key not in _FAILED:
+                _FAILED.add(key)
+                log.warning("block-scaled torch._scaled_mm failed for weight %s (%s: %s); that GEMM is emulated in "
+                            "float32", list(w.shape), type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+    return (dequantize_act(q, s) @ dequantize_blocks(w, w_scale).t()).to(out_dtype)
+
+
+_SCALED_MM = [True]  # tests switch the tensor-core path off
+_FAILED: set = set()  # weight shapes whose block-scaled GEMM failed once (logged once, then emulated)
+LD_ALIGN = 4  # cuBLASLt's block-scaled FP8 GEMM wants 16-byte aligned scale columns: M and K/128 multiples of 4
+# (measured on H100: other row counts are refused; 6 column groups run and compute a wrong result)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _scaled_mm_ok(q: Tensor, w: Tensor, out_dtype: torch.dtype) -> bool:
+    if not (q.is_cuda and _SCALED_MM[0] and _RECIPE[0] == "fast" and hasattr(torch, "_scaled_mm")):
+        return False
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    N, K = w.shape
+    return (K % (GROUP * LD_ALIGN) == 0 and N % GROUP == 0 and (tuple(w.shape), out_dtype) not in _FAILED
+            and torch.cuda.get_device_capability(q.device)[0] >= 9)
+
+
+def col_major(t: Tensor) -> Tensor:
+    """t (R, C) as a contiguous column-major tensor (strides (1, R)): the layout torch._scaled_mm takes block scales
+    in (a column-major view of a taller buffer is refused). A copy only when t is not laid out so already."""
+    R, C = t.shape
+    if t.stride(0) == 1 and (C == 1 or t.stride(1) == R):
+        return t
+    return t.t().contiguous().t()
+
+
+def weight_scale_t(w_scale: Tensor) -> Tensor:
+    """A weight's (N/128, K/128) block scales as the (K/128, N/128) column-major operand of torch._scaled_mm."""
+    return col_major(w_scale.t())
+
+
+def _scaled_mm(q: Tensor, s: Tensor, w: Tensor, w_scale_t: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """torch._scaled_mm with 1x128 activation and 128x128 weight block scales on Hopper: the activations' scales
+    column-major (M, K/128), the weight passed transposed (K, N) with its scales transposed (K/128, N/128), both
+    with 16-byte aligned columns, and M a multiple of 4 (shorter inputs are padded). Measured: a misaligned scale
+    operand is not refused, it computes a wrong result; tests/test_w8a8.py's GPU test pins the layout."""
+    M = q.shape[0]
+    if M % LD_ALIGN:
+        pad = _round_up(M, LD_ALIGN) - M
+        q = torch.cat([q, q.new_zeros((pad, q.shape[1]))])
+        s = torch.cat([s, s.new_ones((pad, s.shape[1]))])
+    y = torch._scaled_mm(q, w.t(), scale_a=col_major(s), scale_b=w_scale_t, out_dtype=out_dtype)
+    return y[:M] if M % LD_ALIGN else y
+
+
+def fp8_grouped_mm(q: Tensor, s: Tensor, w: Tensor, w_scale: Tensor, ends: Sequence[int],
+                   out_dtype: torch.dtype, w_scale_t: Sequence[Tensor] | None = None) -> Tensor:
+    """Rows grouped by expert: rows [ends[j-1], ends[j]) of q (N, K) times expert j's weight w[j] (E, Nout, K) with
+    block scales w_scale[j]. Rows past ends[-1] are not computed (left zero). On the tensor cores each group's rows
+    should start on a multiple of 4 (group_layout), so its scale rows are an aligned view, not a copy."""
+    out = torch.zeros((q.shape[0], w.shape[1]), dtype=out_dtype, device=q.device)
+    if _scaled_mm_ok(q, w[0], out_dtype):
+        s = s.contiguous()  # row-major: each group's scales are then copied to their own column-major block
+        if w_scale_t is None:
+            w_scale_t = [weight_scale_t(w_scale[j]) for j in range(w.shape[0])]
+    start = 0
+    for j, stop in enumerate(ends):
+        if stop > start:
+            out[start:stop] = fp8_mm(q[start:stop], s[start:stop], w[j], w_scale[j], out_dtype,
+                                     None if w_scale_t is None else w_scale_t[j])
+        start = stop
+    return out
+
+
+def linear(x: Tensor, weight: Tensor, scale_inv: Tensor, bias: Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> Tensor:
+    """The W8A8 linear: x (..., K) quantised per token group, times the FP8 weight (N, K); out_dtype defaults to
+    x's. A bias is added in float32 before the one rounding."""
+    out_dtype = out_dtype or x.dtype
+    if _RECIPE[0] == "dequant":
+        y = F.linear(x, dequantize_blocks(weight, scale_inv, x.dtype), bias)
+        return y if y.dtype == out_dtype else y.to(out_dtype)
+    lead, K = x.shape[:-1], x.shape[-1]
+    q, s = quantize_act(x.reshape(-1, K))
+    if bias is None:
+        y = fp8_mm(q, s, weight, scale_inv, out_dtype)
+    else:
+        y = (fp8_mm(q, s, weight, scale_inv, torch.float32) + bias.float()).to(out_dtype)
+    return y.view(*lead, weight.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the module and the model rewrite
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer holding a float8_e4m3fn `weight` (out, in) and its float32 `weight_scale_inv`
+    (ceil(out/128), ceil(in/128)), computed W8A8. Parameter names are the checkpoint's."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, bias_dtype=None, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty((out_features, in_features), dtype=FP8, device=device),
+                                   requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(
+            torch.empty((cdiv(out_features, GROUP), cdiv(in_features, GROUP)), dtype=torch.float32, device=device),
+            requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype, device=device),
+                                 requires_grad=False) if bias else None
+
+    @classmethod
+    def like(cls, lin: nn.Linear) -> "Fp8Linear":
+        b = lin.bias
+        return cls(lin.in_features, lin.out_features, b is not None, None if b is None else b.dtype, lin.weight.device)
+
+    @torch.compiler.disable  # a Triton kernel and a cuBLAS call: a compiled graph around them must not re-lower them
+    def forward(self, x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+        return linear(x, self.weight, self.weight_scale_inv, self.bias, out_dtype)
+
+    def dequantized(self, dtype: torch.dtype) -> nn.Linear:
+        """The plain linear of the dequantised weight (the `dequant` forward)."""
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=self.weight.device,
+                        dtype=dtype)
+        with torch.no_grad():
+            lin.weight.copy_(dequantize_blocks(self.weight, self.weight_scale_inv, dtype))
+            if self.bias is not None:
+                lin.bias.copy_(self.bias)
+        return lin.requires_grad_(False)
+
+    @staticmethod
+    def cat(parts: Sequence["Fp8Linear"]) -> "Fp8Linear | None":
+        """One linear of the parts' rows stacked (q|k|v, gate|up), or None when a part's rows do not end on a
+        128-row block (its scale block would cover two parts)."""
+        if any(p.out_features % GROUP for p in parts[:-1]) or len({p.in_features for p in parts}) != 1:
+            return None
+        has_bias = parts[0].bias is not None
+        out = Fp8Linear(parts[0].in_features, sum(p.out_features for p in parts), has_bias,
+                        parts[0].bias.dtype if has_bias else None, parts[0].weight.device)
+        out.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+        out.weight_scale_inv = nn.Parameter(torch.cat([p.weight_scale_inv for p in parts]), requires_grad=False)
+        if has_bias:
+            out.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, w8a8"
+
+
+ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+def use_fp8_linears(model: nn.Module, is_fp8: Callable[[str], bool]) -> list[str]:
+    """Replace (on a meta-built model, before tensor parallel and fuse) every attention and dense-MLP nn.Linear whose
+    weight name `is_fp8` accepts by an Fp8Linear; return the replaced weights' names. MoE experts are not touched:
+    they are stacked FP8 tensors of their own (MoE.set_fp8)."""
+    from poc.model.transformer import MLP
+
+    done = []
+    for key, block in model.layers.items():
+        if block is None:
+            continue
+        mods = [(f"layers.{key}.self_attn.", block.self_attn, ATTN_LINEARS)]
+        if isinstance(block.mlp, MLP):
+            mods.append((f"layers.{key}.mlp.", block.mlp, MLP_LINEARS))
+        for prefix, mod, names in mods:
+            for n in names:
+                lin = getattr(mod, n)
+                if isinstance(lin, nn.Linear) and is_fp8(prefix + n + ".weight"):
+                    setattr(mod, n, Fp8Linear.like(lin))
+                    done.append(prefix + n + ".weight")
+    return done
+
+
+def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> int:
+    """Replace every Fp8Linear by the plain linear of its dequantised weight; returns how many."""
+    n = 0
+    for name, mod in list(model.named_modules()):
+        for child, sub in list(mod.named_children()):
+            if isinstance(sub, Fp8Linear):
+                setattr(mod, child, sub.dequantized(dtype))
+                n += 1
+    return n
+
+
+def scale_slice(name: str, dim: int, start: int, stop: int, full: int) -> tuple[int, int, int]:
+    """The block-scale rows/columns of a tensor-parallel slice [start, stop) of an FP8 weight along dim: a split
+    must fall on 128-blocks, or one scale would serve two ranks (and the activation groups would move)."""
+    if start % GROUP or (stop % GROUP and stop != full):
+        raise ValueError(f"{name}: tensor-parallel slice [{start}, {stop}) of dim {dim} does not fall on FP8 "
+                         f"{GROUP}-blocks")
+    return dim, start // GROUP, cdiv(stop, GROUP)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the MoE experts
+
+
+GROUP_ROWS = 128  # the padded expert-group layout of experts_w8a8: each expert's rows start on a multiple of 128
+
+
+def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13: Tensor, w2: Tensor, s2: Tensor,
+                 act: Callable[[Tensor], Tensor]) -> Tensor:
+    """The routed expert outputs (N, D) in the model dtype, as the fork's fused MoE computes them: each routed copy
+    of a token's hidden state quantised per group (per row: the same numbers as quantising the token once), the w13
+    FP8 GEMM, SwiGLU in the model dtype, quantised again, the w2 FP8 GEMM. rows: the (token, choice) pairs in expert
+    order (N of them); ends: the expert groups' ends in that order (device tensor). Returns (y, dest): the outputs in
+    a padded layout and where each of the N rows sits in it (y[dest] is the (N, D) result; a caller that gathers
+    anyway composes dest into its own index instead).
+
+    The rows are laid out with each expert's group padded to GROUP_ROWS (zero rows), so a GEMM tile never spans two
+    experts: on CUDA one Triton kernel per GEMM covers every expert (no host sync, no per-expert launch);
+    elsewhere one block-scaled GEMM per expert."""
+    E = w13.shape[0]
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
+    pends = padded.cumsum(0)
+    n_alloc = cdiv(rows.numel(), GROUP_ROWS) * GROUP_ROWS + E * GROUP_ROWS  # a bound on pends[-1]: no host sync
+    # where each routed row lands in the padded layout: its expert's padded start + its place in the expert's group
+    grp = torch.repeat_interleave(torch.arange(E, device=x.device), counts, output_size=rows.numel())
+    dest = torch.arange(rows.numel(), device=x.device) - (ends - counts)[grp] + (pends - padded)[grp]
+    # each token quantised once (the quantisation is per row); its routed copies are rows of that
+    qt, st = quantize_act(x)
+    tok = rows // k
+    gmm = _triton_grouped() if x.is_cuda and _RECIPE[0] == "fast" else None
+    if gmm is not None and w13.shape[2] % GROUP == 0 and w2.shape[2] % GROUP == 0:
+        tiles = torch.arange(0, n_alloc, GROUP_ROWS, device=x.device)
+        tile_expert = torch.searchsorted(pends, tiles, right=True).to(torch.int32)  # E: past the last group
+        a_rows = torch.full((n_alloc,), -1, dtype=torch.int32, device=x.device)  # padded row -> token (-1: zero)
+        a_rows[dest] = tok.to(torch.int32)
+        h = gmm(qt, col_major(st), w13, s13, tile_expert, x.dtype, a_rows)  # the gather is in the kernel's loads
+        aq, as_ = quantize_act(act(h))
+        return gmm(aq, as_, w2, s2, tile_expert, x.dtype), dest
+    q = torch.zeros((n_alloc, x.shape[1]), dtype=FP8, device=x.device)
+    q[dest] = qt[tok]
+    s = torch.zeros((n_alloc, st.shape[1]), dtype=torch.float32, device=x.device)
+    s[dest] = st[tok]
+    bounds = pends.tolist()  # one host sync per layer: each expert's GEMM takes its own row count
+    n = bounds[-1] if bounds else 0
+    h = fp8_grouped_mm(q[:n], s[:n], w13, s13, bounds, x.dtype)
+    aq, as_ = quantize_act(act(h))
+    return fp8_grouped_mm(aq, as_, w2, s2, bounds, x.dtype), dest
+
+
+_GROUPED: list = []
+GROUPED_CONFIG = {"BM": 64, "num_warps": 4, "num_stages": 4}  # the Triton grouped GEMM's tile (BM divides
+# GROUP_ROWS); chosen by benchmarks/w8a8.py's sweep on H100
+
+
+def _triton_grouped():
+    if not _GROUPED:
+        _GROUPED.append(_make_triton_grouped())
+    return _GROUPED[0]
+
+
+def _make_triton_grouped():
+    """The experts' block-scaled FP8 GEMM as one Triton kernel: tile (m, n) of the padded row layout multiplies its
+    expert's weight; each 128-deep K block's FP8 product is scaled by the rows' and the block's scales and added to
+    a float32 accumulator (as vLLM's Triton block-FP8 kernels do); written in the model dtype."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_e_ptr, a_rows_ptr, K, E, s_am, s_asm, s_asg, s_be, s_bn,
+               s_bse, s_bsn, s_cm, GATHER: tl.constexpr, TILES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        e = tl.load(tile_e_ptr + pid_m // TILES)
+        if e < E:
+            rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+            cols = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+            ks = tl.arange(0, BK)
+            if GATHER:  # A's row of each output row (a token), -1 for a padding row (read as zero)
+                src = tl.load(a_rows_ptr + rows).to(tl.int64)
+            else:
+                src = rows
+            live = src >= 0
+            src = tl.where(live, src, 0)
+            a_ptrs = a_ptr + src[:, None] * s_am + ks[None, :]
+            b_ptrs = b_ptr + e.to(tl.int64) * s_be + cols[None, :] * s_bn + ks[:, None]
+            as_ptrs = as_ptr + src * s_asm
+            bs_ptrs = bs_ptr + e.to(tl.int64) * s_bse + (pid_n * BN // BK) * s_bsn
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for kb in range(0, K // BK):
+                a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+                b = tl.load(b_ptrs)
+                sa = tl.load(as_ptrs + kb * s_asg, mask=live, other=0.0)
+                sb = tl.load(bs_ptrs + kb)
+                acc += tl.dot(a, b) * sa[:, None] * sb
+                a_ptrs += BK
+                b_ptrs += BK
+            tl.store(c_ptr + rows[:, None] * s_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty))
+
+    def run(q: Tensor, s: Tensor, w: Tensor, w_scale: Tensor, tile_expert: Tensor, out_dtype: torch.dtype,
+            a_rows: Tensor | None = None) -> Tensor:
+        """Rows of the padded layout (tile_expert.numel() * GROUP_ROWS), each q's row a_rows[i] (or the i-th)."""
+        K = q.shape[1]
+        M = tile_expert.numel() * GROUP_ROWS
+        E, N, _ = w.shape
+        w_scale = w_scale.contiguous()
+        out = torch.empty((M, N), dtype=out_dtype, device=q.device)
+        bm, warps, stages = GROUPED_CONFIG["BM"], GROUPED_CONFIG["num_warps"], GROUPED_CONFIG["num_stages"]
+        grid = (tile_expert.numel() * (GROUP_ROWS // bm), N // GROUP)
+        gather = a_rows is not None
+        kernel[grid](q, s, w, w_scale, out, tile_expert, a_rows if gather else tile_expert, K, E, q.stride(0),
+                     s.stride(0), s.stride(1), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
+                     out.stride(0), GATHER=gather, TILES=GROUP_ROWS // bm, BM=bm, BN=GROUP, BK=GROUP,
+                     num_warps=warps, num_stages=stages)
+        return out
+
+    return run
