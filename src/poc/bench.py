@@ -136,7 +136,7 @@ def fp8_ceiling(n: int = 8192) -> float:
         w = torch.randn(n, n, device="cuda").mul_(64).clamp_(-448, 448).to(fp8.FP8)
         ws = torch.full((n // 128, n // 128), 0.02 / 64, device="cuda")
         q, s = fp8.quantize_act(x)
-        _FP8_CEILING.append(2 * n ** 3 / _cuda_time(lambda: fp8.fp8_mm(q, s, w, ws, torch.bfloat16), 10) / 1e12)
+        _FP8_CEILING.append(2 * n ** 3 / cuda_time(lambda: fp8.fp8_mm(q, s, w, ws, torch.bfloat16), 10) / 1e12)
         print(f"fp8 block-scaled matmul ceiling: {_FP8_CEILING[0]:.0f} TFLOP/s", flush=True)
     return _FP8_CEILING[0]
 
@@ -206,7 +206,8 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
         cfg, seq_len, head = v1_config(p), p.seq_len, True
     else:
         cfg = replace(PRESETS[w["model"]])
-        engine.v2 = V2Compute(random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w.get("fp8_forward")), cfg, dtype,
+        model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w.get("fp8_forward"))
+        engine.v2 = V2Compute(model, cfg, dtype,
                               torch.device("cuda"), w["model"], compile=compile, compile_inputs=COMPILE_INPUTS)
         torch.cuda.synchronize()
         seq_len, head = w["seq_len"], False

@@ -439,7 +439,7 @@ def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
 
 _GROUPED: list = []
 GROUPED_CONFIG = {"BM": 64, "num_warps": 4, "num_stages": 4}  # the Triton grouped GEMM's tile (BM divides
-# GROUP_ROWS); chosen by benchmarks/w8a8.py's sweep on H100
+# GROUP_ROWS); chosen by benchmarks/diagnostics/w8a8.py's sweep on H100
 
 
 def _triton_grouped():

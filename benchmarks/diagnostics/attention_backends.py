@@ -4,7 +4,7 @@ if it is measured to help). Causal, GQA, bf16, one layer's attention call timed 
 is that time x its layers, next to the engine's measured seconds per batch when --engine-rate is given.
 
     pip install flash-attn-4                       # (flash-attn-4[cu13] on CUDA 13)
-    python benchmarks/attention_backends.py --out benchmarks/h100/attention_backends.json
+    python benchmarks/diagnostics/attention_backends.py --out benchmarks/h100/attention_backends.json
 
 Without flash-attn-4 installed it times SDPA alone and says so in the JSON.
 """
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "command": "python benchmarks/attention_backends.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/diagnostics/attention_backends.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "flash_attn_4": None if fa4_error else "imported", "flash_attn_4_error": fa4_error, "rows": rows,
         "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))

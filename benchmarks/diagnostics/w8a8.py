@@ -1,8 +1,9 @@
 """The FP8 W8A8 forward on one GPU: kernel exactness, artifact distances against the float32 emulation, speed.
 
-    python benchmarks/w8a8.py kernels  --out benchmarks/h100/w8a8_kernels.json
-    python benchmarks/w8a8.py accuracy --out benchmarks/h100/w8a8_accuracy.json [--nonces 512] [--deep-nonces 256]
-    python -m poc.bench --compile --workload W6F W6Q --out benchmarks/h100/w8a8_speed.json   (speed: poc.bench)
+    bash benchmarks/run.sh --tag kernels h100 w8a8 -- kernels            # -> benchmarks/h100/w8a8_kernels.json
+    bash benchmarks/run.sh --tag accuracy h100 w8a8 -- accuracy --compile --nonces 512 --deep-nonces 256
+    python benchmarks/diagnostics/w8a8.py kernels --out FILE               # the same, by hand
+    speed: the poc.bench workloads W6F (dequantise forward) and W6Q (W8A8), e.g. bash benchmarks/run.sh h100 W6Q
 
 kernels: on Qwen3-30B-A3B-FP8 layer sizes (seq 1024 batches), the activation quantiser against the spec's formula
 written in plain torch ops (bit-identical or not, plus adversarial groups), the dense and grouped block-scaled GEMMs
@@ -313,7 +314,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     result = kernels(args) if args.what == "kernels" else accuracy(args)
     res = {"what": args.what, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "command": "python benchmarks/w8a8.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": "python benchmarks/diagnostics/w8a8.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.perf_counter() - t0, "result": result}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

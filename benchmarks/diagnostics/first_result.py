@@ -2,9 +2,9 @@
 compile cache on disk (issue 17). For each workload and mode it starts model_server.py, waits for "Application
 startup complete.", POSTs one /generate job, and times the first batch line from the request; then stops the server.
 
-    python benchmarks/first_result.py --workload W3 W5 --out benchmarks/h100/first_result.json
-    python benchmarks/first_result.py --workload W1 --out benchmarks/h100/first_result_w1.json   # PoC v1 MainNet
-    python benchmarks/first_result.py --workload T --device cpu --out /tmp/first_result.json   # a CPU smoke run
+    python benchmarks/diagnostics/first_result.py --workload W3 W5 --out benchmarks/h100/first_result.json
+    python benchmarks/diagnostics/first_result.py --workload W1 --out benchmarks/h100/first_result_w1.json   # PoC v1 MainNet
+    python benchmarks/diagnostics/first_result.py --workload T --device cpu --out /tmp/first_result.json   # a CPU smoke run
 
 Modes, in this order, per workload (one compile cache directory per workload, empty at its start):
   cold             empty cache, no --compile-at-start: the first batch compiles
@@ -29,7 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 READY = "Application startup complete."
 # bench.py's W3/W5 shapes (random weights of the real models, bf16); T: a tiny model for a CPU smoke run
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         torch_version = torch.__version__
     except ImportError:
         torch_version = None
-    cmd = " ".join(["python benchmarks/first_result.py", shlex.join(argv if argv is not None else sys.argv[1:])])
+    cmd = " ".join(["python benchmarks/diagnostics/first_result.py", shlex.join(argv if argv is not None else sys.argv[1:])])
     out.write_text(json.dumps({"command": cmd, "device": device, "torch": torch_version, "rows": rows,
                                "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     print(f"wrote {out}")
