@@ -209,22 +209,22 @@ def get_bool(obj: dict, name: str, *, prefix: str = "", default=MISSING) -> bool
     return v
 
 
-def get_url(obj: dict, name: str = "url") -> str | None:
-    """An http(s) URL with a host (and a valid port if it gives one): anything else fails here, not later in a
-    background sender or a stream that has already answered 200."""
+def get_url(obj: dict, name: str = "url", policy=None) -> str | None:
+    """A URL the server may call (clients/urlpolicy.py: http(s) with a host, no credentials, no query or fragment, no
+    refused address): anything else fails here, not later in a background sender or a stream already answered 200."""
+    from poc.clients.urlpolicy import UrlPolicy
+
     u = get_str(obj, name, default=None)
     if u is None:
         return None
-    try:
-        parts = urllib.parse.urlsplit(u)
-        ok = (u.startswith(("http://", "https://")) and bool(parts.hostname)
-              and not any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in u))
-        parts.port  # ValueError for a port that is not a number in 0..65535
-    except ValueError:
-        ok = False
-    if not ok:
-        raise InputError(f"{name} must be an http(s) URL with a host, got {_short(u)}", name)
-    return u
+    return (policy or UrlPolicy()).check(u, name)
+
+
+def url_policy_of(cfg: ServerConfig):
+    """The outbound-URL policy of a config: its allowlist, and its own listening address refused."""
+    from poc.clients.urlpolicy import UrlPolicy
+
+    return UrlPolicy(cfg.outbound_allow, [(cfg.host, cfg.port)])
 
 
 def get_nonces(obj: dict, name: str, max_len: int, *, prefix: str = "") -> list[int]:
@@ -473,7 +473,7 @@ def parse_pow_v2_init(body: dict, cfg: ServerConfig, served: ServedModel | None)
     bh, height, pk = get_header(body)
     node_id, node_count, group_id, n_groups = get_node(body, bounded=False)
     return PowV2Init(bh, height, pk, node_id, node_count, group_id, n_groups,
-                     get_batch_size(body, cfg, default=v2.DEFAULT_BATCH_SIZE), seq_len, k_dim, get_url(body),
+                     get_batch_size(body, cfg, default=v2.DEFAULT_BATCH_SIZE), seq_len, k_dim, get_url(body, policy=url_policy_of(cfg)),
                      get_bool(body, "poc_stronger_rng", default=False))
 
 
@@ -510,7 +510,7 @@ def parse_pow_v2_generate(body: dict, cfg: ServerConfig, served: ServedModel | N
     nonces = get_nonces(body, "nonces", cfg.max_request_nonces)
     req = PowV2Generate(bh, height, pk, node_id, node_count, nonces, seq_len, k_dim,
                         get_batch_size(body, cfg, default=v2.DEFAULT_BATCH_SIZE), get_bool(body, "wait", default=False),
-                        get_url(body), get_bool(body, "poc_stronger_rng", default=False))
+                        get_url(body, policy=url_policy_of(cfg)), get_bool(body, "poc_stronger_rng", default=False))
     val = body.get("validation")
     if val is not None:
         req.received = _parse_validation(val, nonces)
@@ -595,4 +595,4 @@ def parse_pow_v1_init(body: dict, cfg: ServerConfig, need_node: bool) -> PowV1In
                      get_number(body, "r_target", default=v1.DEFAULT_R_TARGET, lo=0, lo_open=True),
                      get_number(body, "fraud_threshold", default=v1.DEFAULT_FRAUD_THRESHOLD, lo=0, lo_open=True,
                                 hi=1.0),
-                     params, get_url(body))
+                     params, get_url(body, policy=url_policy_of(cfg)))
