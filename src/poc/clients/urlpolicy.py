@@ -154,7 +154,7 @@ class UrlPolicy:
         """A ClientSession whose every connection obeys the policy (call it inside a running loop)."""
         connector = aiohttp.TCPConnector(resolver=_PolicyResolver(self), use_dns_cache=False)
         return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout), connector=connector,
-                                     middlewares=(self._middleware,))
+                                     middlewares=(self._middleware,), json_serialize=_strict_json)
 
     async def _middleware(self, req: aiohttp.ClientRequest, handler) -> aiohttp.ClientResponse:
         why = self.why_destination(req.url.raw_host or "", req.url.port or 0)
@@ -176,6 +176,26 @@ class UrlPolicy:
             if why:
                 raise UrlRefused(f"{host} resolves to a refused address ({why})")
         return addrs
+
+
+def _strict_json(obj) -> str:
+    """Callback bodies never carry a bare NaN/Infinity (strict parsers reject them): non-finite floats become null."""
+    import json
+    import math
+
+    def finite(o):
+        if isinstance(o, float):
+            return o if math.isfinite(o) else None
+        if isinstance(o, dict):
+            return {k: finite(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [finite(v) for v in o]
+        return o
+
+    try:
+        return json.dumps(obj, allow_nan=False)
+    except ValueError:
+        return json.dumps(finite(obj))
 
 
 async def _system_resolve(host: str, port: int) -> list[str]:

@@ -34,7 +34,7 @@ class ParamsMismatch(InputError):
 
     def __init__(self, requested: dict, served: "ServedModel | None"):
         names = served.names if served else []
-        why = (f"params.model {requested.get('model')!r} is not served here (serving {', '.join(names)})" if names
+        why = (f"params.model {_short(requested.get('model'))} is not served here (serving {', '.join(names)})" if names
                else "no PoC v2 model is loaded: start the server with --model DIR")
         super().__init__(why, "params.model", status=409)
         self.requested, self.deployed = requested, {"model": names, "seq_len": None, "k_dim": None}
@@ -150,7 +150,7 @@ def get_int(obj: dict, name: str, *, prefix: str = "", default=MISSING, lo: int 
     if v is MISSING:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
-        raise InputError(f"{f} must be an integer, got {v!r}", f)
+        raise InputError(f"{f} must be an integer, got {_short(v)}", f)
     if lo is not None and v < lo:
         raise InputError(f"{f} must be >= {lo}{what}, got {_short(v)}", f)
     if hi is not None and v > hi:
@@ -193,7 +193,11 @@ def get_str(obj: dict, name: str, *, prefix: str = "", default=MISSING, nonempty
     if v is MISSING:
         return default
     if not isinstance(v, str):
-        raise InputError(f"{f} must be a string, got {v!r}", f)
+        raise InputError(f"{f} must be a string, got {_short(v)}", f)
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800"): valid JSON, but no UTF-8 string can carry it
+        raise InputError(f"{f} holds a character that cannot be encoded (a lone UTF-16 surrogate)", f) from None
     if nonempty and not v:
         raise InputError(f"{f} must not be empty", f)
     return v
@@ -205,7 +209,7 @@ def get_bool(obj: dict, name: str, *, prefix: str = "", default=MISSING) -> bool
     if v is MISSING:
         return default
     if not isinstance(v, bool):
-        raise InputError(f"{f} must be true or false, got {v!r}", f)
+        raise InputError(f"{f} must be true or false, got {_short(v)}", f)
     return v
 
 
@@ -239,7 +243,7 @@ def get_nonces(obj: dict, name: str, max_len: int, *, prefix: str = "") -> list[
         raise InputError(f"{f} has {len(v)} nonces, more than the limit of {max_len}", f, status=413)
     for n in v:
         if isinstance(n, bool) or not isinstance(n, int):
-            raise InputError(f"{f} must hold integers only, got {n!r}", f)
+            raise InputError(f"{f} must hold integers only, got {_short(n)}", f)
         if n < 0:
             raise InputError(f"{f} must hold non-negative integers, got {n}", f)
         if n > MAX_NONCE:
@@ -260,7 +264,7 @@ def _any_int64_nonces(obj: dict, max_len: int) -> list[int]:
         raise InputError(f"nonces has {len(v)} nonces, more than the limit of {max_len}", "nonces", status=413)
     for n in v:
         if isinstance(n, bool) or not isinstance(n, int):
-            raise InputError(f"nonces must hold integers only, got {n!r}", "nonces")
+            raise InputError(f"nonces must hold integers only, got {_short(n)}", "nonces")
         if not -MAX_NONCE - 1 <= n <= MAX_NONCE:
             raise InputError(f"nonces: {n} is outside the int64 range", "nonces")
     return v
@@ -337,7 +341,7 @@ def parse_v1_params(params) -> v1.V1Params:
 def get_dtype(obj: dict) -> str:
     d = get_str(obj, "dtype", default="float16")
     if d not in V1_DTYPES:
-        raise InputError(f"dtype must be one of {', '.join(V1_DTYPES)}, got {d!r}", "dtype")
+        raise InputError(f"dtype must be one of {', '.join(V1_DTYPES)}, got {_short(d)}", "dtype")
     return d
 
 
@@ -541,9 +545,9 @@ def _parse_validation(val, nonces: list[int]) -> dict[int, str]:
             raise InputError(f"{f} items must be objects with nonce and vector_b64", f)
         n, b = a["nonce"], a.get("vector_b64", "")
         if isinstance(n, bool) or not isinstance(n, int):
-            raise InputError(f"{f}: nonce must be an integer, got {n!r}", f)
+            raise InputError(f"{f}: nonce must be an integer, got {_short(n)}", f)
         if b is not None and not isinstance(b, str):
-            raise InputError(f"{f}: vector_b64 must be a string, got {b!r}", f)
+            raise InputError(f"{f}: vector_b64 must be a string, got {_short(b)}", f)
         if n in received:
             raise InputError(f"{f} holds nonce {n} more than once", f)
         received[n] = b or ""

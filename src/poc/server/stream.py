@@ -431,6 +431,11 @@ def dumps(obj) -> bytes:
         return json.dumps(_finite(obj)).encode() + b"\n"
 
 
+def json_text(obj) -> str:
+    """Strict JSON text (web.json_response's and the callback client's `dumps`): non-finite floats become null."""
+    return dumps(obj)[:-1].decode()
+
+
 def _finite(o):
     if isinstance(o, float):
         return o if math.isfinite(o) else None

@@ -23,7 +23,7 @@ from poc.server.app import (check_v1_memory, check_v2_memory, claim_device, conf
                             served_model)
 from poc.server.logs import describe
 from poc.server.metrics import CONTENT_TYPE
-from poc.server.stream import JobRunner, NdjsonWriter, done_line
+from poc.server.stream import JobRunner, NdjsonWriter, done_line, json_text
 
 log = logging.getLogger("poc.server")
 
@@ -131,7 +131,23 @@ async def stream_job(request: web.Request, runner: JobRunner, make_line) -> web.
     return w.resp
 
 
+async def _watch_client(w: NdjsonWriter, runner: JobRunner) -> None:
+    """A client that goes away stops the job within ~0.2 s, even while nothing is written (a v1 model build)."""
+    while not w.client_gone():
+        await asyncio.sleep(0.2)
+    runner.stop("disconnect")
+
+
 async def _pump(w: NdjsonWriter, runner: JobRunner, make_line) -> None:
+    watch = asyncio.create_task(_watch_client(w, runner))
+    try:
+        await _pump_events(w, runner, make_line)
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+
+
+async def _pump_events(w: NdjsonWriter, runner: JobRunner, make_line) -> None:
     async with contextlib.aclosing(runner.events()) as events:
         async for kind, item in events:
             if kind == "batch":
@@ -201,7 +217,7 @@ async def validate(request: web.Request) -> web.Response:
     check_v1_memory(app, req.params, bs, req.dtype)
     claim = claim_device(app, "/validate")
     vb = await validate_v1(app, req.batch, req.params, req.r_target, req.fraud_threshold, req.dtype, claim)
-    return web.json_response(vb.to_json())
+    return web.json_response(vb.to_json(), dumps=json_text)  # a NaN distance is null, never a bare NaN
 
 
 async def validate_v1(app: web.Application, batch: v1.ProofBatch, params: v1.V1Params, r_target: float,

@@ -61,7 +61,7 @@ async def warmup(request: web.Request) -> web.StreamResponse:
     if job_id is None:
         job_id = "unknown"
     elif isinstance(job_id, bool) or not isinstance(job_id, (str, int)):  # as the reference: echoed as given
-        raise InputError(f"job_id must be a string or an integer, got {job_id!r}", "job_id")
+        raise InputError(f"job_id must be a string or an integer, got {schemas._short(job_id)}", "job_id")
     stop = asyncio.Event()
     app[warmups_key].add(stop)
     w = NdjsonWriter(request)
