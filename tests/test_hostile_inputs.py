@@ -95,3 +95,26 @@ async def test_a_disconnect_during_a_v1_build_frees_the_device_within_a_second(c
     assert metric(m, 'poc_jobs_total{protocol="v1",reason="disconnect"}') == 1
     assert metric(m, 'poc_nonces_computed_total{protocol="v1"}') == 0  # it never got past the build
     assert freed < 1.0 + 0.5, freed  # a second, plus slack for a loaded machine
+
+
+async def test_a_large_body_is_parsed_off_the_event_loop(client, monkeypatch):
+    import threading
+
+    from poc.server import schemas
+
+    threads = []
+    loads = json.loads
+
+    def spy(raw, **kw):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return loads(raw, **kw)
+
+    monkeypatch.setattr(schemas.json, "loads", spy)
+    small = v1_request(max_nonces=4, batch_size=4)
+    r = await client.post("/generate", json=small)
+    await r.read()
+    big = v1_request(max_nonces=4, batch_size=4, pad="x" * (schemas.OFF_LOOP_BYTES + 1))  # refused, after parsing
+    r = await client.post("/generate", data=io.BytesIO(json.dumps(big).encode()),
+                          headers={"Content-Type": "application/json"})
+    assert r.status == 400 and (await r.json())["field"] == "pad"
+    assert threads == [True, False]  # the small body on the loop's thread, the large one elsewhere

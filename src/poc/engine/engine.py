@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from poc.engine import memory
 from poc.engine.compute import DTYPES, V1Compute, V2Compute, compile_flags, resolve_device
 from poc.engine.jobs import BatchResult, JobSummary, V1Job, V2Job, take
 from poc.errors import InputError
@@ -53,6 +54,7 @@ class Engine(DeviceLock):
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto",
                  compile: bool | str = False, v1_input_workers: int | None = None, fp8_experts: str | None = None):
         self.device = resolve_device(device)
+        memory.return_freed_memory()  # a freed v1 model's memory leaves the process (CPU peaks match the estimate)
         # torch.compile at fixed batch shapes, CUDA only (compute.compile_flags)
         self.compile_v1, self.compile_v2 = compile_flags(compile, self.device)
         self.compile = self.compile_v2

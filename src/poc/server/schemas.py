@@ -7,6 +7,7 @@ strict about unknown fields. The /api/v1/pow routes ignore unknown top-level fie
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
@@ -27,6 +28,7 @@ MAX_NONCE = (1 << 63) - 1  # nonces travel as int64 on the device
 MAX_INT64 = MAX_NONCE  # heights, node numbers: int64 on the chain
 V1_DTYPES = ("float16", "bfloat16", "float32")
 V2_PARAM_KEYS = {"model", "seq_len", "k_dim"}
+OFF_LOOP_BYTES = 256 << 10  # bodies larger than this are parsed on a thread
 
 
 class ParamsMismatch(InputError):
@@ -85,7 +87,10 @@ async def read_json(request: web.Request, max_bytes: int) -> dict:
     except web.HTTPRequestEntityTooLarge:
         raise InputError(f"request body is over the {max_bytes}-byte limit", None, status=413) from None
     try:
-        obj = json.loads(raw, parse_constant=_no_constant)
+        if len(raw) > OFF_LOOP_BYTES:  # a 16 MiB body takes seconds to parse: not on the event loop
+            obj = await asyncio.to_thread(json.loads, raw, parse_constant=_no_constant)
+        else:
+            obj = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise InputError(f"Invalid JSON: {e}", None) from None
     except RecursionError:
