@@ -247,7 +247,13 @@ async def test_cross_site_browser_requests_are_403(aiohttp_client):
     assert (await c.post("/api/v1/pow/stop")).status == 200  # no Origin: not a browser
 
 
-def test_a_public_bind_without_auth_is_warned_about():
+def test_a_public_bind_without_auth_is_warned_about_at_start_and_a_bad_key_refused(caplog):
+    from poc.errors import InputError
+
+    create_app(server_config(host="0.0.0.0"))
+    assert [r for r in caplog.records if r.levelname == "WARNING" and "without authentication" in r.getMessage()]
+    with pytest.raises(InputError, match="SIGNER_PUBKEY"):
+        create_app(server_config(signer_pubkey="bm90IGEga2V5"))
     assert bind_warning(server_config(host="0.0.0.0")) and "POC_API_TOKEN" in bind_warning(server_config(host="::"))
     assert bind_warning(server_config(host="127.0.0.1")) is None
     assert bind_warning(server_config(host="0.0.0.0", api_token="t")) is None

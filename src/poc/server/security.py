@@ -116,7 +116,8 @@ def setup(app: web.Application, config) -> Security:
                    signer=SignatureKey(config.signer_pubkey) if config.signer_pubkey else None,
                    allowed_origins=frozenset(o.rstrip("/").lower() for o in config.allowed_origins),
                    loopback_only=_is_loopback(config.host), max_connections=config.max_connections,
-                   max_body=config.max_body_bytes,                   body_idle_timeout=config.body_idle_timeout, body_timeout=config.body_timeout)
+                   max_body=config.max_body_bytes, body_idle_timeout=config.body_idle_timeout,
+                   body_timeout=config.body_timeout)
     app[security_key] = sec
     warning = bind_warning(config)
     if warning:
