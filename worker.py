@@ -7,7 +7,8 @@ Environment: what Vast sets (CONTAINER_ID, REPORT_ADDR, WORKER_PORT, PUBLIC_IPAD
 optional WORKER_HTTP_PORT, UNSECURED, MASTER_TOKEN, USE_SSL), plus POC_PORT (the model server's port, 18000),
 MODEL_LOG (the log start_server.sh writes, /var/log/model/server.log), POC_WORKER_HOST (bind address; default
 all interfaces) and the benchmark's POC_BENCH_PARAMS (a params object, v1 or v2), POC_BENCH_NONCES (2048),
-POC_BENCH_BATCH (256), POC_BENCH_SEQ_LEN (v2 default 256), POC_BENCH_RUNS (3).
+POC_BENCH_BATCH (256), POC_BENCH_SEQ_LEN (v2 default 256), POC_BENCH_RUNS (3), and POC_WORKER_MAX_BODY (bytes,
+16 MiB: a larger body is a 413 before the SDK reads it).
 
 Routes (forwarded as is; NDJSON streams pass through line by line):
 - /generate, /warmup, /pooled: one at a time (the device runs one job), workload = the payload's max_nonces, else
@@ -16,6 +17,9 @@ Routes (forwarded as is; NDJSON streams pass through line by line):
 - /benchmark: the benchmark handler. The SDK's own benchmark stops its clock when the response HEADERS arrive,
   which on a stream is wildly wrong (spec/pyworker.md); here its remote function runs a real /generate job of
   POC_BENCH_NONCES nonces and reads the WHOLE stream, so max_perf is real nonces/s.
+Before the SDK's handler (Guard): a body over POC_WORKER_MAX_BODY is a 413, one not received within 60 s a 408, and
+an auth_data.reqnum already used a 409 (the SDK's signature covers only auth_data.url, so a captured envelope could
+be replayed).
 Readiness: the model server's "Application startup complete." line (on_load), then the benchmark, then
 GET /health answering 200 (model_healthcheck_url; it also marks the worker errored later if /health turns 503,
 e.g. CUDA broke). on_error is only model_server.py's FATAL line ("Error: POC-FATAL", printed on an unrecoverable
@@ -26,11 +30,14 @@ exceptions: spec-v1 §6 F13).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
+from collections import OrderedDict
 
 import aiohttp
+from aiohttp import web
 from vastai.serverless.server.worker import (BenchmarkConfig, HandlerConfig, LogActionConfig, Worker,
                                              WorkerConfig)
 
@@ -40,6 +47,9 @@ MODEL_LOG = os.environ.get("MODEL_LOG", "/var/log/model/server.log")
 READY_LINE = "Application startup complete."  # model_server.py logs it once, when it can take work
 FATAL_LINE = "Error: POC-FATAL"  # model_server.FATAL
 BENCH_ROUTE = "/benchmark"
+MAX_BODY = int(os.environ.get("POC_WORKER_MAX_BODY", str(16 << 20)))  # the model server's own body limit
+BODY_TIMEOUT = 60.0  # seconds to receive a whole body
+REMEMBERED_REQNUMS = 100_000  # reqnums kept to refuse a replay (the oldest are forgotten first)
 
 # gonka's v1 MainNet params (spec-v1 §1.1 PARAMS_V2): what a v1 endpoint serves
 MAINNET_V1 = {"dim": 1792, "n_layers": 64, "n_heads": 64, "n_kv_heads": 64, "vocab_size": 8196,
@@ -103,6 +113,66 @@ async def run_benchmark_job(**body) -> dict:
             "nonces_per_second": round(done["computed"] / seconds, 3)}
 
 
+class Guard:
+    """What the SDK does not do before its own handler: bound the body (it reads any size before checking the
+    signature, and its signature covers only auth_data.url) and refuse an auth_data.reqnum it has already seen (a
+    captured envelope replayed). A reqnum is remembered once the SDK accepted the request (not 401/422), so an unsigned
+    request cannot burn a reqnum a real one will use; while one is in flight, the same reqnum is refused."""
+
+    def __init__(self, max_body: int = MAX_BODY, remember: int = REMEMBERED_REQNUMS):
+        self.max_body, self.remember = max_body, remember
+        self.seen: OrderedDict = OrderedDict()
+
+    def wrap(self, handler):
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            if request.content_length is not None and request.content_length > self.max_body:
+                return _refusal(413, f"request body of {request.content_length} bytes is over {self.max_body}")
+            body = bytearray()
+            try:
+                async with asyncio.timeout(BODY_TIMEOUT):
+                    while chunk := await request.content.readany():
+                        body += chunk
+                        if len(body) > self.max_body:
+                            return _refusal(413, f"request body is over {self.max_body} bytes")
+            except TimeoutError:
+                return _refusal(408, f"request body not received within {BODY_TIMEOUT:g} s")
+            request._read_bytes = bytes(body)  # aiohttp's cache of the body: the SDK's request.json() reads it
+            reqnum = _reqnum(body)
+            if reqnum is not None:
+                if reqnum in self.seen:
+                    return _refusal(409, f"reqnum {reqnum} was already used: a replayed request is refused")
+                self.seen[reqnum] = True
+                while len(self.seen) > self.remember:
+                    self.seen.popitem(last=False)
+            accepted = False
+            try:
+                resp = await handler(request)
+                accepted = resp.status not in (401, 422)  # the SDK refused it: its reqnum is not spent
+                return resp
+            finally:
+                if reqnum is not None and not accepted:
+                    self.seen.pop(reqnum, None)
+
+        return guarded
+
+    def routes(self, routes: list) -> list:
+        return [web.route(r.method, r.path, self.wrap(r.handler), **r.kwargs) for r in routes]
+
+
+def _reqnum(body: bytes):
+    try:
+        n = json.loads(body).get("auth_data", {}).get("reqnum")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def _refusal(status: int, why: str) -> web.Response:
+    resp = web.json_response({"error": why}, status=status)
+    resp.force_close()  # the unread rest of a body is not waited for
+    return resp
+
+
 def build_config() -> WorkerConfig:
     job = dict(allow_parallel_requests=False)  # one device, one job: the PyWorker's FIFO, not a 409
     return WorkerConfig(
@@ -126,7 +196,9 @@ def build_config() -> WorkerConfig:
 
 
 def main() -> None:
-    Worker(build_config()).run(host=os.environ.get("POC_WORKER_HOST") or None)
+    worker = Worker(build_config())
+    worker.routes = Guard().routes(worker.routes)  # body bound and reqnum replay check before the SDK's handler
+    worker.run(host=os.environ.get("POC_WORKER_HOST") or None)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ BENCH = {"POC_BENCH_PARAMS": json.dumps(PARAMS_A), "POC_BENCH_NONCES": str(BENCH
          "POC_BENCH_RUNS": "5"}  # the SDK keeps the best run: a CPU shared with other jobs still gives a fair figure
 
 
+WORKER_MAX_BODY = 64 << 10
+
+
 class ThreadLoop:
     """An event loop on a thread, for a fake that outlives each test's own loop."""
 
@@ -77,7 +80,8 @@ class Stack:
         env.update(BENCH, PYTHONUNBUFFERED="1", CONTAINER_ID="1", REPORT_ADDR=self.autoscaler.url,
                    WORKER_PORT=str(self.port), WORKER_HTTP_PORT=str(self.http_port), PUBLIC_IPADDR="127.0.0.1",
                    **{f"VAST_TCP_PORT_{self.port}": str(self.port)}, UNSECURED="false", MODEL_LOG=str(self.model_log),
-                   POC_PORT=str(self.server.port), POC_WORKER_HOST="127.0.0.1")
+                   POC_PORT=str(self.server.port), POC_WORKER_HOST="127.0.0.1",
+                   POC_WORKER_MAX_BODY=str(WORKER_MAX_BODY))
         self._out = open(self.worker_log, "wb")
         self.worker = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], cwd=self.cwd, env=env,
                                        stdout=self._out, stderr=subprocess.STDOUT)
@@ -191,6 +195,29 @@ async def test_signature_checked_and_handled_errors_do_not_kill_the_worker(stack
     wait_for(lambda: len(stack.autoscaler.status) > n, 15, "one more worker_status report", stack.logs)
     assert all(d["error_msg"] == "" for _, d in stack.autoscaler.status)
     assert "Error: POC-FATAL" not in stack.model_log.read_text()
+
+
+async def test_worker_refuses_an_oversized_body_and_a_replayed_reqnum(stack):
+    async def chunked():
+        for _ in range(WORKER_MAX_BODY // 1024 + 8):
+            yield b" " * 1024
+
+    async with aiohttp.ClientSession() as http:
+        big = stack.envelope({"pad": "x" * (WORKER_MAX_BODY + 1)}, 20)
+        async with http.post(stack.url + "/health", json=big) as r:
+            assert r.status == 413
+        async with http.post(stack.url + "/health", data=chunked()) as r:  # no Content-Length: cut while reading
+            assert r.status == 413
+        env = stack.envelope({}, 21)
+        async with http.post(stack.url + "/health", json=env) as r:
+            assert r.status == 200
+        async with http.post(stack.url + "/health", json=env) as r:
+            assert r.status == 409 and "replayed" in (await r.json())["error"]
+        # a reqnum the SDK refused (bad signature) is not spent: the real request with it still passes
+        async with http.post(stack.url + "/health", json=stack.envelope({}, 22, good=False)) as r:
+            assert r.status == 401
+        async with http.post(stack.url + "/health", json=stack.envelope({}, 22)) as r:
+            assert r.status == 200
 
 
 # --------------------------------------------------------------------------------------------------

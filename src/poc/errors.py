@@ -8,6 +8,8 @@ class InputError(ValueError):
     """
 
     def __init__(self, message: str, field: str | None = None, status: int = 400):
+        if len(message) > 600:  # never echo a huge bad value back (or into the log) whole
+            message = f"{message[:500]}...({len(message)} characters)"
         super().__init__(message)
         self.message = message
         self.field = field

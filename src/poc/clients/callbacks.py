@@ -110,6 +110,7 @@ class CallbackSender:
         self._stores: set[asyncio.Task] = set()
         self._timers: set[asyncio.TimerHandle] = set()
         self._session: aiohttp.ClientSession | None = None
+        self.policy = None  # a clients.urlpolicy.UrlPolicy: every connection obeys it (create_app sets it)
         self._io: ThreadPoolExecutor | None = None
         self._running = False
         self._warned: dict[tuple, float] = {}
@@ -140,7 +141,8 @@ class CallbackSender:
             if self.replayed:
                 log.info("replaying %d spooled record(s) from %s", self.replayed, self.spool.dir)
                 self._wake.set()
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        self._session = (self.policy.session(self.timeout) if self.policy else
+                         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)))
         self._workers = [asyncio.create_task(self._work(), name=f"callbacks-{i}") for i in range(self.concurrency)]
         self._running = True
 

@@ -19,6 +19,7 @@ import aiohttp
 from poc.server.logs import describe
 
 log = logging.getLogger("poc.orchestrator")
+UNREACHABLE = "orchestrator unreachable"  # what a stream is told: the detail (refused, 404, ...) is only logged
 
 
 @dataclass
@@ -30,11 +31,12 @@ class Reply:
 
 class OrchestratorClient:
     def __init__(self, base_url: str, worker_id: str, *, timeout: float = 10.0, retries: int = 5,
-                 retry_base: float = 1.0):
+                 retry_base: float = 1.0, policy=None):
         self.base = base_url.rstrip("/")
         self.worker_id = worker_id
         self.timeout, self.retries, self.retry_base = timeout, retries, retry_base
         self._session: aiohttp.ClientSession | None = None
+        self.policy = policy  # a clients.urlpolicy.UrlPolicy every connection obeys
 
     @property
     def worker_url(self) -> str:
@@ -42,7 +44,8 @@ class OrchestratorClient:
         return f"{self.base}/api/workers/{self.worker_id}"
 
     async def __aenter__(self) -> "OrchestratorClient":
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        self._session = (self.policy.session(self.timeout) if self.policy else
+                         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)))
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -85,11 +88,14 @@ class OrchestratorClient:
         try:
             async with self._session.request(method, self.base + path, json=body) as resp:
                 raw = await resp.read()
-                if resp.status >= 400:
-                    return Reply(False, error=f"HTTP {resp.status}")
+                if resp.status >= 300:
+                    log.info("orchestrator %s %s: HTTP %d", method, path, resp.status)
+                    return Reply(False, error=UNREACHABLE)
                 try:
                     return Reply(True, await resp.json(content_type=None) if raw.strip() else None)
                 except ValueError:
-                    return Reply(False, error=f"HTTP {resp.status} with a body that is not JSON")
+                    log.info("orchestrator %s %s: HTTP %d with a body that is not JSON", method, path, resp.status)
+                    return Reply(False, error=UNREACHABLE)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            return Reply(False, error=describe(e))
+            log.info("orchestrator %s %s failed %s", method, path, describe(e))
+            return Reply(False, error=UNREACHABLE)

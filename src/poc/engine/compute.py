@@ -212,13 +212,13 @@ class V1Compute:
     """The v1 random model for one (params, block_hash, dtype), plus its target vector."""
 
     def __init__(self, params: v1.V1Params, block_hash: str, dtype: torch.dtype, device: torch.device,
-                 compile: bool = False, input_workers: int = 0, executor=None):
+                 compile: bool = False, input_workers: int = 0, executor=None, stop=None):
         self.params, self.block_hash, self.dtype, self.device = params, block_hash, dtype, device
         self.input_workers = input_workers  # > 0: inputs drawn by that many processes (V1InputPool)
         self._pool = None
         self._executor = executor  # shared worker processes (the engine's), or None: the pool makes its own
         t0 = time.perf_counter()
-        self.model = build_v1_model(params, block_hash, dtype, device).fuse()
+        self.model = build_v1_model(params, block_hash, dtype, device, stop=stop).fuse()
         self.target = torch.from_numpy(v1.target(block_hash, params.vocab_size)).to(device)  # float64
         self._step = maybe_compile(Transformer.layer_step, compile)
         self._post = maybe_compile(self._distances, compile)

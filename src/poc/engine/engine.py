@@ -19,9 +19,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from poc.engine import memory
 from poc.engine.compute import DTYPES, V1Compute, V2Compute, compile_flags, resolve_device
 from poc.engine.jobs import BatchResult, JobSummary, V1Job, V2Job, take
 from poc.errors import InputError
+from poc.model.random_init import BuildStopped
 from poc.protocol import v1
 
 log = logging.getLogger("poc.engine")
@@ -52,6 +54,7 @@ class Engine(DeviceLock):
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto",
                  compile: bool | str = False, v1_input_workers: int | None = None, fp8_experts: str | None = None):
         self.device = resolve_device(device)
+        memory.return_freed_memory()  # a freed v1 model's memory leaves the process (CPU peaks match the estimate)
         # torch.compile at fixed batch shapes, CUDA only (compute.compile_flags)
         self.compile_v1, self.compile_v2 = compile_flags(compile, self.device)
         self.compile = self.compile_v2
@@ -114,8 +117,9 @@ class Engine(DeviceLock):
             return "auto" if self.device.type == "cuda" else torch.float32
         return DTYPES[self.dtype_flag]
 
-    def v1_compute(self, params: v1.V1Params, block_hash: str, dtype: str) -> V1Compute:
-        """The v1 model for (params, block_hash, dtype), reused while they stay the same."""
+    def v1_compute(self, params: v1.V1Params, block_hash: str, dtype: str, stop=None) -> V1Compute:
+        """The v1 model for (params, block_hash, dtype), reused while they stay the same. A set `stop` gives a
+        build up (random_init.BuildStopped), leaving no model behind."""
         key = (params, block_hash, DTYPES[dtype])
         if self._v1 is None or self._v1.key() != key:
             if self._v1 is not None:
@@ -124,7 +128,7 @@ class Engine(DeviceLock):
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             c = V1Compute(params, block_hash, DTYPES[dtype], self.device, self.compile_v1, self.v1_input_workers,
-                          self._executor)
+                          self._executor, stop=stop)
             log.info("v1 model built: dim=%d layers=%d dtype=%s in %.1f s", params.dim, params.n_layers, dtype,
                      c.build_seconds)
             self._v1 = c
@@ -148,7 +152,11 @@ class Engine(DeviceLock):
         dropped. max_nonces is counted at preparation, so no nonce past it is computed."""
         t0 = time.perf_counter()
         if isinstance(job, V1Job):
-            comp = self.v1_compute(job.params, job.block_hash, job.dtype)
+            try:
+                comp = self.v1_compute(job.params, job.block_hash, job.dtype, stop)
+            except BuildStopped:  # the client went away during the build: the device is free at once
+                log.info("v1 model build stopped after %.1f s", time.perf_counter() - t0)
+                return JobSummary(reason="stopped", batches=0, computed=0, elapsed=time.perf_counter() - t0)
 
             def prepare(nonces):
                 return comp.prepare(job.public_key, nonces)

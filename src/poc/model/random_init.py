@@ -94,11 +94,31 @@ class _CudaPieceWriter:
         self.stream.synchronize()  # the assembling thread reads the piece on its own stream next
 
 
+class BuildStopped(Exception):
+    """A v1 model build given up because its job was stopped (its client went away)."""
+
+
+class _Stoppable:
+    """A piece writer that gives up as soon as `stop` is set: each chunk a drawing thread asks for checks it."""
+
+    def __init__(self, writer, stop):
+        self._w, self._stop = writer, stop
+
+    def view(self, at: int, n: int):
+        if self._stop.is_set():
+            raise BuildStopped("the v1 model build was stopped")
+        return self._w.view(at, n)
+
+    def __getattr__(self, name):
+        return getattr(self._w, name)
+
+
 class _TorchSink:
     """draw_pool's destination: the pool as one float32 tensor on `device`. Each worker fills its own
     piece there (on CPU it casts straight into it); finished pieces are copied into place on the device."""
 
-    def __init__(self, size: int, device: torch.device, chunk: int):
+    def __init__(self, size: int, device: torch.device, chunk: int, stop=None):
+        self.stop = stop  # a threading.Event: set, the drawing threads give up (BuildStopped)
         self.dtype = np.float32
         self.out = torch.empty(size, dtype=torch.float32, device=device)
         self.device, self.chunk = device, chunk
@@ -107,7 +127,8 @@ class _TorchSink:
     def open(self, k: int, capacity: int) -> PieceWriter:
         piece = torch.empty(capacity, dtype=torch.float32, device=self.device)
         self.pieces[k] = piece
-        return _CudaPieceWriter(piece, self.chunk) if self.device.type == "cuda" else ArrayWriter(piece.numpy())
+        w = _CudaPieceWriter(piece, self.chunk) if self.device.type == "cuda" else ArrayWriter(piece.numpy())
+        return w if self.stop is None else _Stoppable(w, self.stop)
 
     def place(self, k: int, src: int, n: int, dst: int) -> None:
         piece = self.pieces.pop(k)
@@ -120,7 +141,7 @@ class _TorchSink:
 
 
 def pool_tensor(block_hash: str, size: int, device: torch.device, workers: int | None = None,
-                chunk: int = CHUNK) -> torch.Tensor:
+                chunk: int = CHUNK, stop=None) -> torch.Tensor:
     """The float32 pool on `device`, bit-identical to v1.weight_pool: drawn by `workers` threads (default
     poc.protocol.pool.pool_workers(): POC_POOL_WORKERS or the CPU count), each copying its piece to the device
     as it goes."""
@@ -128,19 +149,20 @@ def pool_tensor(block_hash: str, size: int, device: torch.device, workers: int |
     # ordinary tensors even when the caller is in inference mode (a rank builds its model inside one): the
     # worker threads, outside that thread-local mode, write into them
     with torch.inference_mode(False):
-        sink = _TorchSink(size, device, chunk)
+        sink = _TorchSink(size, device, chunk, stop)
         draw_pool(block_hash, size, sink, workers, chunk=chunk)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     return sink.out
 
 
-def build_v1_model(p: v1.V1Params, block_hash: str, dtype: torch.dtype, device="cpu") -> Transformer:
-    """The reference's random model for (params, block_hash), in `dtype` on `device`, with its head."""
+def build_v1_model(p: v1.V1Params, block_hash: str, dtype: torch.dtype, device="cpu", stop=None) -> Transformer:
+    """The reference's random model for (params, block_hash), in `dtype` on `device`, with its head. `stop` (a
+    threading.Event), once set, ends the build with BuildStopped within one drawn chunk or one placed tensor."""
     device = torch.device(device)
     cfg = v1_config(p)
     t0 = time.perf_counter()
-    pool = pool_tensor(block_hash, v1.pool_size(p.total_params), device)
+    pool = pool_tensor(block_hash, v1.pool_size(p.total_params), device, stop=stop)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t_pool = time.perf_counter()
@@ -152,6 +174,8 @@ def build_v1_model(p: v1.V1Params, block_hash: str, dtype: torch.dtype, device="
         name = hf_name(ref)
         if name is None:
             continue
+        if stop is not None and stop.is_set():
+            raise BuildStopped("the v1 model build was stopped")
         w = v1.place(pool, ref, shape, block_hash).to(dtype, copy=True)  # fp32 pool -> dtype, as the reference
         if ref.endswith(("wq.weight", "wk.weight")):
             w = interleaved_to_half(w, p.n_heads if ref.endswith("wq.weight") else p.n_kv_heads)

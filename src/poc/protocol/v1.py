@@ -379,7 +379,8 @@ def validate_batch(batch: ProofBatch, recomputed: list[float], r_target: float, 
     """
     from poc.protocol.stats import fraud_test  # scipy: kept out of the input worker processes' imports
 
-    n_invalid = sum(1 for d, rd in zip(recomputed, batch.dist) if d > r_target or not rd < r_target)
+    # a recomputed distance that is NaN or infinite is invalid (`not d <= r_target`), never silently honest
+    n_invalid = sum(1 for d, rd in zip(recomputed, batch.dist) if not d <= r_target or not rd < r_target)
     p, fraud = fraud_test(n_invalid, len(batch.nonces), PROBABILITY_MISMATCH, fraud_threshold)
     if any(not rd < r_target for rd in batch.dist):
         p, fraud = 0.0, True

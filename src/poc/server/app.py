@@ -53,11 +53,13 @@ def _make_engine(config: ServerConfig):
 
 def create_app(config: ServerConfig) -> web.Application:
     """The only way to get an app. Raises InputError for an unusable config (e.g. --device cuda without CUDA)."""
-    from poc.server import pooled, pow, vast, warmup
+    from poc.server import pooled, pow, security, vast, warmup
 
     engine = _make_engine(config)
     metrics = Metrics()
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware],
+                          handler_args=security.handler_args(config))
+    security.setup(app, config)  # the guard middleware (cap, Origin, body deadlines, auth) and the outbound-URL policy
     app[config_key] = config
     app[engine_key] = engine
     app[gate_key] = DeviceGate()
@@ -68,6 +70,7 @@ def create_app(config: ServerConfig) -> web.Application:
                                      backoff_max=config.callback_backoff_max, spool_dir=config.spool_dir,
                                      segment_records=config.spool_segment_records,
                                      refusal_limit=config.callback_refusal_limit)
+    app[sender_key].policy = security.url_policy(app)
     app[listening_key] = asyncio.Event()
     app[tasks_key] = {}
     vast.setup(app)
@@ -165,7 +168,8 @@ async def on_shutdown(app: web.Application) -> None:
 def new_runner(app: web.Application, job, claim: Claim, label: str) -> JobRunner:
     cfg = app[config_key]
     return JobRunner(app[engine_key], job, claim, label=label, metrics=app[metrics_key], registry=app[runners_key],
-                     progress_interval=cfg.progress_interval, rate_log_interval=cfg.rate_log_interval)
+                     progress_interval=cfg.progress_interval, rate_log_interval=cfg.rate_log_interval,
+                     max_waiting=cfg.stream_max_waiting)
 
 
 def claim_device(app: web.Application, owner: str) -> Claim:
@@ -238,8 +242,9 @@ def check_v2_memory(app: web.Application, batch_size: int, seq_len: int) -> None
 # errors: always JSON, never a traceback in the log
 
 
-_ERROR_KIND = {400: "bad_input", 404: "not_found", 405: "bad_method", 409: "conflict", 413: "too_large",
-               422: "does_not_fit", 429: "queue_full", 500: "job", 503: "unavailable"}
+_ERROR_KIND = {400: "bad_input", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "bad_method",
+               408: "body_timeout", 409: "conflict", 413: "too_large", 422: "does_not_fit", 429: "queue_full",
+               500: "job", 503: "unavailable"}
 
 
 @web.middleware

@@ -7,14 +7,14 @@
 
 Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_SERVED_MODEL_NAME (comma-separated), POC_DTYPE,
 POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR, POC_TP, POC_PP, POC_REPLICAS, POC_COMPILE, POC_FP8_EXPERTS)
-> default.
+> default. Environment only: POC_API_TOKEN, SIGNER_PUBKEY, POC_ALLOWED_ORIGINS, POC_OUTBOUND_ALLOW (comma-separated).
 The other fields are limits and timings; tests override them directly.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from poc.errors import InputError
@@ -50,6 +50,17 @@ class ServerConfig:
     max_queued_nonces: int = 100_000  # the /api/v1/pow/generate queue, as the reference's POC_MAX_QUEUED_NONCES
     max_duration_limit: float = 86_400.0  # the largest max_duration a request may ask for
     default_max_duration: float = 420.0  # the reference's MAX_JOB_DURATION
+    # hostile clients and networks (server/security.py, clients/urlpolicy.py)
+    header_timeout: float = 10.0  # a connection must send a whole request head within this (also keep-alive idle)
+    body_idle_timeout: float = 10.0  # 408 when a body sends nothing for this long
+    body_timeout: float = 60.0  # 408 when a body is not complete after this long
+    max_connections: int = 256  # requests in flight (not counting /health, /metrics); 503 past it
+    api_token: str | None = field(default=None, repr=False)  # POC_API_TOKEN: Authorization: Bearer <token>
+    signer_pubkey: str | None = None  # SIGNER_PUBKEY: base64 secp256k1 key checking the node's X-Signature
+    allowed_origins: tuple[str, ...] = ()  # POC_ALLOWED_ORIGINS: browser origins allowed to call (none by default)
+    outbound_allow: tuple[str, ...] = ()  # POC_OUTBOUND_ALLOW: the only hosts/CIDRs we may call (empty: any allowed)
+    stream_max_waiting: int = 4  # computed batches waiting for a slow /generate reader before the job pauses
+    stall_timeout: float = 60.0  # a reader that takes nothing for this long ends the job with reason "stalled"
     # timings
     progress_interval: float = 2.0  # {"status": "progress"} lines
     rate_log_interval: float = 5.0  # "rate: ..." log lines
@@ -96,6 +107,11 @@ class ServerConfig:
             raise InputError(f"--fp8-experts must be keep or dequant, got {self.fp8_experts!r}", "fp8_experts")
         if self.compile not in ("auto", "on", "off"):
             raise InputError(f"--compile must be auto, on or off, got {self.compile!r}", "compile")
+        for k in ("header_timeout", "body_idle_timeout", "body_timeout", "stall_timeout"):
+            if not getattr(self, k) > 0:
+                raise InputError(f"{k} must be > 0, got {getattr(self, k)}", k)
+        if self.max_connections < 1 or self.stream_max_waiting < 1:
+            raise InputError("max_connections and stream_max_waiting must be >= 1", "max_connections")
         if self.dtype not in DTYPE_CHOICES:
             raise InputError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}", "dtype")
 
@@ -173,7 +189,13 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     from poc.server import warm_start
 
     shapes = warm_start.parse(a.compile_at_start, a.model)
-    return ServerConfig(host=a.host, port=port, model=a.model, served_model_name=tuple(a.served_model_name),
+
+    def env_list(name: str) -> tuple[str, ...]:
+        return tuple(x.strip() for x in env.get(name, "").split(",") if x.strip())
+
+    return ServerConfig(api_token=env.get("POC_API_TOKEN") or None, signer_pubkey=env.get("SIGNER_PUBKEY") or None,
+                        allowed_origins=env_list("POC_ALLOWED_ORIGINS"), outbound_allow=env_list("POC_OUTBOUND_ALLOW"),
+                        host=a.host, port=port, model=a.model, served_model_name=tuple(a.served_model_name),
                         dtype=a.dtype, device=a.device, log_level=level,
                         spool_dir=a.spool_dir, compile=str(a.compile),
                         fp8_experts=str(a.fp8_experts), fatal_keepalive=keepalive in ("1", "true"),

@@ -44,6 +44,7 @@ from aiohttp import web
 from poc.clients.orchestrator import OrchestratorClient
 from poc.engine.jobs import BatchResult, Limits, V1Job, V2Job
 from poc.errors import InputError
+from poc.server.security import url_policy
 from poc.protocol import v1, v2
 from poc.server import schemas
 from poc.server.app import (check_v1_memory, check_v2_memory, claim_device, config_key, engine_key, new_runner,
@@ -80,7 +81,7 @@ async def pooled(request: web.Request) -> web.StreamResponse:
     if not body.get("orchestrator_url"):
         raise InputError("orchestrator_url is required", "orchestrator_url")
     schemas.check_keys(body, {"orchestrator_url"}, {"batch_size", "max_duration", "dtype"})
-    url = schemas.get_url(body, "orchestrator_url").rstrip("/")
+    url = schemas.get_url(body, "orchestrator_url", url_policy(app)).rstrip("/")
     batch_size = schemas.get_batch_size(body, cfg, default=None)
     max_duration = schemas.get_number(body, "max_duration", default=cfg.pooled_max_duration, lo=0, lo_open=True,
                                       hi=cfg.max_duration_limit)
@@ -237,7 +238,8 @@ class PooledSession:
         c = self.cfg
         tasks = self._tasks
         async with OrchestratorClient(self.url, self.worker_id, timeout=c.orchestrator_timeout,
-                                      retries=c.orchestrator_retries, retry_base=c.orchestrator_retry_base) as client:
+                                      retries=c.orchestrator_retries, retry_base=c.orchestrator_retry_base,
+                                      policy=url_policy(self.app)) as client:
             self.client = client
             try:
                 await self.emit({"status": "registering", "worker_id": self.worker_id, "gpu_count": GPU_COUNT})

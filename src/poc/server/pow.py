@@ -34,7 +34,7 @@ from poc.server import schemas
 from poc.server.app import (check_v1_memory, check_v2_memory, claim_device, config_key, engine_key, gate_key,
                             new_runner, require_ready, sender_key, served_model, tasks_key)
 from poc.server.logs import describe
-from poc.server.stream import JobRunner
+from poc.server.stream import JobRunner, json_text
 from poc.server.vast import collect, validate_v1
 
 log = logging.getLogger("poc.pow")
@@ -341,7 +341,7 @@ class PowService:
         body = await self._body(request)
         batch = schemas.parse_proof_batch(body, self.cfg, as_reference=True)
         if batch.block_hash != init.block_hash:
-            raise InputError(f"block_hash {batch.block_hash!r} is not the initialized {init.block_hash!r}",
+            raise InputError(f"block_hash {schemas._short(batch.block_hash)} is not the initialized {init.block_hash!r}",
                              "block_hash")
         check_v1_memory(self.app, init.params, max(1, min(len(set(batch.nonces)), 100)), "float16")
         job = self._enqueue("validate_v1", (batch, init), len(batch.nonces))
@@ -358,7 +358,7 @@ class PowService:
             claim = await self._claim_before_queue("pow /generate wait")
             job = QueuedJob("generate", req, len(req.nonces), status="running")
             result = await self._compute_v2(job, claim)
-            return web.json_response({"status": "completed", "request_id": job.id, **result})
+            return web.json_response({"status": "completed", "request_id": job.id, **result}, dumps=json_text)
         job = self._enqueue("generate", req, len(req.nonces))
         return web.json_response({"status": "queued", "request_id": job.id, "queued_count": len(req.nonces)})
 
@@ -369,7 +369,7 @@ class PowService:
         if job is None:
             raise InputError(f"Request {rid} not found (unknown, or expired {self.cfg.result_ttl:.0f} s after it "
                              "finished)", "request_id", status=404)
-        return web.json_response(job.view())
+        return web.json_response(job.view(), dumps=json_text)
 
     async def status(self, request: web.Request) -> web.Response:
         engine = self.app[engine_key]
@@ -389,7 +389,7 @@ class PowService:
                 "queue": {"queued": len(self.queue), "running": running, "queued_nonces": self.queued_nonces}}
         if self.gen is not None and not self.gen.active and self.gen.error:
             body["last_error"] = self.gen.error
-        return web.json_response(body)
+        return web.json_response(body, dumps=json_text)
 
     async def stop(self, request: web.Request) -> web.Response:
         await self._stop_all("stopped")

@@ -7,6 +7,7 @@ strict about unknown fields. The /api/v1/pow routes ignore unknown top-level fie
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
@@ -27,6 +28,7 @@ MAX_NONCE = (1 << 63) - 1  # nonces travel as int64 on the device
 MAX_INT64 = MAX_NONCE  # heights, node numbers: int64 on the chain
 V1_DTYPES = ("float16", "bfloat16", "float32")
 V2_PARAM_KEYS = {"model", "seq_len", "k_dim"}
+OFF_LOOP_BYTES = 256 << 10  # bodies larger than this are parsed on a thread
 
 
 class ParamsMismatch(InputError):
@@ -34,7 +36,7 @@ class ParamsMismatch(InputError):
 
     def __init__(self, requested: dict, served: "ServedModel | None"):
         names = served.names if served else []
-        why = (f"params.model {requested.get('model')!r} is not served here (serving {', '.join(names)})" if names
+        why = (f"params.model {_short(requested.get('model'))} is not served here (serving {', '.join(names)})" if names
                else "no PoC v2 model is loaded: start the server with --model DIR")
         super().__init__(why, "params.model", status=409)
         self.requested, self.deployed = requested, {"model": names, "seq_len": None, "k_dim": None}
@@ -85,7 +87,10 @@ async def read_json(request: web.Request, max_bytes: int) -> dict:
     except web.HTTPRequestEntityTooLarge:
         raise InputError(f"request body is over the {max_bytes}-byte limit", None, status=413) from None
     try:
-        obj = json.loads(raw, parse_constant=_no_constant)
+        if len(raw) > OFF_LOOP_BYTES:  # a 16 MiB body takes seconds to parse: not on the event loop
+            obj = await asyncio.to_thread(json.loads, raw, parse_constant=_no_constant)
+        else:
+            obj = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise InputError(f"Invalid JSON: {e}", None) from None
     except RecursionError:
@@ -150,7 +155,7 @@ def get_int(obj: dict, name: str, *, prefix: str = "", default=MISSING, lo: int 
     if v is MISSING:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
-        raise InputError(f"{f} must be an integer, got {v!r}", f)
+        raise InputError(f"{f} must be an integer, got {_short(v)}", f)
     if lo is not None and v < lo:
         raise InputError(f"{f} must be >= {lo}{what}, got {_short(v)}", f)
     if hi is not None and v > hi:
@@ -193,7 +198,11 @@ def get_str(obj: dict, name: str, *, prefix: str = "", default=MISSING, nonempty
     if v is MISSING:
         return default
     if not isinstance(v, str):
-        raise InputError(f"{f} must be a string, got {v!r}", f)
+        raise InputError(f"{f} must be a string, got {_short(v)}", f)
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800"): valid JSON, but no UTF-8 string can carry it
+        raise InputError(f"{f} holds a character that cannot be encoded (a lone UTF-16 surrogate)", f) from None
     if nonempty and not v:
         raise InputError(f"{f} must not be empty", f)
     return v
@@ -205,26 +214,26 @@ def get_bool(obj: dict, name: str, *, prefix: str = "", default=MISSING) -> bool
     if v is MISSING:
         return default
     if not isinstance(v, bool):
-        raise InputError(f"{f} must be true or false, got {v!r}", f)
+        raise InputError(f"{f} must be true or false, got {_short(v)}", f)
     return v
 
 
-def get_url(obj: dict, name: str = "url") -> str | None:
-    """An http(s) URL with a host (and a valid port if it gives one): anything else fails here, not later in a
-    background sender or a stream that has already answered 200."""
+def get_url(obj: dict, name: str = "url", policy=None) -> str | None:
+    """A URL the server may call (clients/urlpolicy.py: http(s) with a host, no credentials, no query or fragment, no
+    refused address): anything else fails here, not later in a background sender or a stream already answered 200."""
+    from poc.clients.urlpolicy import UrlPolicy
+
     u = get_str(obj, name, default=None)
     if u is None:
         return None
-    try:
-        parts = urllib.parse.urlsplit(u)
-        ok = (u.startswith(("http://", "https://")) and bool(parts.hostname)
-              and not any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in u))
-        parts.port  # ValueError for a port that is not a number in 0..65535
-    except ValueError:
-        ok = False
-    if not ok:
-        raise InputError(f"{name} must be an http(s) URL with a host, got {_short(u)}", name)
-    return u
+    return (policy or UrlPolicy()).check(u, name)
+
+
+def url_policy_of(cfg: ServerConfig):
+    """The outbound-URL policy of a config: its allowlist, and its own listening address refused."""
+    from poc.clients.urlpolicy import UrlPolicy
+
+    return UrlPolicy(cfg.outbound_allow, [(cfg.host, cfg.port)])
 
 
 def get_nonces(obj: dict, name: str, max_len: int, *, prefix: str = "") -> list[int]:
@@ -239,7 +248,7 @@ def get_nonces(obj: dict, name: str, max_len: int, *, prefix: str = "") -> list[
         raise InputError(f"{f} has {len(v)} nonces, more than the limit of {max_len}", f, status=413)
     for n in v:
         if isinstance(n, bool) or not isinstance(n, int):
-            raise InputError(f"{f} must hold integers only, got {n!r}", f)
+            raise InputError(f"{f} must hold integers only, got {_short(n)}", f)
         if n < 0:
             raise InputError(f"{f} must hold non-negative integers, got {n}", f)
         if n > MAX_NONCE:
@@ -260,7 +269,7 @@ def _any_int64_nonces(obj: dict, max_len: int) -> list[int]:
         raise InputError(f"nonces has {len(v)} nonces, more than the limit of {max_len}", "nonces", status=413)
     for n in v:
         if isinstance(n, bool) or not isinstance(n, int):
-            raise InputError(f"nonces must hold integers only, got {n!r}", "nonces")
+            raise InputError(f"nonces must hold integers only, got {_short(n)}", "nonces")
         if not -MAX_NONCE - 1 <= n <= MAX_NONCE:
             raise InputError(f"nonces: {n} is outside the int64 range", "nonces")
     return v
@@ -337,7 +346,7 @@ def parse_v1_params(params) -> v1.V1Params:
 def get_dtype(obj: dict) -> str:
     d = get_str(obj, "dtype", default="float16")
     if d not in V1_DTYPES:
-        raise InputError(f"dtype must be one of {', '.join(V1_DTYPES)}, got {d!r}", "dtype")
+        raise InputError(f"dtype must be one of {', '.join(V1_DTYPES)}, got {_short(d)}", "dtype")
     return d
 
 
@@ -473,7 +482,7 @@ def parse_pow_v2_init(body: dict, cfg: ServerConfig, served: ServedModel | None)
     bh, height, pk = get_header(body)
     node_id, node_count, group_id, n_groups = get_node(body, bounded=False)
     return PowV2Init(bh, height, pk, node_id, node_count, group_id, n_groups,
-                     get_batch_size(body, cfg, default=v2.DEFAULT_BATCH_SIZE), seq_len, k_dim, get_url(body),
+                     get_batch_size(body, cfg, default=v2.DEFAULT_BATCH_SIZE), seq_len, k_dim, get_url(body, policy=url_policy_of(cfg)),
                      get_bool(body, "poc_stronger_rng", default=False))
 
 
@@ -510,7 +519,7 @@ def parse_pow_v2_generate(body: dict, cfg: ServerConfig, served: ServedModel | N
     nonces = get_nonces(body, "nonces", cfg.max_request_nonces)
     req = PowV2Generate(bh, height, pk, node_id, node_count, nonces, seq_len, k_dim,
                         get_batch_size(body, cfg, default=v2.DEFAULT_BATCH_SIZE), get_bool(body, "wait", default=False),
-                        get_url(body), get_bool(body, "poc_stronger_rng", default=False))
+                        get_url(body, policy=url_policy_of(cfg)), get_bool(body, "poc_stronger_rng", default=False))
     val = body.get("validation")
     if val is not None:
         req.received = _parse_validation(val, nonces)
@@ -541,9 +550,9 @@ def _parse_validation(val, nonces: list[int]) -> dict[int, str]:
             raise InputError(f"{f} items must be objects with nonce and vector_b64", f)
         n, b = a["nonce"], a.get("vector_b64", "")
         if isinstance(n, bool) or not isinstance(n, int):
-            raise InputError(f"{f}: nonce must be an integer, got {n!r}", f)
+            raise InputError(f"{f}: nonce must be an integer, got {_short(n)}", f)
         if b is not None and not isinstance(b, str):
-            raise InputError(f"{f}: vector_b64 must be a string, got {b!r}", f)
+            raise InputError(f"{f}: vector_b64 must be a string, got {_short(b)}", f)
         if n in received:
             raise InputError(f"{f} holds nonce {n} more than once", f)
         received[n] = b or ""
@@ -595,4 +604,4 @@ def parse_pow_v1_init(body: dict, cfg: ServerConfig, need_node: bool) -> PowV1In
                      get_number(body, "r_target", default=v1.DEFAULT_R_TARGET, lo=0, lo_open=True),
                      get_number(body, "fraud_threshold", default=v1.DEFAULT_FRAUD_THRESHOLD, lo=0, lo_open=True,
                                 hi=1.0),
-                     params, get_url(body))
+                     params, get_url(body, policy=url_policy_of(cfg)))

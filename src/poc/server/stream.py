@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("poc.server")
 
 _DONE = object()
+STALLED_BUFFER = 1 << 20  # bytes a stalled client may have queued before further lines are dropped
+stall_key = web.AppKey("stall_timeout", float)  # NdjsonWriter's default (security.setup sets it from the config)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -103,6 +105,14 @@ def add_spans(spans: list[list[int]], nonces: Iterable[int]) -> None:
         else:
             merged.append([lo, hi])
     spans[:] = merged
+
+
+def remove_span(spans: list[list[int]], p: int) -> None:
+    """Take position p out of sorted, disjoint [lo, hi] spans."""
+    for i, (lo, hi) in enumerate(spans):
+        if lo <= p <= hi:
+            spans[i:i + 1] = [s for s in ([lo, p - 1], [p + 1, hi]) if s[0] <= s[1]]
+            return
 
 
 class JobOrder:
@@ -216,7 +226,8 @@ class JobRunner:
     and finally ("done", JobSummary) on the loop. Leaving `events()` early stops the job."""
 
     def __init__(self, engine: "Engine", job, claim: Claim, *, label: str, metrics: "Metrics",
-                 registry: set["JobRunner"], progress_interval: float = 2.0, rate_log_interval: float = 5.0):
+                 registry: set["JobRunner"], progress_interval: float = 2.0, rate_log_interval: float = 5.0,
+                 max_waiting: int | None = None):
         order = JobOrder(job.nonces)  # the engine deals from it: computed batches get their place in the job
         self.engine, self.claim, self.metrics, self.registry = engine, claim, metrics, registry
         self.job = dataclasses.replace(job, nonces=order)
@@ -231,6 +242,10 @@ class JobRunner:
         self.lost: list[BatchResult] = []  # computed, but its consumer had gone (see undelivered())
         self._q: asyncio.Queue | None = None
         self._ends = 0  # the thread's end and the consumer's: the loss is reported after both
+        # backpressure: at most `max_waiting` computed batches wait for the consumer; then emit() blocks the engine
+        # thread (the device pauses) until the consumer takes one, the job stops or the consumer leaves
+        self._room = threading.Semaphore(max_waiting) if max_waiting else None
+        self._consumer_left = False
 
     def stop(self, reason: str = "stopped") -> None:
         if self.stop_reason is None:
@@ -284,8 +299,19 @@ class JobRunner:
         s.valid += self._valid(b)
 
     def undelivered(self, b: BatchResult) -> None:
-        """The consumer could not pass this batch on (its client had gone): counted, and logged at the end."""
+        """The consumer could not pass this batch on (its client had gone or stalled): taken out of the stream's
+        totals again (the done line and next_nonce count what was written), and logged at the end."""
         self.lost.append(b)
+        s = self.stats
+        s.batches -= 1
+        s.computed -= len(b.nonces)
+        s.valid -= self._valid(b)
+        if not isinstance(self.job, V1Job):
+            s.dropped -= len(b.dropped)
+        if s.order is not None:
+            for p in map(s.order.position, b.nonces):
+                if p is not None:
+                    remove_span(s.done_spans, p)
 
     def _ended(self) -> None:
         """Called when the thread ended and when the consumer left; the second call logs what never reached the
@@ -316,6 +342,10 @@ class JobRunner:
         self._q = q
 
         def emit(b: BatchResult) -> None:  # on the worker thread
+            if self._room is not None:
+                while not self._room.acquire(timeout=0.05):
+                    if self.stop_event.is_set() or self._consumer_left:
+                        break
             loop.call_soon_threadsafe(self._arrive, q, b)
 
         def thread_done(f: asyncio.Future) -> None:
@@ -350,6 +380,8 @@ class JobRunner:
                     yield "done", self.summary
                     return
                 if isinstance(item, BatchResult):
+                    if self._room is not None:
+                        self._room.release()
                     self._count(item)
                     yield "batch", item
                 now = time.monotonic()
@@ -360,6 +392,7 @@ class JobRunner:
                     next_progress = now + self.progress_interval
                     yield "progress", s.as_json()
         finally:
+            self._consumer_left = True  # emit() stops waiting for room
             self.stop_event.set()  # a consumer that left early (client gone, task cancelled) stops the job
             self._ended()
 
@@ -398,6 +431,11 @@ def dumps(obj) -> bytes:
         return json.dumps(_finite(obj)).encode() + b"\n"
 
 
+def json_text(obj) -> str:
+    """Strict JSON text (web.json_response's and the callback client's `dumps`): non-finite floats become null."""
+    return dumps(obj)[:-1].decode()
+
+
 def _finite(o):
     if isinstance(o, float):
         return o if math.isfinite(o) else None
@@ -411,8 +449,12 @@ def _finite(o):
 class NdjsonWriter:
     """A chunked application/x-ndjson response written line by line; notices a client that went away."""
 
-    def __init__(self, request: web.Request):
+    def __init__(self, request: web.Request, stall_timeout: float | None = None):
         self.request = request
+        # a client that takes no bytes for this long is stalled: the line in hand stays buffered for it, the job is
+        # stopped (reason "stalled") and only the final line is still queued behind it
+        self.stall_timeout = stall_timeout if stall_timeout is not None else request.app.get(stall_key, 60.0)
+        self.stalled = False
         self.resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache",
                                                 "X-Accel-Buffering": "no"})
         self.gone = False
@@ -430,8 +472,17 @@ class NdjsonWriter:
         """False when the client is gone (nothing more will reach it)."""
         if self.client_gone():
             return False
+        t = self.request.transport
+        if self.stalled and t is not None and t.get_write_buffer_size() > STALLED_BUFFER:
+            return False  # a stalled client is owed no more memory
         try:
-            await self.resp.write(dumps(obj))
+            # the bytes reach the transport before the wait for the client to drain them: a timeout leaves them queued
+            await asyncio.wait_for(self.resp.write(dumps(obj)), 1.0 if self.stalled else self.stall_timeout)
+            return True
+        except asyncio.TimeoutError:
+            if not self.stalled:
+                log.warning("stream client %s took nothing for %g s: stalled", self.request.remote, self.stall_timeout)
+            self.stalled = True
             return True
         except (ConnectionError, RuntimeError):  # reset by peer, or "Cannot write to closing transport"
             self.gone = True

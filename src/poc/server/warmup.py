@@ -28,10 +28,12 @@ from poc.errors import InputError
 from poc.server import schemas
 from poc.server.app import claim_device, config_key, gate_key, new_runner, sender_key
 from poc.server.logs import describe
+from poc.server.security import url_policy
 from poc.server.stream import NdjsonWriter
 from poc.server.vast import _pump, parse_generate
 
 log = logging.getLogger("poc.warmup")
+UNREACHABLE = "callback unreachable"  # what the stream says of any failure: the detail is only logged
 
 COMPLETED = ("max_nonces", "max_duration", "exhausted")  # the normal ends, after which /warmup/complete is sent
 
@@ -54,12 +56,12 @@ async def warmup(request: web.Request) -> web.StreamResponse:
     if not body.get("callback_url"):
         raise InputError("callback_url is required", "callback_url")
     schemas.check_keys(body, {"callback_url"}, {"job_id"})
-    cb = schemas.get_url(body, "callback_url").rstrip("/")
+    cb = schemas.get_url(body, "callback_url", url_policy(app)).rstrip("/")
     job_id = body.get("job_id")
     if job_id is None:
         job_id = "unknown"
     elif isinstance(job_id, bool) or not isinstance(job_id, (str, int)):  # as the reference: echoed as given
-        raise InputError(f"job_id must be a string or an integer, got {job_id!r}", "job_id")
+        raise InputError(f"job_id must be a string or an integer, got {schemas._short(job_id)}", "job_id")
     stop = asyncio.Event()
     app[warmups_key].add(stop)
     w = NdjsonWriter(request)
@@ -80,7 +82,7 @@ async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: s
     cfg = app[config_key]
     t0 = time.monotonic()
     polls = 0
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=cfg.callback_timeout)) as http:
+    async with url_policy(app).session(cfg.callback_timeout) as http:
         while True:
             elapsed = time.monotonic() - t0
             if elapsed >= cfg.warmup_max_duration:
@@ -94,8 +96,11 @@ async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: s
                 try:
                     async with http.get(f"{cb}/warmup/params", params={"job_id": job_id}) as r:
                         raw = await r.read()
-                        if r.status >= 400:
-                            line["http_status"] = r.status
+                        if r.status >= 300:  # the status is logged, not streamed: no probing through us
+                            line = {"status": "warmup_callback_unreachable", "poll_count": polls, "elapsed": 0.0,
+                                    "error": UNREACHABLE}
+                            if polls == 1 or polls % 10 == 0:
+                                log.info("warmup %s: callback %s answered HTTP %d", job_id, cb, r.status)
                         else:
                             try:
                                 data = await r.json(content_type=None) if raw.strip() else None
@@ -115,7 +120,7 @@ async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: s
                                 line["detail"] = "status ready without a params object"
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                     line = {"status": "warmup_callback_unreachable", "poll_count": polls, "elapsed": 0.0,
-                            "error": describe(e)}
+                            "error": UNREACHABLE}
                     if polls == 1 or polls % 10 == 0:
                         log.info("warmup %s: callback %s unreachable %s", job_id, cb, describe(e))
             line["elapsed"] = round(time.monotonic() - t0, 3)
@@ -167,7 +172,8 @@ async def _generate(app: web.Application, w: NdjsonWriter, cb: str, job_id: str 
     if await sender.wait_acked(cb, rid, cfg.callback_timeout):
         await w.write({"status": "warmup_complete_sent", "job_id": job_id})
     else:  # still in the spool: re-sent with backoff until the controller acknowledges it
-        await w.write({"status": "warmup_complete_pending", "job_id": job_id, "error": sender.last_error(cb, rid)})
+        log.info("warmup %s: completion pending (%s)", job_id, sender.last_error(cb, rid))
+        await w.write({"status": "warmup_complete_pending", "job_id": job_id, "error": UNREACHABLE})
 
 
 warmups_key = web.AppKey("warmups", set)

@@ -1,0 +1,271 @@
+"""Slow, stalled and unwelcome clients (server/security.py, the stream's backpressure): body and header deadlines
+answered 408 or closed within the configured bounds while /health stays ready, descriptors back to baseline, a cap on
+requests in flight, a /generate reader that stops reading, authentication (bearer token and the node's secp256k1
+signature), cross-site browsers. Every socket is on the loopback; bounds are configured short and asserted loosely."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import time
+
+import pytest
+
+from poc.server.app import create_app
+from poc.server.security import bind_warning
+
+from .test_server import metric, server_config, v1_request, wait_status
+
+IDLE, TOTAL, HEADER = 0.5, 1.5, 1.0
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def raw(client, head: bytes, buffers: int | None = None):
+    """A raw loopback connection to the test server that has sent `head`; `buffers`: the kernel's socket buffers of
+    both ends, made that small (a few KiB stand for the megabytes a real stalled connection absorbs first)."""
+    import socket
+
+    s = socket.socket()
+    if buffers:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffers)
+    s.setblocking(False)
+    before = set(client.server.runner.server.connections) if buffers else set()
+    await asyncio.get_running_loop().sock_connect(s, ("127.0.0.1", client.server.port))
+    r, w = await asyncio.open_connection(sock=s)
+    if buffers:
+        while not set(client.server.runner.server.connections) - before:
+            await asyncio.sleep(0.01)
+        for h in set(client.server.runner.server.connections) - before:
+            h.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffers)
+    w.write(head)
+    await w.drain()
+    return r, w
+
+
+async def read_all(r: asyncio.StreamReader, timeout: float) -> bytes:
+    return await asyncio.wait_for(r.read(), timeout)
+
+
+@pytest.fixture
+async def client(aiohttp_client):
+    cfg = server_config(body_idle_timeout=IDLE, body_timeout=TOTAL, header_timeout=HEADER, max_connections=3)
+    c = await aiohttp_client(create_app(cfg))
+    await wait_status(c)
+    return c
+
+
+POST = b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+
+
+async def test_stalled_bodies_get_408_within_the_bound_and_health_stays_ready(client):
+    base = fds()
+    t0 = time.monotonic()
+    short = await raw(client, POST + b"Content-Length: 100\r\n\r\n{\"block_hash\"")  # 87 bytes never come
+    silent = await raw(client, POST + b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n")  # then nothing
+    drip = await raw(client, POST + b"Transfer-Encoding: chunked\r\n\r\n")  # a byte every 0.2 s, never ending
+
+    async def dripping():
+        w = drip[1]
+        try:
+            while True:
+                w.write(b"1\r\n \r\n")
+                await w.drain()
+                await asyncio.sleep(0.2)
+        except (ConnectionError, RuntimeError):
+            return
+
+    feeder = asyncio.create_task(dripping())
+    h = await client.get("/health")  # answered meanwhile
+    assert h.status == 200 and (await h.json())["state"] == "ready"
+    answers = [await read_all(r, 10) for r, _ in (short, silent, drip)]
+    elapsed = time.monotonic() - t0
+    feeder.cancel()
+    await asyncio.gather(feeder, return_exceptions=True)
+    for a in answers:
+        assert a.startswith(b"HTTP/1.1 408"), a[:200]
+    assert b"stalled" in answers[0] and b"stalled" in answers[1] and b"within 1.5 s" in answers[2]
+    assert elapsed < TOTAL + 2 * IDLE + 3  # the deadlines, plus generous slack for a loaded machine
+    for _, w in (short, silent, drip):
+        w.close()
+    await asyncio.sleep(0.2)
+    assert fds() <= base  # every connection is closed on both sides
+    assert metric(await (await client.get("/metrics")).text(), 'poc_errors_total{kind="body_timeout"}') == 3
+
+
+async def test_slow_headers_are_cut_after_the_header_timeout(client):
+    base = fds()
+    t0 = time.monotonic()
+    r, w = await raw(client, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow:")
+    assert await read_all(r, 10) == b""  # closed without an answer
+    assert time.monotonic() - t0 < HEADER + 3
+    w.close()
+    await asyncio.sleep(0.2)
+    assert fds() <= base
+
+
+async def test_requests_in_flight_past_the_cap_get_503_and_health_still_answers(client):
+    held = [await raw(client, POST + b"Content-Length: 10\r\n\r\n{") for _ in range(3)]  # three in flight
+    await asyncio.sleep(0.1)
+    r = await client.post("/generate", json=v1_request())
+    assert r.status == 503 and "too many connections" in (await r.json())["error"]
+    assert r.headers.get("Connection", "").lower() == "close"
+    assert (await client.get("/health")).status == 200
+    for _, w in held:
+        w.close()
+    await asyncio.sleep(0.3)
+    r = await client.post("/generate", json=v1_request(max_nonces=4, batch_size=4))
+    assert r.status == 200
+    await r.read()
+
+
+# --------------------------------------------------------------------------------------------------
+# a /generate reader that stops reading
+
+
+def dechunk(data: bytes) -> bytes:
+    head, _, body = data.partition(b"\r\n\r\n")
+    out = bytearray()
+    while body:
+        size, _, rest = body.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            break
+        out += rest[:n]
+        body = rest[n + 2:]
+    return bytes(out)
+
+
+async def test_a_stalled_reader_pauses_the_device_and_the_job_ends_stalled(aiohttp_client):
+    waiting, batch = 2, 64
+    cfg = server_config(stream_max_waiting=waiting, stall_timeout=1.0, progress_interval=1000.0)
+    client = await aiohttp_client(create_app(cfg))
+    await wait_status(client)
+    body = json.dumps(v1_request(batch_size=batch, max_nonces=5_000_000, max_duration=600, r_target=10.0)).encode()
+    head = POST + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+    r, w = await raw(client, head, buffers=4096)  # and then read nothing
+    t0 = time.monotonic()
+    while True:  # the job ends by itself: reason stalled
+        m = await (await client.get("/metrics")).text()
+        if metric(m, 'poc_jobs_total{protocol="v1",reason="stalled"}') == 1:
+            break
+        assert time.monotonic() - t0 < 120, "the job never ended stalled"
+        await asyncio.sleep(0.2)
+    computed = metric(m, 'poc_nonces_computed_total{protocol="v1"}')
+    await asyncio.sleep(1.0)
+    m = await (await client.get("/metrics")).text()
+    assert metric(m, 'poc_nonces_computed_total{protocol="v1"}') == computed  # the device stopped
+    assert (await (await client.get("/health")).json())["state"] == "ready"
+    data = dechunk(await read_all(r, 30))  # now read what was written, to the end
+    w.close()
+    lines = [json.loads(x) for x in data.splitlines()]
+    done = lines[-1]
+    assert done["status"] == "done" and done["reason"] == "stalled"
+    got = [n for d in lines if "nonces" in d for n in d["nonces"]]
+    assert got == list(range(done["next_nonce"]))  # every nonce before next_nonce was written, none after it
+    assert done["computed"] == len(got)
+    # what the device computed beyond what was written is bounded by the waiting batches (+ one per stage in flight)
+    assert 0 <= computed - len(got) <= (waiting + 3) * batch, (computed, len(got))
+    # resuming from next_nonce starts at the first nonce not written
+    r2 = await client.post("/generate", json=v1_request(start_nonce=done["next_nonce"], max_nonces=batch,
+                                                         batch_size=batch, r_target=10.0))
+    first = json.loads((await r2.read()).splitlines()[0])
+    assert first["nonces"][0] == done["next_nonce"]
+
+
+# --------------------------------------------------------------------------------------------------
+# who may call
+
+
+def node_key():
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256K1())
+    pub = key.public_key().public_bytes(serialization.Encoding.X962, serialization.PublicFormat.CompressedPoint)
+    return key, base64.b64encode(pub).decode()
+
+
+def node_sign(key, body: bytes) -> str:
+    """As the node signs (a Cosmos secp256k1 key: ECDSA over SHA-256 of the message, 64 bytes r||s, low S)."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+
+    r, s = decode_dss_signature(key.sign(body, ec.ECDSA(hashes.SHA256())))
+    n = 0xFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFEBAAEDCE6AF48A03BBFD25E8CD0364141
+    s = min(s, n - s)
+    return base64.b64encode(r.to_bytes(32, "big") + s.to_bytes(32, "big")).decode()
+
+
+async def test_signer_pubkey_admits_the_node_signature_only(aiohttp_client):
+    key, pub = node_key()
+    other, _ = node_key()
+    c = await aiohttp_client(create_app(server_config(signer_pubkey=pub)))
+    await wait_status(c)  # /health is open
+    assert (await c.get("/metrics")).status == 200
+    body = json.dumps(v1_request(max_nonces=4, batch_size=4)).encode()
+    hdr = {"Content-Type": "application/json"}
+    for sig in (None, node_sign(other, body), node_sign(key, body + b" "), "not base64!"):
+        r = await c.post("/generate", data=body, headers={**hdr, **({"X-Signature": sig} if sig else {})})
+        assert r.status == 401, sig
+    assert (await c.get("/api/v1/pow/status")).status == 401
+    r = await c.post("/generate", data=body, headers={**hdr, "X-Signature": node_sign(key, body)})
+    assert r.status == 200
+    assert json.loads((await r.read()).splitlines()[-1])["status"] == "done"
+    r = await c.get("/api/v1/pow/status", headers={"X-Signature": node_sign(key, b"")})  # an empty body signed
+    assert r.status == 200
+
+
+async def test_api_token_admits_the_bearer_only(aiohttp_client):
+    c = await aiohttp_client(create_app(server_config(api_token="s3cret-token")))
+    await wait_status(c)
+    for h in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret-token"}):
+        assert (await c.post("/generate", json=v1_request(), headers=h)).status == 401
+    r = await c.post("/generate", json=v1_request(max_nonces=4, batch_size=4),
+                     headers={"Authorization": "Bearer s3cret-token"})
+    assert r.status == 200
+    await r.read()
+
+
+async def test_cross_site_browser_requests_are_403(aiohttp_client):
+    c = await aiohttp_client(create_app(server_config(allowed_origins=("https://ops.example",))))
+    await wait_status(c)
+    r = await c.post("/api/v1/pow/stop", data="{}", headers={"Origin": "https://evil.example",
+                                                             "Content-Type": "text/plain"})
+    assert r.status == 403 and (await r.json())["field"] == "Origin"
+    r = await c.post("/api/v1/pow/stop", headers={"Sec-Fetch-Site": "cross-site"})
+    assert r.status == 403
+    r = await c.get("/health", headers={"Host": "rebound.evil.example"})  # DNS rebinding onto a loopback bind
+    assert r.status == 403
+    assert (await c.post("/api/v1/pow/stop", headers={"Origin": "https://ops.example"})).status == 200
+    assert (await c.post("/api/v1/pow/stop")).status == 200  # no Origin: not a browser
+
+
+def test_a_public_bind_without_auth_is_warned_about_at_start_and_a_bad_key_refused(caplog):
+    from poc.errors import InputError
+
+    create_app(server_config(host="0.0.0.0"))
+    assert [r for r in caplog.records if r.levelname == "WARNING" and "without authentication" in r.getMessage()]
+    with pytest.raises(InputError, match="SIGNER_PUBKEY"):
+        create_app(server_config(signer_pubkey="bm90IGEga2V5"))
+    assert bind_warning(server_config(host="0.0.0.0")) and "POC_API_TOKEN" in bind_warning(server_config(host="::"))
+    assert bind_warning(server_config(host="127.0.0.1")) is None
+    assert bind_warning(server_config(host="0.0.0.0", api_token="t")) is None
+    assert bind_warning(server_config(host="0.0.0.0", signer_pubkey=node_key()[1])) is None
+
+
+def test_the_signature_check_is_over_sha256_of_the_body():
+    from poc.server.security import SignatureKey
+
+    key, pub = node_key()
+    body = b'{"model": "test", "action": "init"}'
+    k = SignatureKey(pub)
+    assert k.verify(body, node_sign(key, body)) and not k.verify(body[:-1], node_sign(key, body))
+    # the MLNode's reference verifier's reading (SHA-256 hashed once more) passes too
+    assert k.verify(body, node_sign(key, hashlib.sha256(body).digest()))
