@@ -67,7 +67,10 @@ def create_app(config: ServerConfig) -> web.Application:
                                      backoff_base=config.callback_backoff, metrics=metrics,
                                      backoff_max=config.callback_backoff_max, spool_dir=config.spool_dir,
                                      segment_records=config.spool_segment_records,
-                                     refusal_limit=config.callback_refusal_limit)
+                                     refusal_limit=config.callback_refusal_limit,
+                                     max_pending_total=config.callback_max_pending_total,
+                                     max_post_bytes=config.callback_max_post_bytes,
+                                     lifetime=config.callback_lifetime)
     app[listening_key] = asyncio.Event()
     app[tasks_key] = {}
     vast.setup(app)
