@@ -285,7 +285,7 @@ class CallbackSender:
                 item.payload = payload
         finally:
             self._reserved.discard(item.key)
-        item.size = item.entry.length if item.entry is not None else _json_size(payload)
+        item.size = item.entry.length if item.entry is not None else _json_size(payload) + len(idempotency_id) + 4
         self._items[item.key] = item
         if merge is not None and merge not in self._released:
             self._held.setdefault(merge, []).append(item)
