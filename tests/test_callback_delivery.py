@@ -278,3 +278,24 @@ async def test_a_generation_whose_merge_passes_the_old_header_limit_reaches_a_de
     assert sum(len(b["record_ids"]) for b in node.bodies) == total >= 300  # one record per batch of one
     assert all(len(k) < 100 for k in node.keys)
     await client.close()
+
+
+def test_the_dead_letter_cli_lists_the_records(tmp_path, capsys):
+    from poc.clients.spool import main
+
+    sp = Spool(tmp_path)
+    sp.open()
+    sp.dead_letter([("generated", "http://n/cb", "a1", payload(0), "expired after 1801 s and 40 attempt(s); last: "
+                     "HTTP 503")], 503, "HTTP 503")
+    sp.dead_letter([("validated", "http://n/cb", "b2", {"x": 1})], 404, "HTTP 404")
+    sp.close()
+    assert main(["dead-letter", "--spool-dir", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(x) for x in out.splitlines()]
+    assert [(r["id"], r["kind"], r["status"]) for r in rows] == [("a1", "generated", 503), ("b2", "validated", 404)]
+    assert rows[0]["reason"].startswith("expired after") and rows[1]["reason"] == "HTTP 404"
+    assert "payload" not in rows[0] and rows[0]["payload_bytes"] == len(json.dumps(payload(0), separators=(",", ":")))
+    assert "2 dead-letter record(s)" in err
+    assert main(["dead-letter", "--spool-dir", str(tmp_path), "--payload"]) == 0
+    assert json.loads(capsys.readouterr()[0].splitlines()[1])["payload"] == {"x": 1}
+    assert main(["dead-letter", "--spool-dir", str(tmp_path / "nope")]) == 2

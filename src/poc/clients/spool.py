@@ -28,6 +28,11 @@ reading, and every later append tries again. Pending records stay readable from 
 after their file was deleted.
 
 Not thread-safe by design: the CallbackSender calls it from one I/O thread only.
+
+    python -m poc.clients.spool dead-letter [--spool-dir DIR] [--payload]
+
+lists dead-letter.jsonl: one JSON line per record (id, kind, url, status, reason, dead_at, and the payload's size,
+or the payload itself with --payload), then a count on stderr. The server need not be running.
 """
 
 from __future__ import annotations
@@ -360,3 +365,34 @@ def read_dead_letter(directory: str | os.PathLike) -> list[dict]:
         except ValueError:
             out.append({"unreadable": line})
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m poc.clients.spool",
+                                 description="List the callbacks a consumer refused for good or that outlived "
+                                             "their lifetime (the spool's dead-letter.jsonl).")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("dead-letter")
+    p.add_argument("--spool-dir", default=os.environ.get("POC_SPOOL_DIR") or "spool",
+                   help="the server's --spool-dir (env POC_SPOOL_DIR; default ./spool)")
+    p.add_argument("--payload", action="store_true", help="print each record's payload too")
+    a = ap.parse_args(argv)
+    if not Path(a.spool_dir).is_dir():
+        print(f"poc: bad input: --spool-dir {a.spool_dir} is not a directory", file=sys.stderr)
+        return 2
+    records = read_dead_letter(a.spool_dir)
+    for r in records:
+        if not a.payload and "payload" in r:
+            size = len(json.dumps(r["payload"], separators=(",", ":")))
+            r = {k: v for k, v in r.items() if k != "payload"}
+            r["payload_bytes"] = size
+        print(json.dumps(r, separators=(",", ":")))
+    print(f"{len(records)} dead-letter record(s) in {Path(a.spool_dir) / DEAD_LETTER}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
