@@ -53,7 +53,7 @@ def _make_engine(config: ServerConfig):
 
 def create_app(config: ServerConfig) -> web.Application:
     """The only way to get an app. Raises InputError for an unusable config (e.g. --device cuda without CUDA)."""
-    from poc.server import pooled, pow, vast, warmup
+    from poc.server import mlnode, pooled, pow, vast, warmup
 
     engine = _make_engine(config)
     metrics = Metrics()
@@ -75,6 +75,7 @@ def create_app(config: ServerConfig) -> web.Application:
     app[tasks_key] = {}
     vast.setup(app)
     pow.setup(app)
+    mlnode.setup(app)  # the MLNode's routes, on top of /api/v1/pow
     pooled.setup(app)
     warmup.setup(app)
     app.cleanup_ctx.append(engine_ctx)

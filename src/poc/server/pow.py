@@ -42,6 +42,7 @@ from poc.server.vast import collect, validate_v1
 log = logging.getLogger("poc.pow")
 
 PREFIX = "/api/v1/pow"
+BODY_KEY = web.RequestKey("pow_body", dict)  # a body another route already read and translated (server/mlnode.py)
 
 
 def setup(app: web.Application) -> None:
@@ -296,6 +297,8 @@ class PowService:
     # ----------------------------------------------------------------------------------- helpers
 
     async def _body(self, request: web.Request) -> dict:
+        if BODY_KEY in request:
+            return request[BODY_KEY]
         return await schemas.read_json(request, self.cfg.max_body_bytes)
 
     def _refuse_if_generating(self) -> None:
