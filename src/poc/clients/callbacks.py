@@ -3,28 +3,33 @@
 
 `submit(kind, url, payload, idempotency_id)` takes a payload and returns at once; `await put(...)` returns once
 the record is durable. With `merge=KEY` a record is spooled at once but held: `release(KEY)` lets everything held
-under KEY go out, merged into one POST {url}/{kind} per url (up to `merge_max` records: list fields such as
-artifacts, nonces, dist and dropped_nonces concatenated in order, the rest taken from the first record; the
-Idempotency-Key lists the ids it carries). /api/v1/pow generation spools each batch as it is computed this way and
-releases every callback_interval, so a kill -9 loses no computed batch and the MLNode still gets merged posts;
-held records found in the spool at start are replayed, merged, at once. A failed group is retried as a unit.
-With a spool directory (`spool_dir`, see spool.py) every record is appended and fsynced
+under KEY go out, merged into POSTs to {url}/{kind} (list fields such as artifacts, nonces, dist and dropped_nonces
+concatenated in order, the rest taken from the first record, and `record_ids`: the ids of the records it carries).
+A POST carries one short Idempotency-Key whatever it holds (a record's id, or "merged-" and a hash of the ids), so
+no header grows with the merge, and a merged body stays under `max_post_bytes` (what does not fit goes in the next
+POST; a 413 halves the POSTs to that url from then on). /api/v1/pow generation spools each batch as it is
+computed this way and releases every callback_interval, so a kill -9 loses no computed batch and the MLNode still
+gets merged posts; held records found in the spool at start are replayed, merged, at once. A failed group is
+retried as a unit. With a spool directory (`spool_dir`, see spool.py) every record is appended and fsynced
 before the first send, re-sent until acknowledged, and replayed by `start()` after a restart; without one (unit
-tests, `ServerConfig.spool_dir=None`) records live in memory only. A few sender tasks POST {url}/{kind} with an
-`Idempotency-Key` header (a record is its (url, id) pair: the same id to two destinations is two records, never
-merged or deduplicated into one; the orchestrator's results also carry `idempotency_id` in the body, so it can drop
-repeats); a failure is retried on a timer with capped, jittered exponential backoff, never by sleeping in a
-loop that holds others up. Connection errors, timeouts, 5xx and 408/409/425/429 are retried until acknowledged.
-A permanent refusal (any other 4xx: 400, 401, 403, 404, 410, 422, ...) is retried too, in case a restarting
-consumer or proxy answered it, but after `refusal_limit` (5) of them in a row the record is moved to
-dead-letter.jsonl in the spool directory (one JSON line: id, kind, url, status, reason, dead_at, payload; fsynced,
-never replayed, kept for an operator), with one ERROR line naming kind, id, url and status, and counted as
-poc_callbacks_total{outcome="dead_letter"} and poc_errors_total{kind="callback_dead_letter"}; without a spool
-directory only the line and the counts remain. Several pending orchestrator results for one worker go out as
+tests, `ServerConfig.spool_dir=None`) records live in memory only. A few sender tasks POST {url}/{kind} (a record
+is its (url, id) pair: the same id to two destinations is two records, never merged or deduplicated into one; the
+orchestrator's results also carry `idempotency_id` in the body, so it can drop repeats); a failure is retried on a
+timer with capped, jittered exponential backoff, never by sleeping in a loop that holds others up. Connection
+errors, timeouts, 5xx and 408/413/429 are retried. Any other 4xx (400, 401, 403, 404, 409, 410, 422, ...) is a
+refusal: after `refusal_limit` (1: not retried) of them in a row the record is moved to dead-letter.jsonl in the
+spool directory (one JSON line: id, kind, url, status, reason, dead_at, payload; fsynced, never replayed, kept for
+an operator, listed by `python -m poc.clients.spool dead-letter`). So is a record past its `lifetime` (seconds from
+when it was made, a wall-clock time kept in the spool, so a restart does not renew it) once a send of it failed.
+Each move logs one ERROR line naming kind, id, url and status and counts poc_callbacks_total{outcome="dead_letter"},
+poc_errors_total{kind="callback_dead_letter"} and poc_callbacks_dead_letter_records (the file's records); without a
+spool directory only the line and the counts remain. Several pending orchestrator results for one worker go out as
 one POST {url}/results/batch (one at a time to an orchestrator whose batch route answers 404, 405 or 501).
 Memory holds, per pending record, its id, kind, url and disk position (spool) or its payload (memory mode), and
-`max_pending` bounds the count: a payload refused at that bound is counted and logged, not lost silently.
-What is pending at exit stays in the spool for the next start.
+`max_pending` bounds the count per destination url (`max_pending_total` in all), so a dead consumer cannot starve
+another: a payload refused at that bound is counted and logged, not lost silently, and a producer that must not
+lose anything asks `room(url)` first and waits (`wait_room`). What is pending at exit stays in the spool for the
+next start.
 
 When the spool's disk fails (ENOSPC, EIO, a deleted or read-only directory) a record is kept in memory instead
 (still bounded by `max_pending`, so a producer is refused and stops once that fills) and sent from there: one
