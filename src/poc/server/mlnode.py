@@ -66,18 +66,6 @@ def setup(app: web.Application) -> None:
 # management
 
 
-def _pow_state(app: web.Application) -> str:
-    """/api/v1/pow/status's word: LOADING, GENERATING, VALIDATING or IDLE."""
-    svc = app[pow_key]
-    if app[engine_key].state == "loading":
-        return "LOADING"
-    if svc.gen is not None and svc.gen.active:
-        return "GENERATING"
-    if svc.v1_phase == "VALIDATING":
-        return "VALIDATING"
-    return "IDLE"
-
-
 def node_state(app: web.Application) -> str:
     svc = app[pow_key]
     engine = app[engine_key]
@@ -91,7 +79,7 @@ def node_state(app: web.Application) -> str:
 async def state(request: web.Request) -> web.Response:
     app = request.app
     engine = app[engine_key]
-    pow_state = _pow_state(app)
+    pow_state = _json(await app[pow_key].status(request))["status"]  # LOADING, GENERATING, VALIDATING or IDLE
     body = {"state": node_state(app), "version": poc.__version__,
             "poc_status": "NO_BACKENDS" if engine.state in ("loading", "broken") else _aggregate(pow_state),
             "loaded_model": engine.v2.name if engine.v2 is not None else None,
@@ -102,8 +90,7 @@ async def state(request: web.Request) -> web.Response:
 async def stop_all(request: web.Request) -> web.Response:
     """The node's Stop(): no body, and it does not read the answer, so this must really stop (and say 200)."""
     app = request.app
-    await app[pow_key]._stop_all("stopped")
-    app[pow_key].v1_init = None
+    await app[pow_key].stop(request)  # generation, the queue and the v1 init
     others = list(app[runners_key])
     for r in others:  # /generate streams, /pooled and /warmup jobs: the MLNode's stop ends all its work too
         r.stop("stopped")
