@@ -3,28 +3,33 @@
 
 `submit(kind, url, payload, idempotency_id)` takes a payload and returns at once; `await put(...)` returns once
 the record is durable. With `merge=KEY` a record is spooled at once but held: `release(KEY)` lets everything held
-under KEY go out, merged into one POST {url}/{kind} per url (up to `merge_max` records: list fields such as
-artifacts, nonces, dist and dropped_nonces concatenated in order, the rest taken from the first record; the
-Idempotency-Key lists the ids it carries). /api/v1/pow generation spools each batch as it is computed this way and
-releases every callback_interval, so a kill -9 loses no computed batch and the MLNode still gets merged posts;
-held records found in the spool at start are replayed, merged, at once. A failed group is retried as a unit.
-With a spool directory (`spool_dir`, see spool.py) every record is appended and fsynced
+under KEY go out, merged into POSTs to {url}/{kind} (list fields such as artifacts, nonces, dist and dropped_nonces
+concatenated in order, the rest taken from the first record, and `record_ids`: the ids of the records it carries).
+A POST carries one short Idempotency-Key whatever it holds (a record's id, or "merged-" and a hash of the ids), so
+no header grows with the merge, and a merged body stays under `max_post_bytes` (what does not fit goes in the next
+POST; a 413 halves the POSTs to that url from then on). /api/v1/pow generation spools each batch as it is
+computed this way and releases every callback_interval, so a kill -9 loses no computed batch and the MLNode still
+gets merged posts; held records found in the spool at start are replayed, merged, at once. A failed group is
+retried as a unit. With a spool directory (`spool_dir`, see spool.py) every record is appended and fsynced
 before the first send, re-sent until acknowledged, and replayed by `start()` after a restart; without one (unit
-tests, `ServerConfig.spool_dir=None`) records live in memory only. A few sender tasks POST {url}/{kind} with an
-`Idempotency-Key` header (a record is its (url, id) pair: the same id to two destinations is two records, never
-merged or deduplicated into one; the orchestrator's results also carry `idempotency_id` in the body, so it can drop
-repeats); a failure is retried on a timer with capped, jittered exponential backoff, never by sleeping in a
-loop that holds others up. Connection errors, timeouts, 5xx and 408/409/425/429 are retried until acknowledged.
-A permanent refusal (any other 4xx: 400, 401, 403, 404, 410, 422, ...) is retried too, in case a restarting
-consumer or proxy answered it, but after `refusal_limit` (5) of them in a row the record is moved to
-dead-letter.jsonl in the spool directory (one JSON line: id, kind, url, status, reason, dead_at, payload; fsynced,
-never replayed, kept for an operator), with one ERROR line naming kind, id, url and status, and counted as
-poc_callbacks_total{outcome="dead_letter"} and poc_errors_total{kind="callback_dead_letter"}; without a spool
-directory only the line and the counts remain. Several pending orchestrator results for one worker go out as
+tests, `ServerConfig.spool_dir=None`) records live in memory only. A few sender tasks POST {url}/{kind} (a record
+is its (url, id) pair: the same id to two destinations is two records, never merged or deduplicated into one; the
+orchestrator's results also carry `idempotency_id` in the body, so it can drop repeats); a failure is retried on a
+timer with capped, jittered exponential backoff, never by sleeping in a loop that holds others up. Connection
+errors, timeouts, 5xx and 408/413/429 are retried. Any other 4xx (400, 401, 403, 404, 409, 410, 422, ...) is a
+refusal: after `refusal_limit` (1: not retried) of them in a row the record is moved to dead-letter.jsonl in the
+spool directory (one JSON line: id, kind, url, status, reason, dead_at, payload; fsynced, never replayed, kept for
+an operator, listed by `python -m poc.clients.spool dead-letter`). So is a record past its `lifetime` (seconds from
+when it was made, a wall-clock time kept in the spool, so a restart does not renew it) once a send of it failed.
+Each move logs one ERROR line naming kind, id, url and status and counts poc_callbacks_total{outcome="dead_letter"},
+poc_errors_total{kind="callback_dead_letter"} and poc_callbacks_dead_letter_records (the file's records); without a
+spool directory only the line and the counts remain. Several pending orchestrator results for one worker go out as
 one POST {url}/results/batch (one at a time to an orchestrator whose batch route answers 404, 405 or 501).
 Memory holds, per pending record, its id, kind, url and disk position (spool) or its payload (memory mode), and
-`max_pending` bounds the count: a payload refused at that bound is counted and logged, not lost silently.
-What is pending at exit stays in the spool for the next start.
+`max_pending` bounds the count per destination url (`max_pending_total` in all), so a dead consumer cannot starve
+another: a payload refused at that bound is counted and logged, not lost silently, and a producer that must not
+lose anything asks `room(url)` first and waits (`wait_room`). What is pending at exit stays in the spool for the
+next start.
 
 When the spool's disk fails (ENOSPC, EIO, a deleted or read-only directory) a record is kept in memory instead
 (still bounded by `max_pending`, so a producer is refused and stops once that fills) and sent from there: one
@@ -38,6 +43,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import random
 import time
@@ -56,7 +63,8 @@ log = logging.getLogger("poc.callbacks")
 KINDS = {"generated": None, "validated": None, "warmup/complete": None, "results": "ok"}
 BATCH_KIND = "results"  # several pending of this kind to one url go out as {url}/results/batch
 WARN_EVERY = 5.0  # seconds between failure lines per url
-RETRYABLE_4XX = {408, 409, 425, 429}  # timeout, conflict, too early, too many requests: worth another try
+RETRYABLE_4XX = {408, 413, 429}  # timeout, too large (split and sent again), too many requests: worth another try
+TOO_LARGE = 413
 NO_ROUTE = {404, 405, 501}  # what a POST {url}/results/batch gets from an orchestrator that lacks that route
 
 
@@ -77,6 +85,8 @@ class _Item:
     merge: str | None = None  # sent merged with the other records of this key once released
     created: float = field(default_factory=time.monotonic)
     last_error: str = ""
+    born: float = field(default_factory=time.time)  # wall clock, kept in the spool: the lifetime survives restarts
+    size: int = 0  # bytes of the payload's JSON (about): bounds a merged POST
 
     @property
     def key(self) -> tuple[str, str]:
@@ -86,8 +96,14 @@ class _Item:
 class CallbackSender:
     def __init__(self, *, timeout: float = 10.0, max_pending: int = 10_000, backoff_base: float = 1.0,
                  backoff_max: float = 30.0, concurrency: int = 4, metrics=None, spool_dir: str | None = None,
-                 segment_records: int = 1000, batch_max: int = 50, refusal_limit: int = 5, merge_max: int = 10_000):
-        self.timeout, self.max_pending = timeout, max_pending
+                 segment_records: int = 1000, batch_max: int = 50, refusal_limit: int = 1, merge_max: int = 10_000,
+                 max_pending_total: int | None = None, max_post_bytes: int = 1_000_000,
+                 lifetime: float | None = 1800.0):
+        self.timeout = timeout
+        self.max_pending = max_pending  # per destination url: one dead consumer cannot starve another
+        self.max_pending_total = max_pending_total or 10 * max_pending  # all destinations together (memory bound)
+        self.max_post_bytes = max(1, max_post_bytes)  # a merged POST's body (about), under aiohttp's 1 MiB default
+        self.lifetime = lifetime  # seconds from a record's creation; then, once a send failed, the dead-letter file
         self.backoff_base, self.backoff_max = backoff_base, backoff_max
         self.concurrency, self.metrics, self.batch_max = concurrency, metrics, batch_max
         self.merge_max = merge_max  # records in one merged POST: an interval's batches, however small they are
@@ -95,6 +111,10 @@ class CallbackSender:
         self.dead_lettered = 0
         self.spool = Spool(spool_dir, segment_records) if spool_dir else None
         self.pending = 0  # reserved + stored, not yet acknowledged
+        self._per_url: dict[str, int] = {}  # the same, by destination
+        self._room: asyncio.Event | None = None  # set whenever a record leaves (acknowledged or dead-lettered)
+        self._post_cap: dict[str, int] = {}  # url -> bytes per merged POST after it answered 413
+        self.dead_letter_records = 0  # lines in the dead-letter file (counted at start, then as they are added)
         self.delivered = 0
         self.replayed = 0
         # a record is (url, idempotency id): the same id to two destinations is two records
@@ -123,7 +143,7 @@ class CallbackSender:
 
     async def start(self) -> None:
         """Open the spool and queue what an earlier process left unacknowledged, then start sending."""
-        self._wake, self._idle = asyncio.Event(), asyncio.Event()
+        self._wake, self._idle, self._room = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self._idle.set()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="poc-spool")  # one thread: appends stay in order
         if self.spool is not None:
@@ -133,10 +153,18 @@ class CallbackSender:
                 found = []
                 self._spool_failed(e)
             for e in found:
-                item = _Item(e.kind, e.url, e.id, entry=e, merge=e.merge)  # held ones too: their owner is gone
+                item = _Item(e.kind, e.url, e.id, entry=e, merge=e.merge, size=e.length)  # held ones too: their
+                if e.created:  # owner is gone
+                    item.born = e.created
                 self._items[item.key] = item
                 self._ready.append(item)
-                self._add(1)
+                self._add(1, e.url)
+            try:
+                self.dead_letter_records = await self._run_io(self.spool.dead_letter_count)
+            except OSError:
+                pass
+            if self.metrics is not None:
+                self.metrics.callbacks_dead_letter.set(self.dead_letter_records)
             self.replayed = len(self._items)
             if self.replayed:
                 log.info("replaying %d spooled record(s) from %s", self.replayed, self.spool.dir)
@@ -172,9 +200,11 @@ class CallbackSender:
 
     # -------------------------------------------------------------------------------------- intake
 
-    def submit(self, kind: str, url: str, payload: dict, idempotency_id: str, merge: str | None = None) -> bool:
-        """Take one POST to {url}/{kind}; False (counted, logged) when `max_pending` payloads already wait."""
-        r = self._reserve(kind, url, idempotency_id)
+    def submit(self, kind: str, url: str, payload: dict, idempotency_id: str, merge: str | None = None,
+               force: bool = False) -> bool:
+        """Take one POST to {url}/{kind}; False (counted, logged) when `max_pending` payloads already wait for that
+        url (or `max_pending_total` in all), unless `force` (a producer handing over its last few records)."""
+        r = self._reserve(kind, url, idempotency_id, force)
         if r != "new":
             return r is not None
         t = asyncio.get_running_loop().create_task(self._store(kind, url, payload, idempotency_id, merge))
@@ -191,7 +221,7 @@ class CallbackSender:
         await self._store(kind, url, payload, idempotency_id)
         return True
 
-    def _reserve(self, kind: str, url: str, idempotency_id: str) -> str | None:
+    def _reserve(self, kind: str, url: str, idempotency_id: str, force: bool = False) -> str | None:
         """"new" (counted as pending: store it), "dup" (already on its way) or None (refused)."""
         if kind not in KINDS:
             raise ValueError(f"callback kind must be one of {sorted(KINDS)}, got {kind!r}")
@@ -201,14 +231,33 @@ class CallbackSender:
         key = (url, idempotency_id)
         if key in self._items or key in self._reserved:
             return "dup"  # already on its way: the same record once is enough
-        if self.pending >= self.max_pending:
+        if not force and not self.room(url):
             self._count(kind, "dropped")
-            log.warning("callback queue full (%d pending): %s payload %s to %s not queued", self.pending, kind,
-                        idempotency_id, url)
+            log.warning("callback queue full (%d pending for %s, %d in all): %s payload %s not queued",
+                        self._per_url.get(url, 0), url, self.pending, kind, idempotency_id)
             return None
         self._reserved.add(key)
-        self._add(1)
+        self._add(1, url)
         return "new"
+
+    def room(self, url: str) -> bool:
+        """Whether a record for `url` would be taken now: under the cap per destination and the total one. A
+        producer that must not lose what it computed checks this first and waits (wait_room) instead."""
+        return self._per_url.get(url, 0) < self.max_pending and self.pending < self.max_pending_total
+
+    async def wait_room(self, url: str, timeout: float | None = None) -> bool:
+        """Wait until `room(url)` (a record for it was acknowledged or dead-lettered), or `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.room(url):
+            self._room.clear()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._room.wait(), left)
+            except asyncio.TimeoutError:
+                return self.room(url)
+        return True
 
     def release(self, merge: str, final: bool = False) -> None:
         """Send what is held under `merge`; with `final`, records still being written go out as soon as stored."""
@@ -243,6 +292,7 @@ class CallbackSender:
                 item.payload = payload
         finally:
             self._reserved.discard(item.key)
+        item.size = item.entry.length if item.entry is not None else _json_size(payload) + len(idempotency_id) + 4
         self._items[item.key] = item
         if merge is not None and merge not in self._released:
             self._held.setdefault(merge, []).append(item)
@@ -313,8 +363,7 @@ class CallbackSender:
 
     def pending_for(self, url: str) -> int:
         """Records for this url not yet acknowledged (being written included)."""
-        return (sum(1 for i in self._items.values() if i.url == url)
-                + sum(1 for u, _ in self._reserved if u == url))
+        return self._per_url.get(url, 0)
 
     async def flush_url(self, url: str, timeout: float) -> int:
         """Wait until nothing for `url` is pending, or `timeout`; the number still pending for it."""
@@ -342,8 +391,15 @@ class CallbackSender:
 
     # ------------------------------------------------------------------------------------- sending
 
-    def _add(self, n: int) -> None:
+    def _add(self, n: int, url: str) -> None:
         self.pending += n
+        left = self._per_url.get(url, 0) + n
+        if left > 0:
+            self._per_url[url] = left
+        else:
+            self._per_url.pop(url, None)
+        if n < 0 and self._room is not None:
+            self._room.set()
         if self._idle is not None:
             (self._idle.clear if self.pending else self._idle.set)()
         if self.metrics is not None:
@@ -361,16 +417,23 @@ class CallbackSender:
     def _take(self) -> list[_Item]:
         """The next item, with more ready for the same url: up to batch_max orchestrator results (one
         /results/batch) or up to merge_max records of the same merge key (one merged POST, in the order they were
-        taken: the reference posts an interval's batches as one)."""
+        taken: the reference posts an interval's batches as one). A group stays under max_post_bytes (or what the
+        url's 413 taught us), whatever the merge holds: the rest goes in the next POST."""
         first = self._ready.popleft()
         group = [first]
         batch = first.kind == BATCH_KIND and first.url not in self._no_batch
         if (batch or first.merge is not None) and self._ready:
             rest = deque()
             cap = self.batch_max if first.merge is None else self.merge_max
+            room = self._post_cap.get(first.url, self.max_post_bytes) - first.size
             while self._ready and len(group) < cap:
                 i = self._ready.popleft()
                 same = i.kind == first.kind and i.url == first.url and i.merge == first.merge
+                if same and i.size > room:
+                    rest.append(i)
+                    break  # keeps the order: what does not fit starts the next POST
+                if same:
+                    room -= i.size
                 (group if same else rest).append(i)
             rest.extend(self._ready)
             self._ready = rest
@@ -406,17 +469,32 @@ class CallbackSender:
                 self._ready.extendleft(reversed(group))
                 self._wake.set()
                 continue
+            if status == TOO_LARGE and len(group) > 1:
+                # our POST was too large for this consumer: smaller POSTs from now on (a bug of ours to fix, never
+                # a reason to give up on the records), sent again at once
+                url = group[0].url
+                cap = max(1, sum(i.size for i in group) // 2)
+                self._post_cap[url] = min(cap, self._post_cap.get(url, cap))
+                log.warning("%s/%s answered HTTP 413 to %d records: POSTs to it now carry at most %d bytes", url,
+                            group[0].kind, len(group), self._post_cap[url])
+                self._ready.extendleft(reversed(group))
+                self._wake.set()
+                continue
             if permanent(status):
                 for item in group:
                     item.refusals += 1
-                dead = [(i, b) for i, b in zip(group, bodies) if i.refusals >= self.refusal_limit]
-                if dead and await self._dead_letter(dead, status, why):
-                    group = [i for i in group if i.refusals < self.refusal_limit]
-                    if not group:
-                        continue
             else:
                 for item in group:
                     item.refusals = 0
+            now = time.time()
+            dead = [(i, b, "refused") for i, b in zip(group, bodies) if i.refusals >= self.refusal_limit]
+            dead += [(i, b, "expired") for i, b in zip(group, bodies) if i.refusals < self.refusal_limit
+                     and self.lifetime is not None and now - i.born >= self.lifetime]
+            if dead and await self._dead_letter(dead, status, why):
+                gone = {id(i) for i, _, _ in dead}
+                group = [i for i in group if id(i) not in gone]
+                if not group:
+                    continue
             self._warn(group[0], len(group), why, self._retry_later(group, why))
 
     def _retry_later(self, group: list[_Item], why: str) -> float:
@@ -469,33 +547,47 @@ class CallbackSender:
                 await self._run_io(self.spool.ack, late)
         for i in group:
             if self._items.pop(i.key, None) is not None:
-                self._add(-1)
+                self._add(-1, i.url)
                 self.delivered += outcome != "dead_letter"
             fut = self._acked.pop(i.key, None)
             if fut is not None and not fut.done():
                 fut.set_result(outcome != "dead_letter")
         self._count(group[0].kind, outcome, len(group))
 
-    async def _dead_letter(self, dead: list[tuple[_Item, dict]], status: int, why: str) -> bool:
-        """Move permanently refused records to the spool's dead-letter file, one ERROR line each; False (they are
-        retried) when that file cannot be written."""
+    async def _dead_letter(self, dead: list[tuple[_Item, dict, str]], status: int | None, why: str) -> bool:
+        """Move records refused for good ("refused") or past their lifetime ("expired") to the spool's dead-letter
+        file, one ERROR line each; False (they are retried) when that file cannot be written."""
         if self.spool is not None:
             try:
-                await self._run_io(self.spool.dead_letter, [(i.kind, i.url, i.idempotency_id, b) for i, b in dead],
+                await self._run_io(self.spool.dead_letter,
+                                   [(i.kind, i.url, i.idempotency_id, b, self._reason(i, r, why)) for i, b, r in dead],
                                    status, why)
             except (OSError, TypeError, ValueError) as e:
-                log.warning("dead-letter write failed %s: %d refused record(s) stay pending", describe(e), len(dead))
+                log.warning("dead-letter write failed %s: %d record(s) stay pending", describe(e), len(dead))
                 return False
             where = f"moved to {self.spool.dead_letter_path}"
         else:
             where = "not kept (no spool directory)"
-        for i, _ in dead:
-            log.error("callback %s %s to %s refused permanently (HTTP %d, %d time(s) in a row): %s", i.kind,
-                      i.idempotency_id, i.url, status, i.refusals, where)
-        items = [i for i, _ in dead]
+        for i, _, r in dead:
+            if r == "refused":
+                log.error("callback %s %s to %s refused permanently (HTTP %s, %d time(s) in a row): %s", i.kind,
+                          i.idempotency_id, i.url, status, i.refusals, where)
+            else:
+                log.error("callback %s %s to %s expired: not delivered %.0f s after it was made (%d attempt(s), last: "
+                          "%s): %s", i.kind, i.idempotency_id, i.url, time.time() - i.born, i.attempts + 1, why, where)
+        items = [i for i, _, _ in dead]
         await self._acknowledge(items, "dead_letter")  # off the spool: wait_acked() says False
         self.dead_lettered += len(items)
+        if self.spool is not None:
+            self.dead_letter_records += len(items)
+            if self.metrics is not None:
+                self.metrics.callbacks_dead_letter.set(self.dead_letter_records)
         return True
+
+    def _reason(self, item: _Item, outcome: str, why: str) -> str:
+        if outcome == "refused":
+            return why
+        return f"expired after {time.time() - item.born:.0f} s and {item.attempts + 1} attempt(s); last: {why}"
 
     async def _read(self, group: list[_Item]) -> tuple[list[_Item], list[dict]]:
         """The group's payloads. A record whose read fails (EMFILE, EIO) is retried later on its own; one that
@@ -529,8 +621,16 @@ class CallbackSender:
             url, body = f"{base}/{first.kind}", merge_payloads(bodies)
         else:
             url, body = f"{base}/{first.kind}/batch", {"results": bodies}
-        headers = {"Idempotency-Key": first.idempotency_id if len(group) == 1 else
-                   ",".join(i.idempotency_id for i in group)}
+        if len(group) > 1:
+            # one short key per POST whatever it carries (every header stays far under the 8 KB limits of
+            # aiohttp and nginx); the records' own ids travel in the body
+            ids = [i.idempotency_id for i in group]
+            key = "merged-" + hashlib.sha256("\n".join(ids).encode()).hexdigest()[:32]
+            if first.merge is not None:
+                body = {**body, "record_ids": ids}
+        else:
+            key = first.idempotency_id
+        headers = {"Idempotency-Key": key}
         try:
             async with self._session.post(url, json=body, headers=headers) as r:
                 raw = await r.read()
@@ -557,3 +657,11 @@ def merge_payloads(bodies: list[dict]) -> dict:
     for k in {k for b in bodies for k, v in b.items() if isinstance(v, list)}:
         out[k] = [x for b in bodies for x in (b.get(k) or [])]
     return out
+
+
+def _json_size(payload) -> int:
+    """About the bytes a payload adds to a POST (memory mode; a spooled record's line length serves instead)."""
+    try:
+        return len(json.dumps(payload, separators=(",", ":")))
+    except (TypeError, ValueError):
+        return 1

@@ -28,6 +28,11 @@ reading, and every later append tries again. Pending records stay readable from 
 after their file was deleted.
 
 Not thread-safe by design: the CallbackSender calls it from one I/O thread only.
+
+    python -m poc.clients.spool dead-letter [--spool-dir DIR] [--payload]
+
+lists dead-letter.jsonl: one JSON line per record (id, kind, url, status, reason, dead_at, and the payload's size,
+or the payload itself with --payload), then a count on stderr. The server need not be running.
 """
 
 from __future__ import annotations
@@ -264,18 +269,28 @@ class Spool:
     def dead_letter_path(self) -> Path:
         return self.dir / DEAD_LETTER
 
-    def dead_letter(self, records: list[tuple[str, str, str, object]], status: int, reason: str) -> None:
-        """Append (kind, url, id, payload) records a consumer refused for good to dead-letter.jsonl, fsynced."""
+    def dead_letter(self, records: list[tuple], status: int | None, reason: str) -> None:
+        """Append (kind, url, id, payload[, reason]) records to dead-letter.jsonl, fsynced: refused for good by
+        their consumer, or past their lifetime (the reason says which; status is the last HTTP status, or null)."""
         now = time.time()
-        data = b"".join(json.dumps({"id": i, "kind": k, "url": u, "status": status, "reason": reason, "dead_at": now,
-                                    "payload": p}, separators=(",", ":")).encode() + b"\n"
-                        for k, u, i, p in records)
+        data = b"".join(json.dumps({"id": r[2], "kind": r[0], "url": r[1], "status": status,
+                                    "reason": r[4] if len(r) > 4 else reason, "dead_at": now, "payload": r[3]},
+                                   separators=(",", ":")).encode() + b"\n"
+                        for r in records)
         fd = os.open(self.dead_letter_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             _write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def dead_letter_count(self) -> int:
+        """Records in dead-letter.jsonl (0 when there is none)."""
+        try:
+            with open(self.dead_letter_path, "rb") as f:
+                return sum(1 for line in f if line.strip())
+        except FileNotFoundError:
+            return 0
 
     def _write_acks(self, n: int, offsets: list[int]) -> None:
         fd = os.open(self._ack_path(n), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -331,3 +346,53 @@ def _fsync_dir(d: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def read_dead_letter(directory: str | os.PathLike) -> list[dict]:
+    """The dead-letter records of a spool directory, oldest first (a torn or unreadable line becomes
+    {"unreadable": <its text>}, so it is still listed)."""
+    path = Path(directory) / DEAD_LETTER
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            out.append({"unreadable": line})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m poc.clients.spool",
+                                 description="List the callbacks a consumer refused for good or that outlived "
+                                             "their lifetime (the spool's dead-letter.jsonl).")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("dead-letter")
+    p.add_argument("--spool-dir", default=os.environ.get("POC_SPOOL_DIR") or "spool",
+                   help="the server's --spool-dir (env POC_SPOOL_DIR; default ./spool)")
+    p.add_argument("--payload", action="store_true", help="print each record's payload too")
+    a = ap.parse_args(argv)
+    if not Path(a.spool_dir).is_dir():
+        print(f"poc: bad input: --spool-dir {a.spool_dir} is not a directory", file=sys.stderr)
+        return 2
+    records = read_dead_letter(a.spool_dir)
+    for r in records:
+        if not a.payload and "payload" in r:
+            size = len(json.dumps(r["payload"], separators=(",", ":")))
+            r = {k: v for k, v in r.items() if k != "payload"}
+            r["payload_bytes"] = size
+        print(json.dumps(r, separators=(",", ":")))
+    print(f"{len(records)} dead-letter record(s) in {Path(a.spool_dir) / DEAD_LETTER}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -53,7 +53,7 @@ def _make_engine(config: ServerConfig):
 
 def create_app(config: ServerConfig) -> web.Application:
     """The only way to get an app. Raises InputError for an unusable config (e.g. --device cuda without CUDA)."""
-    from poc.server import pooled, pow, security, vast, warmup
+    from poc.server import mlnode, pooled, pow, security, vast, warmup
 
     engine = _make_engine(config)
     metrics = Metrics()
@@ -69,12 +69,16 @@ def create_app(config: ServerConfig) -> web.Application:
                                      backoff_base=config.callback_backoff, metrics=metrics,
                                      backoff_max=config.callback_backoff_max, spool_dir=config.spool_dir,
                                      segment_records=config.spool_segment_records,
-                                     refusal_limit=config.callback_refusal_limit)
+                                     refusal_limit=config.callback_refusal_limit,
+                                     max_pending_total=config.callback_max_pending_total,
+                                     max_post_bytes=config.callback_max_post_bytes,
+                                     lifetime=config.callback_lifetime)
     app[sender_key].policy = security.url_policy(app)
     app[listening_key] = asyncio.Event()
     app[tasks_key] = {}
     vast.setup(app)
     pow.setup(app)
+    mlnode.setup(app)  # the MLNode's routes, on top of /api/v1/pow
     pooled.setup(app)
     warmup.setup(app)
     from poc.server.scrape import AppCollector

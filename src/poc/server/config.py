@@ -66,7 +66,10 @@ class ServerConfig:
     rate_log_interval: float = 5.0  # "rate: ..." log lines
     callback_interval: float = 5.0  # merged results to {url}/generated, as the reference's sender
     callback_timeout: float = 10.0
-    callback_max_pending: int = 10_000
+    callback_max_pending: int = 10_000  # per destination url; a generation to a full one pauses, never drops
+    callback_max_pending_total: int = 100_000  # all destinations together
+    callback_max_post_bytes: int = 1_000_000  # a merged POST's body, under aiohttp's default 1 MiB client_max_size
+    callback_lifetime: float = 1800.0  # seconds from a record's creation; past it, once a send fails: dead-letter
     callback_backoff: float = 1.0  # first retry delay; doubles up to 30 s
     result_ttl: float = 300.0  # queued /generate results stay readable this long after completion
     shutdown_flush_seconds: float = 5.0  # how long shutdown waits for pending callbacks
@@ -75,7 +78,7 @@ class ServerConfig:
     spool_dir: str | None = None
     spool_segment_records: int = 1000  # records per spool segment file
     callback_backoff_max: float = 30.0  # retry delays double up to this (jittered)
-    callback_refusal_limit: int = 5  # permanent 4xx refusals in a row before a record goes to the dead-letter file
+    callback_refusal_limit: int = 1  # a 4xx other than 408/413/429 moves the record to the dead-letter file
     # /pooled (spec-v1 §4.3)
     pooled_poll_interval: float = 0.5  # GET config; commands apply within one interval
     pooled_wait_timeout: float = 600.0  # waiting for a block_hash

@@ -36,6 +36,8 @@ class Metrics:
         self.load_seconds = Gauge("poc_model_load_seconds", "Time to load the --model checkpoint", registry=r)
         self.callbacks = Counter("poc_callbacks", "Callback deliveries by outcome (sent, retried, dropped, dead_letter)",
                                  ["kind", "outcome"], registry=r)
+        self.callbacks_dead_letter = Gauge("poc_callbacks_dead_letter_records", "Callback records in the spool's "
+                                           "dead-letter file (refused for good or past their lifetime)", registry=r)
         self.callbacks_pending = Gauge("poc_callbacks_pending", "Callback payloads not yet delivered", registry=r)
         self.spool_ok = Gauge("poc_spool_ok", "1 while the result/callback spool accepts writes, 0 while records "
                               "are kept in memory only", registry=r)

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections import deque
@@ -40,6 +42,7 @@ from poc.server.vast import collect, validate_v1
 log = logging.getLogger("poc.pow")
 
 PREFIX = "/api/v1/pow"
+BODY_KEY = web.RequestKey("pow_body", dict)  # a body another route already read and translated (server/mlnode.py)
 
 
 def setup(app: web.Application) -> None:
@@ -66,18 +69,48 @@ def ok(state: str) -> web.Response:
 # continuous generation (/init/generate, /phase/generate)
 
 
+class _Gated:
+    """The generation's nonces, dealt on the engine's thread: while `resume` is clear the engine waits at its next
+    draw (the computation pauses; the device stays claimed), until resumed or stopped."""
+
+    def __init__(self, nonces):
+        self.inner = iter(nonces)
+        self.resume = threading.Event()
+        self.resume.set()
+        self.stop: threading.Event | None = None  # the runner's
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        while not self.resume.wait(0.5):
+            if self.stop is not None and self.stop.is_set():
+                break
+        return next(self.inner)
+
+
 class Generation:
     """One generation loop on the device. Each batch is spooled as it arrives (a record held under this
     generation's id: durable at once, so a kill -9 loses none); every callback_interval seconds, and once more when
     it ends (stop, shutdown or error), what was held is released and goes to {url}/generated merged, as the
-    reference posts (clients/callbacks.py). Nothing waits in memory here."""
+    reference posts (clients/callbacks.py). When the sender has no room for the url (its cap per destination),
+    the computation pauses: the batches already in flight wait here, in order, and go to the sender as room opens
+    (records delivered or moved to the dead-letter file), then the engine resumes. Nothing is dropped."""
 
-    def __init__(self, app: web.Application, protocol: str, init, runner: JobRunner):
+    def __init__(self, app: web.Application, protocol: str, init, runner: JobRunner, gate: _Gated | None = None):
         self.app, self.protocol, self.init, self.runner = app, protocol, init, runner
         self.id = uuid.uuid4().hex
         self.seq = itertools.count(1)
         self.error: str | None = None
         self.task: asyncio.Task | None = None
+        self.gate = gate
+        self.backlog: deque[dict] = deque()  # payloads waiting for room at the sender (the batches in flight)
+        self.pauses = 0
+        self._drain: asyncio.Task | None = None
+
+    @property
+    def paused(self) -> bool:
+        return self.gate is not None and not self.gate.resume.is_set()
 
     @property
     def active(self) -> bool:
@@ -88,6 +121,8 @@ class Generation:
 
     async def stop(self, reason: str = "stopped") -> None:
         self.runner.stop(reason)
+        if self.gate is not None:
+            self.gate.resume.set()  # a paused engine draws once more, sees the stop and ends
         if self.task is not None:
             await asyncio.shield(self.task)  # ends after the batch in flight, with a final release
 
@@ -107,6 +142,39 @@ class Generation:
         finally:
             self.app[sender_key].release(self.id, final=True)
             self.runner.close()
+            if self.gate is not None:
+                self.gate.resume.set()
+            if self._drain is not None:
+                self._drain.cancel()
+                self._drain = None
+            # the computation has ended: what waits here (the few batches that were in flight) goes to the sender
+            # past its cap rather than wait in memory (the cap exists to pause the computation)
+            sender = self.app[sender_key]
+            while self.backlog:
+                sender.submit("generated", self.init.url, self.backlog.popleft(), f"{self.id}-{next(self.seq)}",
+                              merge=self.id, force=True)
+
+    def _pause(self) -> None:
+        if self.gate is not None and self.gate.resume.is_set():
+            self.gate.resume.clear()
+            self.pauses += 1
+            log.warning("generation %s paused: %d callback record(s) pending for %s (the cap per destination); it "
+                        "resumes as they are delivered or dead-lettered", self.id[:8],
+                        self.app[sender_key].pending_for(self.init.url), self.init.url)
+
+    async def _drain_backlog(self) -> None:
+        sender = self.app[sender_key]
+        url = self.init.url
+        while self.backlog:
+            # the held records must go out to make room: release what this generation holds
+            sender.release(self.id)
+            await sender.wait_room(url)
+            while self.backlog and sender.room(url):
+                sender.submit("generated", url, self.backlog.popleft(), f"{self.id}-{next(self.seq)}", merge=self.id)
+        self._drain = None
+        if self.gate is not None and not self.gate.resume.is_set():
+            log.info("generation %s resumes", self.id[:8])
+            self.gate.resume.set()
 
     def spool(self, b: BatchResult) -> None:
         """Hand one computed batch to the callback sender, held until the next release (nothing is discarded)."""
@@ -128,12 +196,21 @@ class Generation:
                 return
             payload = v1.ProofBatch(i.public_key, i.block_hash, i.block_height, [n for n, _ in kept],
                                     [d for _, d in kept], i.node_id).to_json()
-        self.app[sender_key].submit("generated", url, payload, f"{self.id}-{next(self.seq)}", merge=self.id)
+        sender = self.app[sender_key]
+        if self.backlog or not sender.room(url):  # in order behind what already waits
+            self.backlog.append(payload)
+            self._pause()
+            if self._drain is None:
+                self._drain = asyncio.create_task(self._drain_backlog(), name=f"pow-generation-drain-{self.id[:8]}")
+            return
+        sender.submit("generated", url, payload, f"{self.id}-{next(self.seq)}", merge=self.id)
 
     def stats(self) -> dict:
         s = self.runner.stats
         processed = s.computed - s.dropped  # NaN-dropped nonces are not "processed" (spec-v2 §f 7)
         d = {"total_processed": processed, "nonces_per_second": round(s.rate, 3)}
+        if self.paused or self.pauses:
+            d["paused"], d["pauses"] = self.paused, self.pauses  # waiting for callback room (see Generation)
         if self.protocol == "v1":
             d["total_valid"] = s.valid
         else:
@@ -220,6 +297,8 @@ class PowService:
     # ----------------------------------------------------------------------------------- helpers
 
     async def _body(self, request: web.Request) -> dict:
+        if BODY_KEY in request:
+            return request[BODY_KEY]
         return await schemas.read_json(request, self.cfg.max_body_bytes)
 
     def _refuse_if_generating(self) -> None:
@@ -250,7 +329,10 @@ class PowService:
 
     async def _start_generation(self, protocol: str, init, job, label: str) -> None:
         claim = await self._claim_before_queue(f"pow generation ({protocol})")
-        self.gen = Generation(self.app, protocol, init, new_runner(self.app, job, claim, label))
+        gate = _Gated(job.nonces)
+        runner = new_runner(self.app, dataclasses.replace(job, nonces=gate), claim, label)
+        gate.stop = runner.stop_event
+        self.gen = Generation(self.app, protocol, init, runner, gate)
         self.gen.start()
 
     def _need_v1(self) -> schemas.PowV1Init:
@@ -491,8 +573,8 @@ class PowService:
         sender = self.app[sender_key]
         if job.kind == "validate_v1":
             _batch, init = job.request
-            if init.url:
-                sender.submit("validated", init.url, job.result, job.id)
+            if init.url:  # one record per finished job (the queue bounds them): past the cap rather than lost
+                sender.submit("validated", init.url, job.result, job.id, force=True)
             return
         req: schemas.PowV2Generate = job.request
         if not req.url:
@@ -500,7 +582,7 @@ class PowService:
         head = {"request_id": job.id, "block_hash": req.block_hash, "block_height": req.block_height,
                 "public_key": req.public_key, "node_id": req.node_id}
         sender.submit("validated" if req.received is not None else "generated", req.url, {**head, **job.result},
-                      job.id)
+                      job.id, force=True)
 
 
 pow_key = web.AppKey("pow", PowService)

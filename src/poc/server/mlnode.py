@@ -1,0 +1,223 @@
+"""The MLNode's own routes, so a Gonka network node ("decentralized-api") can drive this server with nothing in
+between: its MLNode client (decentralized-api/mlnodeclient) calls them on the node's `poc_port` base URL.
+
+    GET  /api/v1/state                          {"state": POW|INFERENCE|TRAIN|STOPPED, ...}, always 200
+    POST /api/v1/stop                           (no body) stops every PoC job: generation, the queue, streams
+    GET  /api/v1/versions, /api/v1/pow/versions  what this server is (the MLNode's capability probe)
+    POST /api/v1/inference/pow/init/generate    PoC v2 continuous generation  -> /api/v1/pow/init/generate
+    POST /api/v1/inference/pow/generate         explicit nonces (+ validation) -> /api/v1/pow/generate
+    GET  /api/v1/inference/pow/generate/{id}    a queued request's result      -> /api/v1/pow/generate/{id}
+    GET  /api/v1/inference/pow/status           {"status", "backends": [...]}  <- /api/v1/pow/status
+    POST /api/v1/inference/pow/stop             {"status", "results", ...}     -> /api/v1/pow/stop
+
+One process plays both roles the MLNode and its vLLM backends play: every /api/v1/inference/pow route fills the
+defaults the MLNode fills (batch_size 32, params.k_dim 12, group_id 0 of n_groups 1: this server is the one
+backend), maps the node's stat_test names (p_value_threshold is what spec-v2 calls fraud_threshold: fraud when the
+p-value is under it), hands the request to the /api/v1/pow service (server/pow.py, the one implementation), and
+answers in the MLNode's shapes (decentralized-api/mlnodeclient/poc_v2_requests.go decodes them): the one backend
+is reported under this server's port. A request id is the /api/v1/pow one, the same in the callback's
+`request_id`; the MLNode's "<port>:<id>" form is accepted on read-back too.
+
+State (what the node's broker reads, decentralized-api/mlnodeclient/client.go): "POW" while PoC v1 is initialized
+(generating or validating, until /stop), as the MLNode's PoW manager; "INFERENCE" when a --model checkpoint is
+loaded and no v1 work is on (the MLNode runs PoC v2 inside its vLLM, so a node expects INFERENCE around v2 PoC;
+`poc_status` says what PoC v2 is doing); "STOPPED" otherwise (v1 only and idle, still loading, or broken). Never
+"TRAIN". This server serves no inference: `poc_validation_inference` is false (the capability the node's gateway
+reads), and the node's `inference_port` must point at a real inference server if the node should serve any.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from aiohttp import web
+
+import poc
+from poc.errors import InputError
+from poc.server import schemas
+from poc.server.app import config_key, engine_key, runners_key
+from poc.server.pow import BODY_KEY, pow_key
+
+log = logging.getLogger("poc.mlnode")
+
+V2 = "/api/v1/inference/pow"
+MLNODE_BATCH_SIZE = 32  # pow_v2_routes.py: the batch_size the node leaves out
+MLNODE_K_DIM = 12  # its params.k_dim default
+# the node's stat_test names -> spec-v2's (stat_test of poc_v2_requests.go: dist_threshold, p_mismatch,
+# p_value_threshold); fraud is declared when the binomial p-value is under the threshold, in both
+STAT_TEST_NAMES = {"p_value_threshold": "fraud_threshold"}
+
+
+def setup(app: web.Application) -> None:
+    r = app.router
+    r.add_get("/api/v1/state", state)
+    r.add_post("/api/v1/stop", stop_all)
+    r.add_get("/api/v1/versions", versions)
+    r.add_get("/api/v1/pow/versions", versions)
+    r.add_post(f"{V2}/init/generate", init_generate)
+    r.add_post(f"{V2}/generate", generate)
+    r.add_get(f"{V2}/generate/{{request_id:.+}}", generate_result)
+    r.add_get(f"{V2}/status", status)
+    r.add_post(f"{V2}/stop", stop_v2)
+
+
+# --------------------------------------------------------------------------------------------------
+# management
+
+
+def node_state(app: web.Application) -> str:
+    svc = app[pow_key]
+    engine = app[engine_key]
+    if svc.v1_init is not None or (svc.gen is not None and svc.gen.active and svc.gen.protocol == "v1"):
+        return "POW"
+    if engine.state in ("ready", "busy") and engine.v2 is not None:
+        return "INFERENCE"
+    return "STOPPED"
+
+
+async def state(request: web.Request) -> web.Response:
+    app = request.app
+    engine = app[engine_key]
+    pow_state = _json(await app[pow_key].status(request))["status"]  # LOADING, GENERATING, VALIDATING or IDLE
+    body = {"state": node_state(app), "version": poc.__version__,
+            "poc_status": "NO_BACKENDS" if engine.state in ("loading", "broken") else _aggregate(pow_state),
+            "loaded_model": engine.v2.name if engine.v2 is not None else None,
+            "poc_validation_inference": False}
+    return web.json_response(body)
+
+
+async def stop_all(request: web.Request) -> web.Response:
+    """The node's Stop(): no body, and it does not read the answer, so this must really stop (and say 200)."""
+    app = request.app
+    await app[pow_key].stop(request)  # generation, the queue and the v1 init
+    others = list(app[runners_key])
+    for r in others:  # /generate streams, /pooled and /warmup jobs: the MLNode's stop ends all its work too
+        r.stop("stopped")
+    if others:
+        log.info("POST /api/v1/stop: stopped %d other job(s)", len(others))
+    return web.json_response({"status": "OK"})
+
+
+async def versions(request: web.Request) -> web.Response:
+    """What the MLNode's capability probe reads from a backend (vllm_version, poc_validation_inference) and what
+    its own /api/v1/versions answers (version): one object for both routes."""
+    app = request.app
+    engine = app[engine_key]
+    return web.json_response({"version": poc.__version__, "vllm_version": f"poc-model-server {poc.__version__}",
+                              "poc_validation_inference": False, "server": "poc-model-server",
+                              "protocols": ["v1", "v2"] if engine.v2 is not None else ["v1"],
+                              "model": engine.v2.name if engine.v2 is not None else None,
+                              "port": app[config_key].port})
+
+
+# --------------------------------------------------------------------------------------------------
+# PoC v2, as the MLNode serves it
+
+
+def _port(request: web.Request) -> int:
+    return request.app[config_key].port
+
+
+def _params(params) -> dict:
+    """The node's PoCParamsV2 as the /api/v1/pow service takes it: k_dim filled, the prefill scheme only."""
+    if not isinstance(params, dict):
+        raise InputError("params must be a JSON object", "params")
+    p = dict(params)
+    decode = p.pop("decode", False)
+    max_tokens = p.pop("max_tokens", None)
+    if decode not in (False, None):
+        raise InputError("params.decode: the decode scheme is not served here (prefill only)", "params.decode")
+    if max_tokens not in (None, 0):
+        raise InputError("params.max_tokens belongs to the decode scheme, which is not served here",
+                         "params.max_tokens")
+    if p.get("k_dim") is None:
+        p["k_dim"] = MLNODE_K_DIM
+    return p
+
+
+def _v2_body(body: dict) -> dict:
+    out = dict(body)
+    if "params" in out:
+        out["params"] = _params(out["params"])
+    if out.get("batch_size") is None:
+        out["batch_size"] = MLNODE_BATCH_SIZE
+    for k in ("url", "poc_stronger_rng", "wait", "validation", "stat_test"):
+        if k in out and out[k] is None:
+            del out[k]  # Go's omitted pointer / zero value
+    return out
+
+
+async def init_generate(request: web.Request) -> web.Response:
+    app = request.app
+    body = await schemas.read_json(request, app[config_key].max_body_bytes)
+    b = _v2_body(body)
+    for k in ("group_id", "n_groups"):
+        if k in b:
+            raise InputError(f"{k} is set by the MLNode, not by its caller: this server is its one backend", k)
+    b["group_id"], b["n_groups"] = 0, 1
+    if "params" not in b or not isinstance(b["params"], dict) or "dim" in b["params"]:
+        raise InputError("/api/v1/inference/pow is PoC v2: params must be {model, seq_len[, k_dim]}", "params")
+    request[BODY_KEY] = b
+    await app[pow_key].init_generate(request)
+    return web.json_response({"status": "OK", "backends": 1, "n_groups": 1,
+                              "results": [{"port": _port(request), "status": "OK"}], "errors": None})
+
+
+async def generate(request: web.Request) -> web.Response:
+    app = request.app
+    body = await schemas.read_json(request, app[config_key].max_body_bytes)
+    b = _v2_body(body)
+    st = b.get("stat_test")
+    if isinstance(st, dict):
+        st = dict(st)
+        for theirs, ours in STAT_TEST_NAMES.items():
+            if theirs in st:
+                v = st.pop(theirs)
+                if ours in st and st[ours] != v:
+                    raise InputError(f"stat_test.{theirs} and stat_test.{ours} are the same threshold: give one",
+                                     f"stat_test.{theirs}")
+                st[ours] = v
+        b["stat_test"] = st
+    request[BODY_KEY] = b
+    return await app[pow_key].generate(request)
+
+
+async def generate_result(request: web.Request) -> web.Response:
+    """The /api/v1/pow result, under the id the caller used (ours, or the MLNode's "<port>:<id>")."""
+    app = request.app
+    rid = request.match_info["request_id"]
+    head, sep, tail = rid.partition(":")
+    own = tail if sep and head.isdigit() else rid
+    svc = app[pow_key]
+    svc._sweep()
+    job = svc.jobs.get(own)
+    if job is None:
+        raise InputError(f"Request {rid} not found (unknown, or expired {app[config_key].result_ttl:.0f} s after it "
+                         "finished)", "request_id", status=404)
+    return web.json_response({**job.view(), "request_id": rid})
+
+
+def _aggregate(pow_state: str) -> str:
+    """The MLNode's word over its backends (here one): GENERATING, IDLE, else MIXED."""
+    return pow_state if pow_state in ("GENERATING", "IDLE") else "MIXED"
+
+
+async def status(request: web.Request) -> web.Response:
+    app = request.app
+    engine = app[engine_key]
+    if engine.state in ("loading", "broken"):  # the MLNode has no healthy backend then
+        return web.json_response({"status": "NO_BACKENDS", "backends": []})
+    resp = await app[pow_key].status(request)
+    backend = {"port": _port(request), **_json(resp)}
+    return web.json_response({"status": _aggregate(backend.get("status", "")), "backends": [backend]})
+
+
+async def stop_v2(request: web.Request) -> web.Response:
+    await request.app[pow_key].stop(request)
+    return web.json_response({"status": "OK", "results": [{"port": _port(request), "status": "stopped"}],
+                              "errors": None})
+
+
+def _json(resp: web.Response) -> dict:
+    return json.loads(resp.body)
