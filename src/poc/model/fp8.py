@@ -438,7 +438,7 @@ def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
 
 
 _GROUPED: list = []
-GROUPED_CONFIG = {"BM": 64, "num_warps": 4, "num_stages": 4}  # the Triton grouped GEMM's tile (BM divides
+GROUPED_CONFIG = {"BM": 128, "num_warps": 8, "num_stages": 3}  # the Triton grouped GEMM's tile (BM divides
 # GROUP_ROWS); chosen by benchmarks/diagnostics/w8a8.py's sweep on H100
 
 
@@ -462,7 +462,9 @@ def _make_triton_grouped():
     def kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_e_ptr, a_rows_ptr, K, E, s_am, s_asm, s_asg, s_be, s_bn,
                s_bse, s_bsn, s_cm, GATHER: tl.constexpr, TILES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        # N tiles vary fastest: the CTAs that run together share one block of rows (read from memory once) and
+        # sweep the expert's weight, which stays in L2 across that expert's row blocks
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         e = tl.load(tile_e_ptr + pid_m // TILES)
         if e < E:
             rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -498,7 +500,7 @@ def _make_triton_grouped():
         w_scale = w_scale.contiguous()
         out = torch.empty((M, N), dtype=out_dtype, device=q.device)
         bm, warps, stages = GROUPED_CONFIG["BM"], GROUPED_CONFIG["num_warps"], GROUPED_CONFIG["num_stages"]
-        grid = (tile_expert.numel() * (GROUP_ROWS // bm), N // GROUP)
+        grid = (N // GROUP, tile_expert.numel() * (GROUP_ROWS // bm))
         gather = a_rows is not None
         kernel[grid](q, s, w, w_scale, out, tile_expert, a_rows if gather else tile_expert, K, E, q.stride(0),
                      s.stride(0), s.stride(1), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
