@@ -312,16 +312,6 @@ class Fp8Linear(nn.Module):
     def forward(self, x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
         return linear(x, self.weight, self.weight_scale_inv, self.bias, out_dtype)
 
-    def dequantized(self, dtype: torch.dtype) -> nn.Linear:
-        """The plain linear of the dequantised weight (the `dequant` forward)."""
-        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=self.weight.device,
-                        dtype=dtype)
-        with torch.no_grad():
-            lin.weight.copy_(dequantize_blocks(self.weight, self.weight_scale_inv, dtype))
-            if self.bias is not None:
-                lin.bias.copy_(self.bias)
-        return lin.requires_grad_(False)
-
     @staticmethod
     def cat(parts: Sequence["Fp8Linear"]) -> "Fp8Linear | None":
         """One linear of the parts' rows stacked (q|k|v, gate|up), or None when a part's rows do not end on a
@@ -365,17 +355,6 @@ def use_fp8_linears(model: nn.Module, is_fp8: Callable[[str], bool]) -> list[str
                     setattr(mod, n, Fp8Linear.like(lin))
                     done.append(prefix + n + ".weight")
     return done
-
-
-def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> int:
-    """Replace every Fp8Linear by the plain linear of its dequantised weight; returns how many."""
-    n = 0
-    for name, mod in list(model.named_modules()):
-        for child, sub in list(mod.named_children()):
-            if isinstance(sub, Fp8Linear):
-                setattr(mod, child, sub.dequantized(dtype))
-                n += 1
-    return n
 
 
 def scale_slice(name: str, dim: int, start: int, stop: int, full: int) -> tuple[int, int, int]:
