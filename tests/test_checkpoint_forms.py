@@ -82,6 +82,7 @@ FORMS = {  # name: (config.json as written on the Hub, checkpoint options)
                          dict(drop_head=True)),
 }
 
+
 @pytest.fixture(scope="module", autouse=True)
 def _dequant_forward():
     """The FP8 cases here check the dequantise forward (POC_FP8=dequant; their tiny shapes do not split on 128-blocks
@@ -90,7 +91,6 @@ def _dequant_forward():
     mp.setenv("POC_FP8", "dequant")
     yield
     mp.undo()
-
 
 
 def hub_config(over: dict) -> dict:

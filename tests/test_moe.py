@@ -24,6 +24,7 @@ CASES = {  # name: config overrides; both layer kinds appear in each
                             norm_topk_prob=True, tie_word_embeddings=True),
 }
 
+
 @pytest.fixture(scope="module", autouse=True)
 def _dequant_forward():
     """The FP8 cases here check the dequantise forward (POC_FP8=dequant; their tiny shapes do not split on 128-blocks
@@ -32,7 +33,6 @@ def _dequant_forward():
     mp.setenv("POC_FP8", "dequant")
     yield
     mp.undo()
-
 
 
 def hf_moe_config(**overrides):

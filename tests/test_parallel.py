@@ -36,6 +36,7 @@ SEQ, K = 16, 12
 V1_SETS = ["A_gqa_plain_rope", "B_mha_scaled_rope"]
 LAYOUTS = {"tp2": dict(tp=2, pp=1, world=2), "pp2": dict(tp=1, pp=2, world=2), "rep2": dict(tp=1, pp=1, world=2)}
 
+
 @pytest.fixture(scope="module", autouse=True)
 def _dequant_forward():
     """The FP8 cases here check the dequantise forward (POC_FP8=dequant; their tiny shapes do not split on 128-blocks
@@ -44,7 +45,6 @@ def _dequant_forward():
     mp.setenv("POC_FP8", "dequant")
     yield
     mp.undo()
-
 
 
 def v1_params(name: str) -> v1.V1Params:

@@ -312,16 +312,6 @@ class Fp8Linear(nn.Module):
     def forward(self, x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
         return linear(x, self.weight, self.weight_scale_inv, self.bias, out_dtype)
 
-    def dequantized(self, dtype: torch.dtype) -> nn.Linear:
-        """The plain linear of the dequantised weight (the `dequant` forward)."""
-        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=self.weight.device,
-                        dtype=dtype)
-        with torch.no_grad():
-            lin.weight.copy_(dequantize_blocks(self.weight, self.weight_scale_inv, dtype))
-            if self.bias is not None:
-                lin.bias.copy_(self.bias)
-        return lin.requires_grad_(False)
-
     @staticmethod
     def cat(parts: Sequence["Fp8Linear"]) -> "Fp8Linear | None":
         """One linear of the parts' rows stacked (q|k|v, gate|up), or None when a part's rows do not end on a
@@ -365,17 +355,6 @@ def use_fp8_linears(model: nn.Module, is_fp8: Callable[[str], bool]) -> list[str
                     setattr(mod, n, Fp8Linear.like(lin))
                     done.append(prefix + n + ".weight")
     return done
-
-
-def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> int:
-    """Replace every Fp8Linear by the plain linear of its dequantised weight; returns how many."""
-    n = 0
-    for name, mod in list(model.named_modules()):
-        for child, sub in list(mod.named_children()):
-            if isinstance(sub, Fp8Linear):
-                setattr(mod, child, sub.dequantized(dtype))
-                n += 1
-    return n
 
 
 def scale_slice(name: str, dim: int, start: int, stop: int, full: int) -> tuple[int, int, int]:
@@ -438,7 +417,7 @@ def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
 
 
 _GROUPED: list = []
-GROUPED_CONFIG = {"BM": 64, "num_warps": 4, "num_stages": 4}  # the Triton grouped GEMM's tile (BM divides
+GROUPED_CONFIG = {"BM": 128, "num_warps": 8, "num_stages": 3}  # the Triton grouped GEMM's tile (BM divides
 # GROUP_ROWS); chosen by benchmarks/diagnostics/w8a8.py's sweep on H100
 
 
@@ -462,7 +441,9 @@ def _make_triton_grouped():
     def kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_e_ptr, a_rows_ptr, K, E, s_am, s_asm, s_asg, s_be, s_bn,
                s_bse, s_bsn, s_cm, GATHER: tl.constexpr, TILES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        # N tiles vary fastest: the CTAs that run together share one block of rows (read from memory once) and
+        # sweep the expert's weight, which stays in L2 across that expert's row blocks
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         e = tl.load(tile_e_ptr + pid_m // TILES)
         if e < E:
             rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -498,7 +479,7 @@ def _make_triton_grouped():
         w_scale = w_scale.contiguous()
         out = torch.empty((M, N), dtype=out_dtype, device=q.device)
         bm, warps, stages = GROUPED_CONFIG["BM"], GROUPED_CONFIG["num_warps"], GROUPED_CONFIG["num_stages"]
-        grid = (tile_expert.numel() * (GROUP_ROWS // bm), N // GROUP)
+        grid = (N // GROUP, tile_expert.numel() * (GROUP_ROWS // bm))
         gather = a_rows is not None
         kernel[grid](q, s, w, w_scale, out, tile_expert, a_rows if gather else tile_expert, K, E, q.stride(0),
                      s.stride(0), s.stride(1), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),

@@ -3,9 +3,10 @@
 N(0, 0.02) matrices and norms near 1, as transformers initialises a fresh model. The model is built on the meta
 device and filled in place, so a 30B-parameter bf16 model needs its own size on the GPU and nothing more.
 MoE experts are made stacked (the layout `fuse()` produces). With `fp8_experts` (random:<preset>:fp8) the model is an
-FP8 checkpoint's: attention, dense-MLP and expert weights float8_e4m3fn with per-128x128-block scales, computed W8A8
-(fp8.fp8_mode, the default) or, with fp8="dequant", the same weights dequantised (linears at build time, experts
-per layer).
+FP8 checkpoint's, computed W8A8 (fp8.fp8_mode, the default): attention, dense-MLP and expert weights float8_e4m3fn
+with per-128x128-block scales. With fp8="dequant" the experts are FP8 dequantised per layer and the other linears
+plain model-dtype weights (what the dequantise forward computes with; a tensor-parallel split need not fall on
+128-blocks). To compare the two arithmetics on the same weights, build the W8A8 model and switch fp8.recipe.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from poc.model.config import ModelConfig
-from poc.model.fp8 import FP8, dequantize_linears, fp8_mode, use_fp8_linears
+from poc.model.fp8 import FP8, fp8_mode, use_fp8_linears
 from poc.model.transformer import MoE, Transformer
 
 RANDOM_PREFIX = "random:"  # a model "directory" of the form random:<preset>[:fp8] (benchmarks, demos)
@@ -26,12 +27,13 @@ FP8_SPREAD = 64.0  # the fp8 payload is N(0, 64) (max 448), its scale 0.02 / 64:
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_experts: bool = False, seed: int = 0,
                  shard: Callable[[Transformer], None] | None = None, fp8: str | None = None) -> Transformer:
     """A fused, eval-mode headless model of `cfg`'s shape. `shard(model)` runs on the meta model first (e.g. keep a
-    pipeline stage, apply tensor/expert parallel) so only this rank's part is ever allocated. fp8_experts: FP8
-    weights, run as fp8 says (fp8.fp8_mode: w8a8 or dequant); the same seed gives the same FP8 weights in both."""
+    pipeline stage, apply tensor/expert parallel) so only this rank's part is ever allocated. fp8_experts: an FP8
+    checkpoint's model, run as fp8 says (fp8.fp8_mode: w8a8 or dequant)."""
     device = torch.device(device)
     with torch.device("meta"):
         model = Transformer(cfg).to(dtype)
-    if fp8_experts:
+    w8a8 = fp8_experts and fp8_mode(fp8) == "w8a8"
+    if w8a8:
         use_fp8_linears(model, lambda name: True)
     if shard is not None:
         shard(model)
@@ -40,7 +42,6 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_experts: bool
         moe.experts = nn.ModuleDict()  # made stacked below, one layer at a time
     model = model.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
-    w8a8 = fp8_experts and fp8_mode(fp8) == "w8a8"
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dtype == FP8:
@@ -58,8 +59,6 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_experts: bool
             else:
                 moe.w13 = torch.empty(n, 2 * f, d, device=device, dtype=dtype).normal_(0.0, 0.02, generator=g)
                 moe.w2 = torch.empty(n, d, f, device=device, dtype=dtype).normal_(0.0, 0.02, generator=g)
-    if fp8_experts and not w8a8:
-        dequantize_linears(model, dtype)
     model.init_rope(device)
     return model.fuse().requires_grad_(False).eval()
 
