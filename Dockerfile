@@ -14,7 +14,6 @@
 ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
-ARG FLASH_ATTN_VERSION=2.8.3
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -39,9 +38,6 @@ RUN python -m venv --system-site-packages .venv \
     && .venv/bin/python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 RUN python -m venv .venv-worker \
     && .venv-worker/bin/pip install --no-cache-dir -r requirements-worker.txt
-# flash-attn only as a prebuilt wheel for this torch/CUDA/Python (a source build takes hours): optional
-RUN .venv/bin/pip install --no-cache-dir --only-binary=:all: "flash-attn==${FLASH_ATTN_VERSION}" \
-    || echo "flash-attn ${FLASH_ATTN_VERSION}: no wheel for this image; attention uses torch SDPA"
 
 COPY . .
 RUN .venv/bin/pip install --no-cache-dir --no-deps --no-build-isolation -e . \
