@@ -30,7 +30,7 @@ from aiohttp import web  # noqa: E402
 
 from poc.errors import InputError  # noqa: E402
 from poc.server.config import check_spool_dir, parse_args  # noqa: E402
-from poc.server.logs import setup_logging  # noqa: E402
+from poc.logs import setup_logging  # noqa: E402
 
 FATAL = "Error: POC-FATAL"  # worker.py's on_error pattern: printed only here
 

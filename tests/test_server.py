@@ -16,10 +16,10 @@ import pytest
 
 from poc.engine import memory
 from poc.errors import InputError
+from poc.logs import OneLineFormatter, defuse
 from poc.protocol import v1, v2
 from poc.server.app import create_app, engine_key
 from poc.server.config import ServerConfig, parse_args
-from poc.server.logs import OneLineFormatter, defuse
 from poc.server.schemas import get_nonces, stride_nonces
 
 from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2, v2_checkpoint

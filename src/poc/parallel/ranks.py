@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from poc.engine.compute import DTYPES, Handle, maybe_compile, note_new_shape
 from poc.engine.jobs import V1Job, V2Job
+from poc.logs import OneLineFormatter
 from poc.model.random_weights import random_model, random_spec
 from poc.model.transformer import Transformer
 from poc.model.weights import resolve_dtype
@@ -37,7 +38,6 @@ from poc.parallel.shard import build_v1_shard, load_shard
 from poc.parallel.tp import apply_tp
 from poc.protocol import v1, v2
 from poc.protocol.pool import pool_workers
-from poc.server.logs import OneLineFormatter
 
 log = logging.getLogger("poc.ranks")
 

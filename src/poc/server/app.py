@@ -20,8 +20,8 @@ from poc.engine import memory
 from poc.engine.compute import DTYPE_NAMES
 from poc.engine.engine import Engine
 from poc.errors import InputError
+from poc.logs import describe
 from poc.server.config import ServerConfig
-from poc.server.logs import describe
 from poc.server.metrics import Metrics
 from poc.server.schemas import ServedModel
 from poc.server.stream import Claim, DeviceGate, JobRunner

@@ -44,11 +44,11 @@ from aiohttp import web
 from poc.clients.orchestrator import OrchestratorClient
 from poc.engine.jobs import BatchResult, Limits, V1Job, V2Job
 from poc.errors import InputError
+from poc.logs import describe
 from poc.protocol import v1, v2
 from poc.server import schemas
 from poc.server.app import (check_v1_memory, check_v2_memory, claim_device, config_key, engine_key, new_runner,
                             require_ready, sender_key, served_model)
-from poc.server.logs import describe
 from poc.server.stream import JobRunner, NdjsonWriter, add_spans
 
 log = logging.getLogger("poc.pooled")

@@ -29,11 +29,11 @@ from aiohttp import web
 
 from poc.engine.jobs import BatchResult
 from poc.errors import InputError
+from poc.logs import describe
 from poc.protocol import v1, v2
 from poc.server import schemas
 from poc.server.app import (check_v1_memory, check_v2_memory, claim_device, config_key, engine_key, gate_key,
                             new_runner, require_ready, sender_key, served_model, tasks_key)
-from poc.server.logs import describe
 from poc.server.stream import JobRunner
 from poc.server.vast import collect, validate_v1
 

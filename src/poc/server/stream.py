@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Iterator
 from aiohttp import web
 
 from poc.engine.jobs import BatchResult, JobSummary, V1Job
-from poc.server.logs import describe_parts
+from poc.logs import describe_parts
 
 if TYPE_CHECKING:
     from poc.engine.engine import Engine

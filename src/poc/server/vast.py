@@ -16,12 +16,12 @@ from aiohttp import web
 
 from poc.engine.jobs import BatchResult, JobSummary, Limits, V1Job
 from poc.errors import InputError
+from poc.logs import describe
 from poc.protocol import v1, v2
 from poc.server import schemas
 from poc.server.app import (check_v1_memory, check_v2_memory, claim_device, config_key, engine_key, gate_key,
                             metrics_key, model_label, new_runner, require_ready, runners_key, sender_key,
                             served_model)
-from poc.server.logs import describe
 from poc.server.metrics import CONTENT_TYPE
 from poc.server.stream import JobRunner, NdjsonWriter, done_line
 

@@ -25,9 +25,9 @@ import aiohttp
 from aiohttp import web
 
 from poc.errors import InputError
+from poc.logs import describe
 from poc.server import schemas
 from poc.server.app import claim_device, config_key, gate_key, new_runner, sender_key
-from poc.server.logs import describe
 from poc.server.stream import NdjsonWriter
 from poc.server.vast import _pump, parse_generate
 
