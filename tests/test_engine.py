@@ -149,7 +149,7 @@ def test_a_new_compiled_shape_is_logged_once(caplog):
     """Operators see why a first batch is slow: one line per new (batch, seq_len) of a compiled path."""
     import logging
 
-    from poc.engine.compute import note_new_shape
+    from poc.model.compile import note_new_shape
 
     with caplog.at_level(logging.INFO, logger="poc.compute"):
         assert note_new_shape("PoC v2 (test)", 7, 33) is True

@@ -25,9 +25,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from poc.engine.compute import DTYPES, Handle, maybe_compile, note_new_shape
+from poc.engine.compute import DTYPES, Handle
 from poc.engine.jobs import V1Job, V2Job
 from poc.logs import OneLineFormatter
+from poc.model.compile import maybe_compile, note_new_shape
 from poc.model.random_weights import random_model, random_spec
 from poc.model.transformer import Transformer
 from poc.model.weights import resolve_dtype
