@@ -41,7 +41,7 @@ def fatal(message: str) -> None:
 
 async def _fatal_if_load_fails(app: web.Application) -> None:
     """on_startup, after the engine's start-up began loading --model: a failed load is fatal for the PyWorker."""
-    from poc.server.app import engine_key, tasks_key
+    from poc.server.context import engine_key, tasks_key
 
     async def watch():
         await asyncio.shield(app[tasks_key]["load"])

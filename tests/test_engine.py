@@ -5,7 +5,8 @@ import threading
 import numpy as np
 import pytest
 
-from poc.engine.engine import Busy, Engine
+from poc.engine.base import Busy
+from poc.engine.engine import Engine
 from poc.engine.jobs import Limits, V1Job, V2Job
 from poc.protocol import v1
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from poc.engine.engine import Busy, Engine
+from poc.engine.base import Busy
+from poc.engine.engine import Engine
 from poc.engine.jobs import Limits, V1Job, V2Job
 from poc.errors import InputError
 from poc.model.config import ModelConfig
@@ -521,13 +522,14 @@ async def test_server_with_a_killed_rank(aiohttp_client, monkeypatch):
 
     from poc.server import app as app_mod
     from poc.server.config import ServerConfig
+    from poc.server.context import engine_key
 
     monkeypatch.setattr(app_mod, "Engine", lambda device, model_dir, dtype, **kw: DistEngine(
         device, model_dir, dtype, tp=2, world=2, timeout=30))
     cfg = ServerConfig(device="cpu", dtype="float32", model=str(v2_checkpoint("qwen3")), progress_interval=0.2,
                        rate_log_interval=0.5, shutdown_flush_seconds=1.0)
     client = await aiohttp_client(app_mod.create_app(cfg))
-    engine = client.server.app[app_mod.engine_key]
+    engine = client.server.app[engine_key]
 
     async def health() -> tuple[int, dict]:
         r = await client.get("/health")

@@ -19,7 +19,8 @@ from aiohttp import web
 
 from poc.clients.callbacks import CallbackSender
 from poc.clients.spool import Spool
-from poc.server.app import create_app, sender_key
+from poc.server.app import create_app
+from poc.server.context import sender_key
 
 from .fakes import (FakeOrchestrator, Lines, ServerProcess, TwoReplicaEngine, covers_exactly, is_result, status,
                     wait_until)
@@ -197,8 +198,6 @@ async def test_shutdown_while_waiting_and_failed_registration_still_call_shutdow
 async def test_server_shutdown_interrupts_registration_retries(aiohttp_client, tmp_path):
     """SIGTERM while connect is still being retried (an unreachable orchestrator: 5 tries, 1-2-4-8 s apart) ends
     the session at once with a shutdown line; it used to sit out every retry (~15 s) and end on an error line."""
-    from poc.server import pooled
-
     dead = FakeOrchestrator()  # never started: connection refused
     client = await aiohttp_client(create_app(pooled_config(tmp_path, orchestrator_retry_base=1.0)))
     await wait_status(client)
@@ -206,7 +205,7 @@ async def test_server_shutdown_interrupts_registration_retries(aiohttp_client, t
     await lines.wait(status("registering"))
     await asyncio.sleep(0.2)  # inside the first retry sleep
     t0 = time.monotonic()
-    await pooled._on_shutdown(client.server.app)  # what the app's on_shutdown does on SIGTERM
+    await client.server.app.shutdown()  # the app's on_shutdown handlers, as on SIGTERM
     out = await lines.finish()
     assert time.monotonic() - t0 < 3, out
     assert out[-1] == {"status": "shutdown"}, out
@@ -294,7 +293,7 @@ async def test_key_and_r_target_during_the_model_load_then_a_new_block_hash_mid_
     import numpy as np
 
     from poc.protocol.v1 import V1Params
-    from poc.server.app import engine_key
+    from poc.server.context import engine_key
 
     bh2 = hashlib.sha256(b"next block").hexdigest()
     orch.connect_reply = {"status": "ok", "block_hash": BH, "block_height": 7, "params": PARAMS_A}

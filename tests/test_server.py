@@ -18,8 +18,9 @@ from poc.engine import memory
 from poc.errors import InputError
 from poc.logs import OneLineFormatter, defuse
 from poc.protocol import v1, v2
-from poc.server.app import create_app, engine_key
+from poc.server.app import create_app
 from poc.server.config import ServerConfig, parse_args
+from poc.server.context import engine_key
 from poc.server.schemas import get_nonces, stride_nonces
 
 from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2, v2_checkpoint
@@ -250,7 +251,7 @@ async def test_next_nonce_with_replicas_is_the_first_nonce_not_computed(aiohttp_
     batch line's."""
     from poc.engine.engine import Engine
     from poc.server import app as app_mod
-    from poc.server.app import runners_key
+    from poc.server.context import runners_key
 
     from .fakes import TwoReplicaEngine
 

@@ -14,8 +14,9 @@ from poc.clients.callbacks import CallbackSender
 from poc.errors import InputError
 from poc.model.config import PRESETS
 from poc.protocol import v2
-from poc.server.app import create_app, sender_key
+from poc.server.app import create_app
 from poc.server.config import parse_args
+from poc.server.context import sender_key
 from poc.server.pow import pow_key
 from poc.server.schemas import ServedModel
 

@@ -19,7 +19,8 @@ import pytest
 from poc.clients import spool as spool_mod
 from poc.clients.callbacks import CallbackSender
 from poc.clients.spool import Spool
-from poc.server.app import create_app, sender_key
+from poc.server.app import create_app
+from poc.server.context import sender_key
 
 from .test_pooled import orch, pooled_config  # noqa: F401 (orch: the fake orchestrator fixture)
 from .test_server import wait_status

@@ -104,9 +104,10 @@ def run(argv: list[str]) -> int:
         except json.JSONDecodeError as e:
             raise InputError(f"--params is not valid JSON: {e}", "params") from None
         params = V1Params.from_json(obj)
-        _check_v1_memory(params, min(args.batch_size, len(nonces)), args.dtype, args.device, par)
         engine = make_engine(args.device, **par)
         try:
+            # the server's estimate (a 422 there): params far too large are refused here, not half-allocated
+            engine.check_v1_memory(params, min(args.batch_size, len(nonces)), args.dtype)
             dists = engine.v1_distances(params, args.block_hash, args.public_key, nonces, args.dtype, args.batch_size)
         finally:
             engine.close()
@@ -143,16 +144,6 @@ def run(argv: list[str]) -> int:
                 print(json.dumps({"nonce": n, "error": "non-finite output (NaN/Inf): no artifact"}))
     sys.stdout.flush()
     return 0
-
-
-def _check_v1_memory(params, batch_size: int, dtype: str, device: str, par: dict) -> None:
-    """The server's estimate (a 422 there): params far too large are refused here, not half-allocated."""
-    from poc.engine import memory
-    from poc.parallel.engine import resolve_device, world_for
-
-    dev = resolve_device(device)
-    est = memory.v1_estimate(params, batch_size, dtype, tp=par["tp"], pp=par["pp"], cuda=dev.type == "cuda")
-    memory.check_fits(est, dev, field="params", ranks=world_for(dev, par["tp"], par["pp"], par["replicas"]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -187,26 +187,37 @@ def _short(v) -> str:
     return r if len(r) <= 40 else f"{r[:20]}...({len(r)} characters)"
 
 
-def get_str(obj: dict, name: str, *, prefix: str = "", default=MISSING, nonempty: bool = True) -> str:
+def _get_typed(obj: dict, name: str, prefix: str, default, kind: type, what: str):
+    """(field path, value): the value is MISSING when absent (or null) and optional, else an instance of kind."""
     f = _path(prefix, name)
     v = _get(obj, name, default)
+    if v is not MISSING and not isinstance(v, kind):
+        raise InputError(f"{f} must be {what}, got {v!r}", f)
+    return f, v
+
+
+def get_str(obj: dict, name: str, *, prefix: str = "", default=MISSING, nonempty: bool = True) -> str:
+    f, v = _get_typed(obj, name, prefix, default, str, "a string")
     if v is MISSING:
         return default
-    if not isinstance(v, str):
-        raise InputError(f"{f} must be a string, got {v!r}", f)
     if nonempty and not v:
         raise InputError(f"{f} must not be empty", f)
     return v
 
 
 def get_bool(obj: dict, name: str, *, prefix: str = "", default=MISSING) -> bool:
-    f = _path(prefix, name)
-    v = _get(obj, name, default)
-    if v is MISSING:
-        return default
-    if not isinstance(v, bool):
-        raise InputError(f"{f} must be true or false, got {v!r}", f)
-    return v
+    _f, v = _get_typed(obj, name, prefix, default, bool, "true or false")
+    return default if v is MISSING else v
+
+
+async def read_url_body(request, max_bytes: int, url_field: str, optional: set[str]) -> tuple[dict, str]:
+    """A JSON body that names an outbound URL (required) and some optional keys: (body, the URL without a
+    trailing slash)."""
+    body = unwrap(await read_json(request, max_bytes))
+    if not body.get(url_field):
+        raise InputError(f"{url_field} is required", url_field)
+    check_keys(body, {url_field}, optional)
+    return body, get_url(body, url_field).rstrip("/")
 
 
 def get_url(obj: dict, name: str = "url") -> str | None:
