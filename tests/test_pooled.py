@@ -25,27 +25,11 @@ from poc.server.context import sender_key
 from .fakes import (FakeOrchestrator, Lines, ServerProcess, TwoReplicaEngine, covers_exactly, is_result, status,
                     wait_until)
 from .golden import V1_GOLDEN as G1
-from .test_server import PARAMS_A, server_config, wait_status
+from .servers import POLL, Sink, pooled_config, wait_status
+from .test_server import PARAMS_A
 
 BH = G1["block_hash"]
 R = G1["r_target_used_for_filter"]
-POLL = 0.25
-
-
-def pooled_config(tmp_path, **kw):
-    base = dict(spool_dir=str(tmp_path / "spool"), pooled_poll_interval=POLL, pooled_heartbeat_interval=0.3,
-                orchestrator_retry_base=0.05, orchestrator_timeout=2.0, callback_backoff=0.05,
-                callback_backoff_max=0.4, callback_timeout=2.0, pooled_flush_seconds=5.0, progress_interval=60.0)
-    base.update(kw)
-    return server_config(**base)
-
-
-@pytest.fixture
-async def orch():
-    o = FakeOrchestrator()
-    await o.start()
-    yield o
-    await o.stop()
 
 
 async def start_session(aiohttp_client, tmp_path, orch, body=None, **cfg):
@@ -448,8 +432,6 @@ async def test_sender_spools_first_then_replays_after_restart_in_batches(tmp_pat
 async def test_the_same_id_to_two_urls_is_two_records_before_and_after_a_restart(aiohttp_server, tmp_path):
     """Records are keyed by (destination, idempotency id): a record for url2 is never folded into one for url1
     that carries the same id, neither while url1's is pending nor when both are replayed after a restart."""
-    from .test_server_pow import Sink
-
     s1, s2 = Sink(fail_first=10**6), Sink(fail_first=10**6)
     url1 = str((await aiohttp_server(s1.app)).make_url("/cb"))
     url2 = str((await aiohttp_server(s2.app)).make_url("/cb"))
@@ -533,8 +515,6 @@ async def test_pow_callbacks_are_spooled_and_delivered_after_a_restart(aiohttp_c
     """/api/v1/pow generation posts to a callback receiver that is down; the server stops; a new server on the
     same spool delivers every payload once the receiver is up (the same durability as /pooled's results)."""
     from .fakes import LoopbackApp
-    from .test_server_pow import Sink
-
     sink = Sink()
     rx = LoopbackApp(sink.app)
     cfg = pooled_config(tmp_path, callback_interval=0.2, shutdown_flush_seconds=0.2)
@@ -574,8 +554,6 @@ async def test_pow_generation_spools_each_batch_as_computed_so_a_kill9_mid_inter
     import shutil
 
     from .fakes import LoopbackApp
-    from .test_server_pow import Sink
-
     sink = Sink()
     rx = LoopbackApp(sink.app)  # not started: nothing would be acknowledged anyway
     a = await aiohttp_client(create_app(pooled_config(tmp_path, callback_interval=60.0, shutdown_flush_seconds=0.1)))
@@ -617,8 +595,6 @@ async def test_pow_generation_posts_merged_batches_every_interval(aiohttp_client
     from poc.server.pow import pow_key
 
     from .fakes import LoopbackApp
-    from .test_server_pow import Sink
-
     sink = Sink()
     rx = await LoopbackApp(sink.app).start()
     try:
