@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 
 # lowest first: a module may import its own layer and the layers before it
 LAYERS = [
-    ("poc", "poc.errors", "poc.logs", "poc.profiling"),
+    ("poc", "poc.dtypes", "poc.errors", "poc.logs", "poc.profiling"),
     ("poc.protocol",),
     ("poc.model",),
     ("poc.engine",),

@@ -4,8 +4,9 @@ import pytest
 
 from poc.errors import InputError
 from poc.model.config import ModelConfig
-from poc.parallel.layout import Layout, NonceStream, stage_layers
+from poc.parallel.layout import Layout, stage_layers
 from poc.protocol import v1
+from poc.protocol.nonces import Lattice
 
 from .golden import v2_checkpoint
 
@@ -46,18 +47,18 @@ def test_stage_layers_are_balanced_and_cover():
 
 
 def test_nonce_streams_split_disjoint_and_complete():
-    s = NonceStream(5, 3)
+    s = Lattice(5, 3)
     parts = s.split(4)
     head = [n for _, n in zip(range(400), s)]
     got = sorted(n for p in parts for _, n in zip(range(100), p))
     assert got == head
     # pow's lattice: part r is group group_id + r*n_groups of n_groups*R
     node_id, node_count, group_id, n_groups, R = 2, 5, 1, 3, 2
-    pow_stream = NonceStream(node_id + group_id * node_count, n_groups * node_count)
+    pow_stream = Lattice(node_id + group_id * node_count, n_groups * node_count)
     for r, p in enumerate(pow_stream.split(R)):
         want = v1.node_nonces(node_id, node_count, group_id + r * n_groups, n_groups * R)
         assert [n for _, n in zip(range(20), p)] == [n for _, n in zip(range(20), want)]
     # a finite /pooled range
-    rng = NonceStream(10, 2, end=40)
+    rng = Lattice(10, 2, end=40)
     assert list(rng) == list(v1.range_nonces(10, 40, 0, 2))
     assert sorted(n for p in rng.split(3) for n in p) == list(rng)

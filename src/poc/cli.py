@@ -18,10 +18,11 @@ import os
 import re
 import sys
 
+from poc import dtypes
 from poc.errors import InputError
+from poc.protocol.nonces import MAX_NONCE
 
 MAX_CLI_NONCES = 1_000_000
-MAX_NONCE = (1 << 63) - 1  # nonces are int64 on the chain and the device, as the server's
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,14 +73,14 @@ def _parser() -> argparse.ArgumentParser:
                        help="independent tp x pp groups (default: 1 on CPU, every GPU on CUDA)")
         if name == "v1":
             p.add_argument("--params", required=True, help="the params JSON object (every key required)")
-            p.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"],
+            p.add_argument("--dtype", default="float16", choices=list(dtypes.NAMES),
                            help="float16 is what validators run")
         else:
             p.add_argument("--model", required=True, help="a Hugging Face checkpoint directory")
             p.add_argument("--seq-len", type=int, required=True)
             p.add_argument("--k-dim", type=int, default=12)
             p.add_argument("--stronger-rng", action="store_true")
-            p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+            p.add_argument("--dtype", default="auto", choices=["auto", *dtypes.NAMES],
                            help="auto: the checkpoint's dtype on CUDA, float32 on CPU")
     return ap
 

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from poc import dtypes
 from poc.model.compile import maybe_compile, note_new_shape
 from poc.model.random_init import build_v1_model
 from poc.model.transformer import Transformer
@@ -22,7 +23,7 @@ from poc.protocol import v1, v2
 
 log = logging.getLogger("poc.compute")
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in dtypes.NAMES}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
