@@ -2,7 +2,11 @@
 
 `V1Compute` holds a random model for (params, block_hash, dtype); `V2Compute` holds a loaded checkpoint.
 Both split a batch into `prepare` (host work: seeds, numpy RNG; safe to run on another thread while the
-device is busy with the previous batch) and `run` (device work), so the runner can overlap them.
+device is busy with the previous batch) and `launch`/`collect` (device work), so the runner can overlap them.
+The same classes run in the rank processes (poc.parallel.ranks) on a pipeline stage's part of the model: a
+`Stage` says whether this part makes the inputs (first), post-processes (last, and the reporter among the
+last stage's tp ranks), and how activations come from the previous stage and go to the next. One device
+holding the whole model is the default Stage().
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -51,6 +55,45 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass(frozen=True)
+class Stage:
+    """Where this model sits in a pipeline; Stage() is the whole model on one device."""
+
+    first: bool = True  # makes the inputs from the seeds
+    last: bool = True  # holds the final norm/head: its output is post-processed
+    reporter: bool = True  # the last stage's rank whose results go back (tp rank 0)
+    recv: Callable[[tuple, torch.dtype], torch.Tensor] | None = None  # the previous stage's (B, S, D) output
+    send: Callable[[torch.Tensor], None] | None = None  # this stage's output to the next stage
+    mark: Callable[[int], None] | None = None  # called before (0) and after (1) the forward launch (timing)
+
+    @property
+    def post(self) -> bool:
+        """This rank post-processes and reports."""
+        return self.last and self.reporter
+
+    def input(self, make: Callable[[], torch.Tensor], shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The forward's input: made here on the first stage, received from the previous one after it."""
+        return make() if self.first else self.recv(shape, dtype)
+
+    def forward(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if self.mark is not None:
+            self.mark(0)
+        out = run()
+        if self.mark is not None:
+            self.mark(1)
+        return out
+
+    def finish(self, prep, out: torch.Tensor, device: torch.device) -> "Handle | None":
+        """Hand the output on (not the last stage), or a Handle to collect (the reporter); None otherwise."""
+        if not self.last:
+            self.send(out)
+            return None
+        return Handle(prep, out, device) if self.reporter else None
+
+
+WHOLE = Stage()
+
+
 class Handle:
     """A batch whose device work was launched; `collect` waits for it."""
 
@@ -84,6 +127,11 @@ def compile_flags(compile, device: torch.device) -> tuple[bool, bool]:
     return on, on
 
 
+def _pinned(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """Host tensors bound for a CUDA device are pinned, so their copy does not block the host."""
+    return t.pin_memory() if t is not None and device.type == "cuda" else t
+
+
 def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """Repeat the last row up to n rows (a short batch keeps the compiled shape; the extra rows are dropped)."""
     if t.shape[0] >= n:
@@ -98,21 +146,24 @@ def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
 @dataclass
 class V1Prepared:
     nonces: list[int]
-    x: torch.Tensor  # (B, S, D) float16, host (pinned on CUDA)
-    perms: torch.Tensor  # (B, V) int64, host
+    x: torch.Tensor | None  # (B, S, D) float16, host (pinned on CUDA); None past the first stage
+    perms: torch.Tensor | None  # (B, V) int64, host; None where nothing is post-processed
 
 
 class V1Compute:
     """The v1 random model for one (params, block_hash, dtype), plus its target vector."""
 
     def __init__(self, params: v1.V1Params, block_hash: str, dtype: torch.dtype, device: torch.device,
-                 compile: bool = False, input_workers: int = 0, executor=None):
+                 compile: bool = False, input_workers: int = 0, executor=None, model: Transformer | None = None,
+                 stage: Stage = WHOLE):
+        """`model`: this rank's shard of the v1 model (built by the caller); None builds the whole one here."""
         self.params, self.block_hash, self.dtype, self.device = params, block_hash, dtype, device
+        self.stage = stage
         self.input_workers = input_workers  # > 0: inputs drawn by that many processes (V1InputPool)
         self._pool = None
         self._executor = executor  # shared worker processes (the engine's), or None: the pool makes its own
         t0 = time.perf_counter()
-        self.model = build_v1_model(params, block_hash, dtype, device).fuse()
+        self.model = (model if model is not None else build_v1_model(params, block_hash, dtype, device)).fuse()
         self.target = torch.from_numpy(v1.target(block_hash, params.vocab_size)).to(device)  # float64
         self._step = maybe_compile(Transformer.layer_step, compile)
         self._post = maybe_compile(self._distances, compile)
@@ -124,8 +175,8 @@ class V1Compute:
         return (self.params, self.block_hash, self.dtype)
 
     def prepare(self, public_key: str, nonces: Sequence[int]) -> V1Prepared:
-        p = self.params
-        if self.input_workers > 0 and len(nonces) > 1:
+        p, st = self.params, self.stage
+        if self.input_workers > 0 and len(nonces) > 1 and st.first and st.post:
             if self._pool is None or self._pool.batch < len(nonces):
                 from poc.engine.v1inputs import PoolUnavailable, V1InputPool
                 self.close()
@@ -138,15 +189,10 @@ class V1Compute:
             if self._pool is not None:
                 x, perms = self._pool.fill(self.block_hash, public_key, list(nonces))
                 return V1Prepared(list(nonces), torch.from_numpy(x), torch.from_numpy(perms))
-        x = torch.from_numpy(v1.input_embeddings(self.block_hash, public_key, nonces, p.seq_len, p.dim))
-        perms = torch.from_numpy(v1.permutations(self.block_hash, public_key, nonces, p.vocab_size))
-        if self.device.type == "cuda":
-            x, perms = x.pin_memory(), perms.pin_memory()
-        return V1Prepared(list(nonces), x, perms)
-
-    def _batch(self, x16: torch.Tensor, perms: torch.Tensor) -> torch.Tensor:
-        logits = self.model(x16.to(self.dtype), last_only=True, logits=True, step=self._step)  # fp16 first
-        return self._post(logits, perms)
+        x = (torch.from_numpy(v1.input_embeddings(self.block_hash, public_key, nonces, p.seq_len, p.dim))
+             if st.first else None)  # float16 first, as the reference
+        perms = torch.from_numpy(v1.permutations(self.block_hash, public_key, nonces, p.vocab_size)) if st.post else None
+        return V1Prepared(list(nonces), _pinned(x, self.device), _pinned(perms, self.device))
 
     def _distances(self, logits: torch.Tensor, perms: torch.Tensor) -> torch.Tensor:
         p = torch.gather(logits.float(), 1, perms)
@@ -154,15 +200,18 @@ class V1Compute:
         return torch.linalg.vector_norm(u.double() - self.target[None, :], dim=1)
 
     @torch.inference_mode()
-    def launch(self, prep: V1Prepared, pad_to: int | None = None) -> Handle:
-        x = prep.x.to(self.device, non_blocking=True)
-        perms = prep.perms.to(self.device, non_blocking=True)
-        n = len(prep.nonces)
-        if self.compiled and pad_to and n < pad_to:
-            x, perms = _pad_rows(x, pad_to), _pad_rows(perms, pad_to)
+    def launch(self, prep: V1Prepared, pad_to: int | None = None) -> Handle | None:
+        """Queue one batch on the device (a Handle where this rank reports, else None: sent on or dropped)."""
+        st, p, n = self.stage, self.params, len(prep.nonces)
+        B = pad_to if self.compiled and pad_to and n < pad_to else n
+        x = st.input(lambda: _pad_rows(prep.x.to(self.device, non_blocking=True), B).to(self.dtype),
+                     (B, p.seq_len, p.dim), self.dtype)
         if self.compiled:
-            note_new_shape("PoC v1", x.shape[0], x.shape[1])
-        return Handle(prep, self._batch(x, perms)[:n], self.device)
+            note_new_shape("PoC v1", B, p.seq_len)
+        out = st.forward(lambda: self.model(x, last_only=True, logits=st.last, step=self._step))
+        if st.post:
+            out = self._post(out, _pad_rows(prep.perms.to(self.device, non_blocking=True), B))
+        return st.finish(prep, out[:n], self.device)
 
     def collect(self, h: Handle) -> dict:
         return {"dist": h.wait().numpy().copy()}
@@ -184,9 +233,9 @@ class V1Compute:
 @dataclass
 class V2Prepared:
     nonces: list[int]
-    seeds: torch.Tensor  # (B,) or (B, 8) int64 input seeds
-    pick: torch.Tensor  # (B, k) int64
-    haar: torch.Tensor  # (B, k-1, k) float32
+    seeds: torch.Tensor | None  # (B,) or (B, 8) int64 input seeds; None past the first stage
+    pick: torch.Tensor | None  # (B, k) int64; None where nothing is post-processed
+    haar: torch.Tensor | None  # (B, k-1, k) float32
     seq_len: int
     block_hash: str
 
@@ -195,8 +244,9 @@ class V2Compute:
     """A loaded checkpoint; computes artifacts for any (block_hash, public_key, nonces, seq_len, k_dim)."""
 
     def __init__(self, model, cfg, dtype: torch.dtype, device: torch.device, name: str, compile: bool = False,
-                 compile_inputs: bool = True, compile_model: bool = True):
+                 compile_inputs: bool = True, compile_model: bool = True, stage: Stage = WHOLE):
         self.model, self.cfg, self.dtype, self.device, self.name = model.fuse(), cfg, dtype, device, name
+        self.stage = stage
         self._vectors: tuple[str, torch.Tensor] | None = None
         self._keys: torch.Tensor | None = None
         # three compiled pieces, each small: the inputs, one layer (reused by all), the projection
@@ -216,31 +266,33 @@ class V2Compute:
 
     def prepare(self, block_hash: str, public_key: str, nonces: Sequence[int], seq_len: int, k_dim: int,
                 stronger_rng: bool = False) -> V2Prepared:
-        seeds = v2.input_seeds(block_hash, public_key, nonces, stronger_rng)
-        pl = v2.plan(block_hash, public_key, nonces, self.cfg.dim, k_dim, "cpu")
-        t = (seeds, pl.pick, pl.haar)
-        if self.device.type == "cuda":
-            t = tuple(x.pin_memory() for x in t)
-        return V2Prepared(list(nonces), *t, seq_len=seq_len, block_hash=block_hash)
-
-    def _batch(self, seeds, keys, pick, haar, refl, seq_len: int) -> torch.Tensor:
-        x = self._inputs(seeds, seq_len, self.cfg.dim, keys).to(self.dtype)
-        h = self.model(x, reflections=refl, last_only=True, step=self._step)
-        return self._project(h, pick, haar)
+        st = self.stage
+        seeds = v2.input_seeds(block_hash, public_key, nonces, stronger_rng) if st.first else None
+        pl = v2.plan(block_hash, public_key, nonces, self.cfg.dim, k_dim, "cpu") if st.post else None
+        pick, haar = (pl.pick, pl.haar) if pl is not None else (None, None)
+        return V2Prepared(list(nonces), *(_pinned(t, self.device) for t in (seeds, pick, haar)), seq_len=seq_len,
+                          block_hash=block_hash)
 
     @torch.inference_mode()
     def launch(self, prep: V2Prepared, pad_to: int | None = None) -> Handle:
         dev = self.device
         if self.model.rope_cos.shape[0] < prep.seq_len or self.model.rope_cos.device != dev:
             self.model.init_rope(dev, max(prep.seq_len, self.cfg.max_seq_len))  # outside any compiled graph
-        seeds, pick, haar = (t.to(dev, non_blocking=True) for t in (prep.seeds, prep.pick, prep.haar))
-        n = len(prep.nonces)
-        if self.compiled and pad_to and n < pad_to:
-            seeds, pick, haar = (_pad_rows(t, pad_to) for t in (seeds, pick, haar))
+        st, S, D, n = self.stage, prep.seq_len, self.cfg.dim, len(prep.nonces)
+        B = pad_to if self.compiled and pad_to and n < pad_to else n
+
+        def on_device(t):
+            return _pad_rows(t.to(dev, non_blocking=True), B)
+
+        x = st.input(lambda: self._inputs(on_device(prep.seeds), S, D, self.keys(S)).to(self.dtype), (B, S, D),
+                     self.dtype)
         if self.compiled:
-            note_new_shape(f"PoC v2 ({self.name})", seeds.shape[0], prep.seq_len)
-        out = self._batch(seeds, self.keys(prep.seq_len), pick, haar, self.reflections(prep.block_hash), prep.seq_len)
-        return Handle(prep, out[:n], dev)
+            note_new_shape(f"PoC v2 ({self.name})", B, S)
+        refl = self.reflections(prep.block_hash)
+        out = st.forward(lambda: self.model(x, reflections=refl, last_only=True, step=self._step))
+        if st.post:
+            out = self._project(out, on_device(prep.pick), on_device(prep.haar))
+        return st.finish(prep, out[:n], dev)
 
     def keys(self, seq_len: int) -> torch.Tensor:
         n = seq_len * self.cfg.dim
