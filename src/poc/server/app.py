@@ -142,7 +142,7 @@ _ERROR_KIND = {400: "bad_input", 404: "not_found", 405: "bad_method", 409: "conf
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
-    metrics = request.app[metrics_key]
+    metrics = request.config_dict[metrics_key]  # a sub-application (/api/v1/pow) finds the root app's
     try:
         return await handler(request)
     except InputError as e:

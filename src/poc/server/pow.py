@@ -44,19 +44,22 @@ PREFIX = "/api/v1/pow"
 
 
 def setup(app: web.Application) -> None:
+    """The API as a sub-application at PREFIX; its service lives on the parent app (pow_key), whose keys it uses."""
     svc = PowService(app)
     app[pow_key] = svc
-    r = app.router
-    r.add_post(f"{PREFIX}/init", svc.init)
-    r.add_post(f"{PREFIX}/init/generate", svc.init_generate)
-    r.add_post(f"{PREFIX}/init/validate", svc.init_validate)
-    r.add_post(f"{PREFIX}/phase/generate", svc.phase_generate)
-    r.add_post(f"{PREFIX}/phase/validate", svc.phase_validate)
-    r.add_post(f"{PREFIX}/validate", svc.validate)
-    r.add_post(f"{PREFIX}/generate", svc.generate)
-    r.add_get(f"{PREFIX}/generate/{{request_id}}", svc.generate_result)
-    r.add_get(f"{PREFIX}/status", svc.status)
-    r.add_post(f"{PREFIX}/stop", svc.stop)
+    sub = web.Application()
+    r = sub.router
+    r.add_post("/init", svc.init)
+    r.add_post("/init/generate", svc.init_generate)
+    r.add_post("/init/validate", svc.init_validate)
+    r.add_post("/phase/generate", svc.phase_generate)
+    r.add_post("/phase/validate", svc.phase_validate)
+    r.add_post("/validate", svc.validate)
+    r.add_post("/generate", svc.generate)
+    r.add_get("/generate/{request_id}", svc.generate_result)
+    r.add_get("/status", svc.status)
+    r.add_post("/stop", svc.stop)
+    app.add_subapp(PREFIX, sub)
 
 
 def ok(state: str) -> web.Response:
