@@ -12,7 +12,8 @@ from aiohttp import web
 
 from poc.clients.callbacks import CallbackSender
 from poc.clients.spool import Spool, read_dead_letter
-from poc.server.app import create_app, sender_key
+from poc.server.app import create_app
+from poc.server.context import sender_key
 from poc.server.metrics import Metrics
 from poc.server.pow import pow_key
 

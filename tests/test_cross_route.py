@@ -10,9 +10,9 @@ import asyncio
 import time
 
 from .fakes import FakeController, FakeOrchestrator, Lines
-from .test_server import PARAMS_A, first_batch_line, v1_request, v2_request, validate_request, SET_A, wait_status
+from .servers import wait_status
+from .test_server import PARAMS_A, SET_A, first_batch_line, v1_request, v2_request, validate_request
 from .test_server_pow import POW, gen_body, wait_job
-from .test_server_pow import client, sink  # noqa: F401 (fixtures)
 
 BUSY = {"error": "busy: a job is already running", "field": None}
 
@@ -53,7 +53,7 @@ async def _others_are_refused(client, ctl, orch, *, generating: bool) -> None:
     r.close()
 
 
-async def test_a_root_generate_keeps_the_device_against_every_other_route(client):  # noqa: F811
+async def test_a_root_generate_keeps_the_device_against_every_other_route(client):
     ctl, orch = FakeController(params=v1_request(), ready_after=0), FakeOrchestrator()
     await ctl.start()
     await orch.start()
@@ -92,7 +92,7 @@ async def test_a_root_generate_keeps_the_device_against_every_other_route(client
         await orch.stop()
 
 
-async def test_a_pow_generation_keeps_the_device_against_every_other_route(client, sink):  # noqa: F811
+async def test_a_pow_generation_keeps_the_device_against_every_other_route(client, sink):
     ctl, orch = FakeController(params=v1_request(), ready_after=0), FakeOrchestrator()
     await ctl.start()
     await orch.start()
@@ -118,7 +118,7 @@ async def test_a_pow_generation_keeps_the_device_against_every_other_route(clien
         await orch.stop()
 
 
-async def test_a_pooled_session_keeps_the_device(client, tmp_path):  # noqa: F811
+async def test_a_pooled_session_keeps_the_device(client, tmp_path):
     orch = FakeOrchestrator()
     orch.connect_reply = {"status": "ok", "block_hash": v1_request()["block_hash"], "block_height": 7,
                           "params": PARAMS_A, "r_target": 2.0}

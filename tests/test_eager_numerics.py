@@ -1,7 +1,7 @@
 """The compiled fast path computes eager's bits (issue: optimised vs plain path in the same dtype).
 
 The model's reductions are exact (float64 sums of products of half-precision values), so their order does not
-matter; its half-precision elementwise ops round where eager rounds, and compute.eager_numerics() makes inductor
+matter; its half-precision elementwise ops round where eager rounds, and compile.eager_numerics() makes inductor
 keep those roundings. On CUDA the whole bf16 forward must be bit-identical; on the CPU (inductor's C++ backend,
 whose vectorised exp differs from eager's) the layer pieces the model is built from must be.
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from poc.engine.compute import eager_numerics, maybe_compile
+from poc.model.compile import eager_numerics, maybe_compile
 from poc.model.config import PRESETS
 from poc.model.random_weights import random_model
 from poc.model.transformer import Transformer, apply_rope, reflect, sum_exact
@@ -108,7 +108,7 @@ def test_pointless_convert_keeps_a_lossy_middle_cast():
 
     from torch._inductor.fx_passes import joint_graph
 
-    from poc.engine.compute import _keep_lossy_casts
+    from poc.model.compile import _keep_lossy_casts
 
     assert _keep_lossy_casts()  # this torch has the pass
     # Entries of other kinds (e.g. ReplacementPatternEntry, registered when other tests have compiled) carry no handler.

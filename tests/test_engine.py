@@ -5,7 +5,8 @@ import threading
 import numpy as np
 import pytest
 
-from poc.engine.engine import Busy, Engine
+from poc.engine.base import Busy
+from poc.engine.engine import Engine
 from poc.engine.jobs import Limits, V1Job, V2Job
 from poc.protocol import v1
 
@@ -149,7 +150,7 @@ def test_a_new_compiled_shape_is_logged_once(caplog):
     """Operators see why a first batch is slow: one line per new (batch, seq_len) of a compiled path."""
     import logging
 
-    from poc.engine.compute import note_new_shape
+    from poc.model.compile import note_new_shape
 
     with caplog.at_level(logging.INFO, logger="poc.compute"):
         assert note_new_shape("PoC v2 (test)", 7, 33) is True

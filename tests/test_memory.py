@@ -90,40 +90,30 @@ def test_on_cuda_the_allocator_cache_is_free_and_host_buffers_are_not_on_the_gpu
     assert ei.value.status == 422 and "36.00 GiB" in ei.value.message and "35.00 GiB" in ei.value.message
 
 
-def _stub_app(engine):
-    from aiohttp import web
-
-    from poc.server.app import config_key, engine_key
-    from poc.server.config import ServerConfig
-
-    app = web.Application()
-    app[engine_key] = engine
-    app[config_key] = ServerConfig()
-    return app
-
-
 def test_a_tensor_parallel_rank_is_checked_for_its_own_share_against_its_own_free_memory():
     """Qwen3-235B-A22B as two replicas of tp=2 on H200s (the measured W7R layout: ~120 GB of weights a GPU, batch 48,
     seq 1024, bf16, compiled): the per-rank estimate (half the MLP/attention activations, no materialised scores on
     CUDA, the routed experts' width) fits the ~18 GiB the ranks report free; checked as one GPU holding everything,
     the same job was refused."""
-    from types import SimpleNamespace
-
+    from poc.engine.base import ModelInfo
     from poc.model.config import PRESETS
-    from poc.parallel.layout import Layout
-    from poc.server.app import check_v2_memory
+    from poc.parallel.engine import DistEngine
+    from poc.server.config import ServerConfig
 
     cfg = PRESETS["qwen3-235b-a22b"]
     assert memory.ffn_width(cfg) == cfg.n_experts_per_tok * cfg.moe_ffn_dim + (2 * 8 * cfg.dim + 4) // 5
     rank = memory.v2_estimate(cfg, 48, 1024, 2, tp=2, cuda=True, fused=True)
     whole = memory.v2_estimate(cfg, 48, 1024, 2)
     assert rank.device_total < 0.9 * 18 * GiB < whole.device_total
-    engine = SimpleNamespace(layout=Layout(4, 2, 1), device=torch.device("cuda", 0), compile_v2=True,
-                             v2=SimpleNamespace(cfg=cfg, dtype=torch.bfloat16), free_bytes=lambda: 18 * GiB)
-    check_v2_memory(_stub_app(engine), 48, 1024)  # fits
-    engine.free_bytes = lambda: 5 * GiB  # a rank with little left: refused, with the numbers
+    engine = DistEngine("cpu", world=4, tp=2)  # as the CUDA engine would be: no rank is started here
+    engine.device, engine.compile_v2 = torch.device("cuda", 0), True
+    engine.v2 = ModelInfo(cfg, "qwen3-235b-a22b", torch.bfloat16)
+    headroom = ServerConfig().memory_headroom
+    engine.rank_free = {0: 18 * GiB, 1: 19 * GiB}
+    engine.check_v2_memory(48, 1024, headroom)  # fits
+    engine.rank_free[1] = 5 * GiB  # a rank with little left: refused, with the numbers
     with pytest.raises(InputError) as e:
-        check_v2_memory(_stub_app(engine), 48, 1024)
+        engine.check_v2_memory(48, 1024, headroom)
     assert e.value.status == 422 and "5.00 GiB is free" in e.value.message
 
 

@@ -150,7 +150,7 @@ def test_combine_gathers_what_a_scatter_and_sum_gives(n_valid):
     scattered[rows[:n_valid]] = y * w[rows[:n_valid], None]
     want = scattered.view(T, k, D).double().sum(dim=1).float()
     assert got.dtype == torch.float32 and torch.equal(got, want)
-    from poc.engine.compute import maybe_compile
+    from poc.model.compile import maybe_compile
 
     compiled = maybe_compile(transformer._combine, True, dynamic=True)(y, w, pos, torch.tensor(n_valid), T, k)
     assert torch.equal(compiled, want)

@@ -330,7 +330,8 @@ async def test_metrics_parse_and_carry_process_latency_queue_and_build_families(
 
     import torch
     from poc import __version__
-    from poc.server.app import create_app, sender_key
+    from poc.server.app import create_app
+    from poc.server.context import sender_key
 
     from .test_server import QWEN3, server_config, v1_request, wait_status
 

@@ -19,32 +19,17 @@ from aiohttp import web
 
 from poc.clients.callbacks import CallbackSender
 from poc.clients.spool import Spool
-from poc.server.app import create_app, sender_key
+from poc.server.app import create_app
+from poc.server.context import sender_key
 
 from .fakes import (FakeOrchestrator, Lines, ServerProcess, TwoReplicaEngine, covers_exactly, is_result, status,
                     wait_until)
 from .golden import V1_GOLDEN as G1
-from .test_server import PARAMS_A, server_config, wait_status
+from .servers import POLL, Sink, pooled_config, wait_status
+from .test_server import PARAMS_A
 
 BH = G1["block_hash"]
 R = G1["r_target_used_for_filter"]
-POLL = 0.25
-
-
-def pooled_config(tmp_path, **kw):
-    base = dict(spool_dir=str(tmp_path / "spool"), pooled_poll_interval=POLL, pooled_heartbeat_interval=0.3,
-                orchestrator_retry_base=0.05, orchestrator_timeout=2.0, callback_backoff=0.05,
-                callback_backoff_max=0.4, callback_timeout=2.0, pooled_flush_seconds=5.0, progress_interval=60.0)
-    base.update(kw)
-    return server_config(**base)
-
-
-@pytest.fixture
-async def orch():
-    o = FakeOrchestrator()
-    await o.start()
-    yield o
-    await o.stop()
 
 
 async def start_session(aiohttp_client, tmp_path, orch, body=None, **cfg):
@@ -197,8 +182,6 @@ async def test_shutdown_while_waiting_and_failed_registration_still_call_shutdow
 async def test_server_shutdown_interrupts_registration_retries(aiohttp_client, tmp_path):
     """SIGTERM while connect is still being retried (an unreachable orchestrator: 5 tries, 1-2-4-8 s apart) ends
     the session at once with a shutdown line; it used to sit out every retry (~15 s) and end on an error line."""
-    from poc.server import pooled
-
     dead = FakeOrchestrator()  # never started: connection refused
     client = await aiohttp_client(create_app(pooled_config(tmp_path, orchestrator_retry_base=1.0)))
     await wait_status(client)
@@ -206,7 +189,7 @@ async def test_server_shutdown_interrupts_registration_retries(aiohttp_client, t
     await lines.wait(status("registering"))
     await asyncio.sleep(0.2)  # inside the first retry sleep
     t0 = time.monotonic()
-    await pooled._on_shutdown(client.server.app)  # what the app's on_shutdown does on SIGTERM
+    await client.server.app.shutdown()  # the app's on_shutdown handlers, as on SIGTERM
     out = await lines.finish()
     assert time.monotonic() - t0 < 3, out
     assert out[-1] == {"status": "shutdown"}, out
@@ -294,7 +277,7 @@ async def test_key_and_r_target_during_the_model_load_then_a_new_block_hash_mid_
     import numpy as np
 
     from poc.protocol.v1 import V1Params
-    from poc.server.app import engine_key
+    from poc.server.context import engine_key
 
     bh2 = hashlib.sha256(b"next block").hexdigest()
     orch.connect_reply = {"status": "ok", "block_hash": BH, "block_height": 7, "params": PARAMS_A}
@@ -449,8 +432,6 @@ async def test_sender_spools_first_then_replays_after_restart_in_batches(tmp_pat
 async def test_the_same_id_to_two_urls_is_two_records_before_and_after_a_restart(aiohttp_server, tmp_path):
     """Records are keyed by (destination, idempotency id): a record for url2 is never folded into one for url1
     that carries the same id, neither while url1's is pending nor when both are replayed after a restart."""
-    from .test_server_pow import Sink
-
     s1, s2 = Sink(fail_first=10**6), Sink(fail_first=10**6)
     url1 = str((await aiohttp_server(s1.app)).make_url("/cb"))
     url2 = str((await aiohttp_server(s2.app)).make_url("/cb"))
@@ -534,8 +515,6 @@ async def test_pow_callbacks_are_spooled_and_delivered_after_a_restart(aiohttp_c
     """/api/v1/pow generation posts to a callback receiver that is down; the server stops; a new server on the
     same spool delivers every payload once the receiver is up (the same durability as /pooled's results)."""
     from .fakes import LoopbackApp
-    from .test_server_pow import Sink
-
     sink = Sink()
     rx = LoopbackApp(sink.app)
     cfg = pooled_config(tmp_path, callback_interval=0.2, shutdown_flush_seconds=0.2)
@@ -575,8 +554,6 @@ async def test_pow_generation_spools_each_batch_as_computed_so_a_kill9_mid_inter
     import shutil
 
     from .fakes import LoopbackApp
-    from .test_server_pow import Sink
-
     sink = Sink()
     rx = LoopbackApp(sink.app)  # not started: nothing would be acknowledged anyway
     a = await aiohttp_client(create_app(pooled_config(tmp_path, callback_interval=60.0, shutdown_flush_seconds=0.1)))
@@ -618,8 +595,6 @@ async def test_pow_generation_posts_merged_batches_every_interval(aiohttp_client
     from poc.server.pow import pow_key
 
     from .fakes import LoopbackApp
-    from .test_server_pow import Sink
-
     sink = Sink()
     rx = await LoopbackApp(sink.app).start()
     try:

@@ -16,47 +16,22 @@ import pytest
 
 from poc.engine import memory
 from poc.errors import InputError
+from poc.logs import OneLineFormatter, defuse
 from poc.protocol import v1, v2
-from poc.server.app import create_app, engine_key
-from poc.server.config import ServerConfig, parse_args
-from poc.server.logs import OneLineFormatter, defuse
+from poc.server.app import create_app
+from poc.server.config import parse_args
+from poc.server.context import engine_key
 from poc.server.schemas import get_nonces, stride_nonces
 
-from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2, v2_checkpoint
+from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2
+from .servers import QWEN3, server_config, wait_status
 
 BH, PK = G1["block_hash"], G1["public_key"]
 SET_A = G1["sets"]["A_gqa_plain_rope"]
 PARAMS_A = SET_A["params"]
-QWEN3 = str(v2_checkpoint("qwen3"))
 V1_KEYS = ["worker_id", "public_key", "block_hash", "block_height", "nonces", "dist", "node_id", "batch_number",
            "batch_computed", "batch_valid", "total_computed", "total_valid", "elapsed_seconds", "next_nonce",
            "aggregated_batch_number", "aggregated_total_computed", "aggregated_total_valid", "n_workers"]
-
-
-def server_config(**kw) -> ServerConfig:
-    base = dict(device="cpu", dtype="float32", progress_interval=0.2, rate_log_interval=0.5, callback_interval=0.2,
-                callback_backoff=0.05, max_body_bytes=256 << 10, shutdown_flush_seconds=1.0)
-    base.update(kw)
-    return ServerConfig(**base)
-
-
-async def wait_status(client, want=("ready",), timeout=10.0) -> dict:
-    t0 = time.monotonic()
-    while True:
-        r = await client.get("/health")
-        h = await r.json()
-        if h["state"] in want:
-            return h
-        assert time.monotonic() - t0 < timeout, h
-        await asyncio.sleep(0.02)
-
-
-@pytest.fixture
-async def client(aiohttp_client):
-    """An app serving v2 for the tiny qwen3 checkpoint, and v1."""
-    c = await aiohttp_client(create_app(server_config(model=QWEN3)))
-    await wait_status(c)
-    return c
 
 
 def v1_request(**kw) -> dict:
@@ -250,7 +225,7 @@ async def test_next_nonce_with_replicas_is_the_first_nonce_not_computed(aiohttp_
     batch line's."""
     from poc.engine.engine import Engine
     from poc.server import app as app_mod
-    from poc.server.app import runners_key
+    from poc.server.context import runners_key
 
     from .fakes import TwoReplicaEngine
 

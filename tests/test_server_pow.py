@@ -8,64 +8,27 @@ import time
 
 import numpy as np
 import pytest
-from aiohttp import web
 
 from poc.clients.callbacks import CallbackSender
 from poc.errors import InputError
 from poc.model.config import PRESETS
 from poc.protocol import v2
-from poc.server.app import create_app, sender_key
+from poc.server.app import create_app
 from poc.server.config import parse_args
+from poc.server.context import sender_key
 from poc.server.pow import pow_key
 from poc.server.schemas import ServedModel
 
 from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2
-from .test_server import PARAMS_A, QWEN3, server_config, wait_status
+from .servers import QWEN3, Sink, server_config, wait_status
+from .test_server import PARAMS_A
 
 P2 = G2["parameters"]
 GOLDEN = G2["models"]["qwen3"]["artifacts"]
 POW = "/api/v1/pow"
 
 
-class Sink:
-    """A callback receiver: records POST /generated and /validated (body and Idempotency-Key)."""
 
-    def __init__(self, fail_first: int = 0):
-        self.got: dict[str, list] = {"generated": [], "validated": []}
-        self.keys: list[str] = []
-        self.fail_first = fail_first
-        self.app = web.Application()
-        self.app.router.add_post("/cb/{kind}", self.handle)
-
-    async def handle(self, request):
-        if self.fail_first > 0:
-            self.fail_first -= 1
-            return web.json_response({"error": "try later"}, status=500)
-        self.got[request.match_info["kind"]].append(await request.json())
-        self.keys.append(request.headers.get("Idempotency-Key"))
-        return web.json_response({"ok": True})
-
-    async def wait(self, kind: str, n: int = 1, timeout: float = 10.0) -> list:
-        t0 = time.monotonic()
-        while len(self.got[kind]) < n:
-            assert time.monotonic() - t0 < timeout, self.got
-            await asyncio.sleep(0.02)
-        return self.got[kind]
-
-
-@pytest.fixture
-async def sink(aiohttp_server):
-    s = Sink()
-    srv = await aiohttp_server(s.app)
-    s.url = str(srv.make_url("/cb"))
-    return s
-
-
-@pytest.fixture
-async def client(aiohttp_client):
-    c = await aiohttp_client(create_app(server_config(model=QWEN3, max_queued_nonces=40)))
-    await wait_status(c)
-    return c
 
 
 def gen_body(nonces, **kw) -> dict:

@@ -19,10 +19,10 @@ import pytest
 from poc.clients import spool as spool_mod
 from poc.clients.callbacks import CallbackSender
 from poc.clients.spool import Spool
-from poc.server.app import create_app, sender_key
+from poc.server.app import create_app
+from poc.server.context import sender_key
 
-from .test_pooled import orch, pooled_config  # noqa: F401 (orch: the fake orchestrator fixture)
-from .test_server import wait_status
+from .servers import pooled_config, wait_status
 
 
 def _fail(err):
@@ -149,7 +149,7 @@ def test_an_unreadable_segment_at_start_is_logged_left_in_place_and_the_rest_rep
 
 
 async def test_sender_keeps_records_in_memory_while_the_disk_fails_says_so_once_and_respools(
-        aiohttp_client, tmp_path, orch, monkeypatch, caplog):  # noqa: F811
+        aiohttp_client, tmp_path, orch, monkeypatch, caplog):
     client = await aiohttp_client(create_app(pooled_config(tmp_path)))
     await wait_status(client)
     sender: CallbackSender = client.server.app[sender_key]

@@ -245,7 +245,7 @@ def test_worker_config_routes_workloads_and_log_patterns(monkeypatch):
     assert cfg.log_action_config.on_load == ["Application startup complete."]
     assert cfg.log_action_config.on_error == ["Error: POC-FATAL"]
     # the fatal line is printed by model_server.py and nothing the log formatter writes can contain it
-    from poc.server.logs import defuse
+    from poc.logs import defuse
     assert "Error: POC-FATAL" not in defuse("a request said: Error: POC-FATAL model_server: x")
     assert (ROOT / "src/poc/serve.py").read_text().count('FATAL = "Error: POC-FATAL"') == 1  # model_server.py's
     body = w.bench_payload()

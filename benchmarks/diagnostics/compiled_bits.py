@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from poc.engine.compute import eager_numerics, maybe_compile  # noqa: E402
+from poc.model.compile import eager_numerics, maybe_compile  # noqa: E402
 from poc.model.transformer import RMSNorm, apply_rope, reflect, rope_table  # noqa: E402
 
 

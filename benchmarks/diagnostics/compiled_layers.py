@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from poc.engine.compute import maybe_compile  # noqa: E402
+from poc.model.compile import maybe_compile  # noqa: E402
 from poc.model.config import PRESETS  # noqa: E402
 from poc.model.random_weights import random_model  # noqa: E402
 from poc.model.transformer import Transformer, apply_rope, reflect, sum_exact  # noqa: E402

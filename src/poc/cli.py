@@ -18,10 +18,11 @@ import os
 import re
 import sys
 
+from poc import dtypes
 from poc.errors import InputError
+from poc.protocol.nonces import MAX_NONCE
 
 MAX_CLI_NONCES = 1_000_000
-MAX_NONCE = (1 << 63) - 1  # nonces are int64 on the chain and the device, as the server's
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="independent tp x pp groups (default: 1 on CPU, every GPU on CUDA)")
         if name == "v1":
             p.add_argument("--params", required=True, help="the params JSON object (every key required)")
-            p.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"],
+            p.add_argument("--dtype", default="float16", choices=list(dtypes.NAMES),
                            help="float16 is what validators run")
         else:
             p.add_argument("--model", required=True,
@@ -83,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--seq-len", type=int, required=True)
             p.add_argument("--k-dim", type=int, default=12)
             p.add_argument("--stronger-rng", action="store_true")
-            p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+            p.add_argument("--dtype", default="auto", choices=["auto", *dtypes.NAMES],
                            help="auto: the checkpoint's dtype on CUDA, float32 on CPU")
     return ap
 
@@ -110,9 +111,10 @@ def run(argv: list[str]) -> int:
         params = V1Params.from_json(obj)
         from poc.parallel.engine import make_engine
 
-        _check_v1_memory(params, min(args.batch_size, len(nonces)), args.dtype, args.device, par)
         engine = make_engine(args.device, **par)
         try:
+            # the server's estimate (a 422 there): params far too large are refused here, not half-allocated
+            engine.check_v1_memory(params, min(args.batch_size, len(nonces)), args.dtype)
             dists = engine.v1_distances(params, args.block_hash, args.public_key, nonces, args.dtype, args.batch_size)
         finally:
             engine.close()
@@ -153,16 +155,6 @@ def run(argv: list[str]) -> int:
                 print(json.dumps({"nonce": n, "error": "non-finite output (NaN/Inf): no artifact"}))
     sys.stdout.flush()
     return 0
-
-
-def _check_v1_memory(params, batch_size: int, dtype: str, device: str, par: dict) -> None:
-    """The server's estimate (a 422 there): params far too large are refused here, not half-allocated."""
-    from poc.engine import memory
-    from poc.parallel.engine import resolve_device, world_for
-
-    dev = resolve_device(device)
-    est = memory.v1_estimate(params, batch_size, dtype, tp=par["tp"], pp=par["pp"], cuda=dev.type == "cuda")
-    memory.check_fits(est, dev, field="params", ranks=world_for(dev, par["tp"], par["pp"], par["replicas"]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from poc.errors import InputError
 from poc.server.config import check_spool_dir, parse_args
-from poc.server.logs import setup_logging
+from poc.logs import setup_logging
 
 FATAL = "Error: POC-FATAL"  # worker.py's on_error pattern: printed only here
 EXIT_LOAD_FAILED = 3  # the --model checkpoint failed to load (without POC_FATAL_KEEPALIVE)
@@ -32,7 +32,7 @@ def fatal(message: str) -> None:
 
 async def _fatal_if_load_fails(app: web.Application) -> None:
     """on_startup, after the engine's start-up began loading --model: a failed load is fatal for the PyWorker."""
-    from poc.server.app import config_key, engine_key, tasks_key
+    from poc.server.context import config_key, engine_key, tasks_key
 
     async def watch():
         await asyncio.shield(app[tasks_key]["load"])

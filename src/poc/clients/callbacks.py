@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from poc.clients.spool import Entry, Spool
-from poc.server.logs import describe
+from poc.logs import describe
 
 log = logging.getLogger("poc.callbacks")
 

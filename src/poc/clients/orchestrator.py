@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from poc.server.logs import describe
+from poc.logs import describe
 
 log = logging.getLogger("poc.orchestrator")
 UNREACHABLE = "orchestrator unreachable"  # what a stream is told: the detail (refused, 404, ...) is only logged

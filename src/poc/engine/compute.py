@@ -2,27 +2,32 @@
 
 `V1Compute` holds a random model for (params, block_hash, dtype); `V2Compute` holds a loaded checkpoint.
 Both split a batch into `prepare` (host work: seeds, numpy RNG; safe to run on another thread while the
-device is busy with the previous batch) and `run` (device work), so the runner can overlap them.
+device is busy with the previous batch) and `launch`/`collect` (device work), so the runner can overlap them.
+The same classes run in the rank processes (poc.parallel.ranks) on a pipeline stage's part of the model: a
+`Stage` says whether this part makes the inputs (first), post-processes (last, and the reporter among the
+last stage's tp ranks), and how activations come from the previous stage and go to the next. One device
+holding the whole model is the default Stage().
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from poc import dtypes
+from poc.model.compile import maybe_compile, note_new_shape
 from poc.model.random_init import build_v1_model
 from poc.model.transformer import Transformer
 from poc.protocol import v1, v2
 
 log = logging.getLogger("poc.compute")
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in dtypes.NAMES}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -50,6 +55,45 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass(frozen=True)
+class Stage:
+    """Where this model sits in a pipeline; Stage() is the whole model on one device."""
+
+    first: bool = True  # makes the inputs from the seeds
+    last: bool = True  # holds the final norm/head: its output is post-processed
+    reporter: bool = True  # the last stage's rank whose results go back (tp rank 0)
+    recv: Callable[[tuple, torch.dtype], torch.Tensor] | None = None  # the previous stage's (B, S, D) output
+    send: Callable[[torch.Tensor], None] | None = None  # this stage's output to the next stage
+    mark: Callable[[int], None] | None = None  # called before (0) and after (1) the forward launch (timing)
+
+    @property
+    def post(self) -> bool:
+        """This rank post-processes and reports."""
+        return self.last and self.reporter
+
+    def input(self, make: Callable[[], torch.Tensor], shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The forward's input: made here on the first stage, received from the previous one after it."""
+        return make() if self.first else self.recv(shape, dtype)
+
+    def forward(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if self.mark is not None:
+            self.mark(0)
+        out = run()
+        if self.mark is not None:
+            self.mark(1)
+        return out
+
+    def finish(self, prep, out: torch.Tensor, device: torch.device) -> "Handle | None":
+        """Hand the output on (not the last stage), or a Handle to collect (the reporter); None otherwise."""
+        if not self.last:
+            self.send(out)
+            return None
+        return Handle(prep, out, device) if self.reporter else None
+
+
+WHOLE = Stage()
+
+
 class Handle:
     """A batch whose device work was launched; `collect` waits for it."""
 
@@ -69,81 +113,6 @@ class Handle:
         return self.host
 
 
-def eager_numerics() -> dict:
-    """Make inductor's kernels round as eager PyTorch does, so the compiled path gives eager's bits:
-
-    - emulate_precision_casts: round to bf16/fp16 wherever eager would, inside fused kernels;
-    - division_rounding: IEEE division (div_rn), where Triton's `/` is an approximate div.full;
-    - use_pytorch_libdevice: the CUDA toolkit's libdevice, as eager's kernels use;
-    - no FMA contraction (TRITON_DEFAULT_FP_FUSION=0): eager rounds a*b before adding c;
-    - no folding of x.to(bf16).float() into x.float() (_keep_lossy_casts).
-    The model's reductions are exact (transformer.sum_exact), so their order does not matter either.
-    Knobs this torch lacks are skipped; the returned dict says which were set."""
-    import torch._inductor.config as inductor_config
-
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
-    set_ = {}
-    try:
-        import triton
-
-        lang = getattr(getattr(triton, "knobs", None), "language", None)
-        if lang is not None and hasattr(lang, "default_fp_fusion"):
-            lang.default_fp_fusion = os.environ["TRITON_DEFAULT_FP_FUSION"] == "1"
-            set_["fp_fusion"] = lang.default_fp_fusion
-    except ImportError:
-        pass
-    if hasattr(inductor_config, "emulate_precision_casts"):
-        inductor_config.emulate_precision_casts = True
-        set_["emulate_precision_casts"] = True
-    en = getattr(inductor_config, "eager_numerics", None)
-    for knob in ("division_rounding", "use_pytorch_libdevice"):
-        if en is not None and hasattr(en, knob):
-            setattr(en, knob, True)
-            set_[knob] = True
-    set_["keep_lossy_casts"] = _keep_lossy_casts()
-    return set_
-
-
-def _keep_lossy_casts() -> bool:
-    """Stop inductor's `pointless_convert` pass from folding x.to(bf16).float() into x.float().
-
-    That pass (torch <= 2.11 applies it even under emulate_precision_casts; newer versions skip lossy chains
-    themselves) drops the rounding to bf16 that eager does, e.g. RMSNorm's normalised value before the weight.
-    Its handler is wrapped so that a chain whose middle dtype is narrower than its input is left alone.
-    Returns whether the handler was found (False: this torch has no such pass, nothing to do)."""
-    try:
-        from torch._inductor.fx_passes import joint_graph
-    except ImportError:
-        return False
-    found = False
-    for entries in getattr(getattr(joint_graph, "patterns", None), "patterns", {}).values():
-        for entry in entries:
-            handler = getattr(entry, "handler", None)
-            if getattr(handler, "__name__", "") != "pointless_convert":
-                continue
-            found = True
-            if getattr(handler, "_poc_keeps_lossy", False):
-                continue
-
-            def keep_lossy(match, *args, _orig=handler, **kwargs):
-                arg, dtype1 = kwargs.get("arg"), kwargs.get("dtype1")
-                val = getattr(arg, "meta", {}).get("val")
-                if isinstance(val, torch.Tensor) and isinstance(dtype1, torch.dtype) and \
-                        val.dtype.is_floating_point and dtype1.itemsize < val.dtype.itemsize:
-                    return None  # eager rounds to dtype1 here: keep the cast
-                return _orig(match, *args, **kwargs)
-
-            keep_lossy.__name__ = "pointless_convert"
-            keep_lossy._poc_keeps_lossy = True
-            try:
-                entry.handler = keep_lossy
-            except (AttributeError, TypeError):  # a torch whose pattern entries are frozen: leave the pass alone
-                log.warning("could not guard inductor's pointless_convert pass; compiled results may differ from "
-                            "eager by bf16 rounding")
-                return False
-    return found
-
-
 def compile_flags(compile, device: torch.device) -> tuple[bool, bool]:
     """(compile v1, compile v2) for the --compile flag: "auto" and "on" compile both protocols on CUDA, "off" and
     the CPU neither. The compiled path computes eager's bits (eager_numerics; v2 bf16 over 1000 nonces: mean L2
@@ -158,36 +127,9 @@ def compile_flags(compile, device: torch.device) -> tuple[bool, bool]:
     return on, on
 
 
-def maybe_compile(fn, enabled: bool, dynamic: bool = False):
-    """torch.compile at fixed shapes when asked (CUDA); the eager function otherwise.
-
-    Inductor is set to compute eager's bits first (eager_numerics)."""
-    if not enabled:
-        return fn
-    import torch._dynamo.config as dynamo_config
-
-    eager_numerics()
-    # one graph per (batch, seq_len, last-layer) shape, shared by every engine in the process: the default
-    # limit of 8 would silently fall back to eager after a few shapes
-    dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 256)
-    if hasattr(dynamo_config, "accumulated_cache_size_limit"):
-        dynamo_config.accumulated_cache_size_limit = max(dynamo_config.accumulated_cache_size_limit, 4096)
-    return torch.compile(fn, dynamic=dynamic)
-
-
-_SHAPES_SEEN: set = set()
-
-
-def note_new_shape(what: str, batch: int, seq_len: int) -> bool:
-    """Log, once per process and shape, that a compiled path meets a new (batch, seq_len): that batch compiles
-    first (tens of seconds on a large model; the graphs are then reused). Returns whether the shape was new."""
-    key = (what, batch, seq_len)
-    if key in _SHAPES_SEEN:
-        return False
-    _SHAPES_SEEN.add(key)
-    log.info("%s: compiling for batch %d x seq_len %d (once per shape in this process: this batch takes longer)",
-             what, batch, seq_len)
-    return True
+def _pinned(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """Host tensors bound for a CUDA device are pinned, so their copy does not block the host."""
+    return t.pin_memory() if t is not None and device.type == "cuda" else t
 
 
 def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -204,21 +146,25 @@ def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
 @dataclass
 class V1Prepared:
     nonces: list[int]
-    x: torch.Tensor  # (B, S, D) float16, host (pinned on CUDA)
-    perms: torch.Tensor  # (B, V) int64, host
+    x: torch.Tensor | None  # (B, S, D) float16, host (pinned on CUDA); None past the first stage
+    perms: torch.Tensor | None  # (B, V) int64, host; None where nothing is post-processed
 
 
 class V1Compute:
     """The v1 random model for one (params, block_hash, dtype), plus its target vector."""
 
     def __init__(self, params: v1.V1Params, block_hash: str, dtype: torch.dtype, device: torch.device,
-                 compile: bool = False, input_workers: int = 0, executor=None, stop=None):
+                 compile: bool = False, input_workers: int = 0, executor=None, model: Transformer | None = None,
+                 stage: Stage = WHOLE, stop=None):
+        """`model`: this rank's shard of the v1 model (built by the caller); None builds the whole one here (`stop`:
+        an event that ends the build early, a client gone)."""
         self.params, self.block_hash, self.dtype, self.device = params, block_hash, dtype, device
+        self.stage = stage
         self.input_workers = input_workers  # > 0: inputs drawn by that many processes (V1InputPool)
         self._pool = None
         self._executor = executor  # shared worker processes (the engine's), or None: the pool makes its own
         t0 = time.perf_counter()
-        self.model = build_v1_model(params, block_hash, dtype, device, stop=stop).fuse()
+        self.model = (model if model is not None else build_v1_model(params, block_hash, dtype, device, stop=stop)).fuse()
         self.target = torch.from_numpy(v1.target(block_hash, params.vocab_size)).to(device)  # float64
         self._step = maybe_compile(Transformer.layer_step, compile)
         self._post = maybe_compile(self._distances, compile)
@@ -230,8 +176,8 @@ class V1Compute:
         return (self.params, self.block_hash, self.dtype)
 
     def prepare(self, public_key: str, nonces: Sequence[int]) -> V1Prepared:
-        p = self.params
-        if self.input_workers > 0 and len(nonces) > 1:
+        p, st = self.params, self.stage
+        if self.input_workers > 0 and len(nonces) > 1 and st.first and st.post:
             if self._pool is None or self._pool.batch < len(nonces):
                 from poc.engine.v1inputs import PoolUnavailable, V1InputPool
                 self.close()
@@ -244,15 +190,10 @@ class V1Compute:
             if self._pool is not None:
                 x, perms = self._pool.fill(self.block_hash, public_key, list(nonces))
                 return V1Prepared(list(nonces), torch.from_numpy(x), torch.from_numpy(perms))
-        x = torch.from_numpy(v1.input_embeddings(self.block_hash, public_key, nonces, p.seq_len, p.dim))
-        perms = torch.from_numpy(v1.permutations(self.block_hash, public_key, nonces, p.vocab_size))
-        if self.device.type == "cuda":
-            x, perms = x.pin_memory(), perms.pin_memory()
-        return V1Prepared(list(nonces), x, perms)
-
-    def _batch(self, x16: torch.Tensor, perms: torch.Tensor) -> torch.Tensor:
-        logits = self.model(x16.to(self.dtype), last_only=True, logits=True, step=self._step)  # fp16 first
-        return self._post(logits, perms)
+        x = (torch.from_numpy(v1.input_embeddings(self.block_hash, public_key, nonces, p.seq_len, p.dim))
+             if st.first else None)  # float16 first, as the reference
+        perms = torch.from_numpy(v1.permutations(self.block_hash, public_key, nonces, p.vocab_size)) if st.post else None
+        return V1Prepared(list(nonces), _pinned(x, self.device), _pinned(perms, self.device))
 
     def _distances(self, logits: torch.Tensor, perms: torch.Tensor) -> torch.Tensor:
         p = torch.gather(logits.float(), 1, perms)
@@ -260,15 +201,18 @@ class V1Compute:
         return torch.linalg.vector_norm(u.double() - self.target[None, :], dim=1)
 
     @torch.inference_mode()
-    def launch(self, prep: V1Prepared, pad_to: int | None = None) -> Handle:
-        x = prep.x.to(self.device, non_blocking=True)
-        perms = prep.perms.to(self.device, non_blocking=True)
-        n = len(prep.nonces)
-        if self.compiled and pad_to and n < pad_to:
-            x, perms = _pad_rows(x, pad_to), _pad_rows(perms, pad_to)
+    def launch(self, prep: V1Prepared, pad_to: int | None = None) -> Handle | None:
+        """Queue one batch on the device (a Handle where this rank reports, else None: sent on or dropped)."""
+        st, p, n = self.stage, self.params, len(prep.nonces)
+        B = pad_to if self.compiled and pad_to and n < pad_to else n
+        x = st.input(lambda: _pad_rows(prep.x.to(self.device, non_blocking=True), B).to(self.dtype),
+                     (B, p.seq_len, p.dim), self.dtype)
         if self.compiled:
-            note_new_shape("PoC v1", x.shape[0], x.shape[1])
-        return Handle(prep, self._batch(x, perms)[:n], self.device)
+            note_new_shape("PoC v1", B, p.seq_len)
+        out = st.forward(lambda: self.model(x, last_only=True, logits=st.last, step=self._step))
+        if st.post:
+            out = self._post(out, _pad_rows(prep.perms.to(self.device, non_blocking=True), B))
+        return st.finish(prep, out[:n], self.device)
 
     def collect(self, h: Handle) -> dict:
         return {"dist": h.wait().numpy().copy()}
@@ -290,9 +234,9 @@ class V1Compute:
 @dataclass
 class V2Prepared:
     nonces: list[int]
-    seeds: torch.Tensor  # (B,) or (B, 8) int64 input seeds
-    pick: torch.Tensor  # (B, k) int64
-    haar: torch.Tensor  # (B, k-1, k) float32
+    seeds: torch.Tensor | None  # (B,) or (B, 8) int64 input seeds; None past the first stage
+    pick: torch.Tensor | None  # (B, k) int64; None where nothing is post-processed
+    haar: torch.Tensor | None  # (B, k-1, k) float32
     seq_len: int
     block_hash: str
 
@@ -301,8 +245,9 @@ class V2Compute:
     """A loaded checkpoint; computes artifacts for any (block_hash, public_key, nonces, seq_len, k_dim)."""
 
     def __init__(self, model, cfg, dtype: torch.dtype, device: torch.device, name: str, compile: bool = False,
-                 compile_inputs: bool = True, compile_model: bool = True):
+                 compile_inputs: bool = True, compile_model: bool = True, stage: Stage = WHOLE):
         self.model, self.cfg, self.dtype, self.device, self.name = model.fuse(), cfg, dtype, device, name
+        self.stage = stage
         self._vectors: tuple[str, torch.Tensor] | None = None
         self._keys: torch.Tensor | None = None
         # three compiled pieces, each small: the inputs, one layer (reused by all), the projection
@@ -322,31 +267,33 @@ class V2Compute:
 
     def prepare(self, block_hash: str, public_key: str, nonces: Sequence[int], seq_len: int, k_dim: int,
                 stronger_rng: bool = False) -> V2Prepared:
-        seeds = v2.input_seeds(block_hash, public_key, nonces, stronger_rng)
-        pl = v2.plan(block_hash, public_key, nonces, self.cfg.dim, k_dim, "cpu")
-        t = (seeds, pl.pick, pl.haar)
-        if self.device.type == "cuda":
-            t = tuple(x.pin_memory() for x in t)
-        return V2Prepared(list(nonces), *t, seq_len=seq_len, block_hash=block_hash)
-
-    def _batch(self, seeds, keys, pick, haar, refl, seq_len: int) -> torch.Tensor:
-        x = self._inputs(seeds, seq_len, self.cfg.dim, keys).to(self.dtype)
-        h = self.model(x, reflections=refl, last_only=True, step=self._step)
-        return self._project(h, pick, haar)
+        st = self.stage
+        seeds = v2.input_seeds(block_hash, public_key, nonces, stronger_rng) if st.first else None
+        pl = v2.plan(block_hash, public_key, nonces, self.cfg.dim, k_dim, "cpu") if st.post else None
+        pick, haar = (pl.pick, pl.haar) if pl is not None else (None, None)
+        return V2Prepared(list(nonces), *(_pinned(t, self.device) for t in (seeds, pick, haar)), seq_len=seq_len,
+                          block_hash=block_hash)
 
     @torch.inference_mode()
     def launch(self, prep: V2Prepared, pad_to: int | None = None) -> Handle:
         dev = self.device
         if self.model.rope_cos.shape[0] < prep.seq_len or self.model.rope_cos.device != dev:
             self.model.init_rope(dev, max(prep.seq_len, self.cfg.max_seq_len))  # outside any compiled graph
-        seeds, pick, haar = (t.to(dev, non_blocking=True) for t in (prep.seeds, prep.pick, prep.haar))
-        n = len(prep.nonces)
-        if self.compiled and pad_to and n < pad_to:
-            seeds, pick, haar = (_pad_rows(t, pad_to) for t in (seeds, pick, haar))
+        st, S, D, n = self.stage, prep.seq_len, self.cfg.dim, len(prep.nonces)
+        B = pad_to if self.compiled and pad_to and n < pad_to else n
+
+        def on_device(t):
+            return _pad_rows(t.to(dev, non_blocking=True), B)
+
+        x = st.input(lambda: self._inputs(on_device(prep.seeds), S, D, self.keys(S)).to(self.dtype), (B, S, D),
+                     self.dtype)
         if self.compiled:
-            note_new_shape(f"PoC v2 ({self.name})", seeds.shape[0], prep.seq_len)
-        out = self._batch(seeds, self.keys(prep.seq_len), pick, haar, self.reflections(prep.block_hash), prep.seq_len)
-        return Handle(prep, out[:n], dev)
+            note_new_shape(f"PoC v2 ({self.name})", B, S)
+        refl = self.reflections(prep.block_hash)
+        out = st.forward(lambda: self.model(x, reflections=refl, last_only=True, step=self._step))
+        if st.post:
+            out = self._project(out, on_device(prep.pick), on_device(prep.haar))
+        return st.finish(prep, out[:n], dev)
 
     def keys(self, seq_len: int) -> torch.Tensor:
         n = seq_len * self.cfg.dim

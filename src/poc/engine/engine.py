@@ -1,4 +1,4 @@
-"""The engine: owns one device (or, later, a process group), runs one job at a time batch by batch.
+"""The one-device engine (EngineBase in this process): runs one job at a time batch by batch.
 
 `Engine.run(job, emit, stop)` is blocking and meant for a worker thread: it calls `emit(BatchResult)` as
 soon as each batch is on the host and returns a JobSummary. The next batch's host work (seeds, numpy RNG)
@@ -10,49 +10,30 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from poc.engine import memory
-from poc.engine.compute import DTYPES, V1Compute, V2Compute, compile_flags, resolve_device
-from poc.engine.jobs import BatchResult, JobSummary, V1Job, V2Job, take
-from poc.errors import InputError
+from poc.engine.base import EngineBase
+from poc.engine.compute import DTYPE_NAMES, DTYPES, V1Compute, V2Compute, compile_flags, resolve_device
+from poc.engine.jobs import BatchResult, JobSummary, V1Job, take
 from poc.model.random_init import BuildStopped
 from poc.protocol import v1
 
 log = logging.getLogger("poc.engine")
 
 
-class Busy(RuntimeError):
-    """A second job while one runs."""
+class Engine(EngineBase):
+    """One device, in this process: the v1 model of the last job kept, the v2 checkpoint loaded at start."""
 
-
-class DeviceLock:
-    """One job at a time on the devices; the holder's state reads "busy". Needs _lock, state, broken_reason."""
-
-    @contextlib.contextmanager
-    def exclusive(self):
-        """Hold the device(s) for one job; Busy at once if another holds them."""
-        if not self._lock.acquire(blocking=False):
-            raise Busy("a job is already running")
-        prev = self.state
-        self.state = "busy"
-        try:
-            yield
-        finally:
-            self.state = "broken" if self.broken_reason else prev
-            self._lock.release()
-
-
-class Engine(DeviceLock):
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto",
                  compile: bool | str = False, v1_input_workers: int | None = None, fp8_experts: str | None = None):
+        super().__init__(loading=bool(model_dir))
         self.device = resolve_device(device)
         memory.return_freed_memory()  # a freed v1 model's memory leaves the process (CPU peaks match the estimate)
         # torch.compile at fixed batch shapes, CUDA only (compute.compile_flags)
@@ -67,15 +48,11 @@ class Engine(DeviceLock):
         self.dtype_flag = dtype
         self.v2: V2Compute | None = None
         self._v1: V1Compute | None = None
-        self._lock = threading.Lock()
         self._prep_pool = ThreadPoolExecutor(1, thread_name_prefix="poc-prepare")
-        self.state = "loading" if model_dir else "ready"
-        self.load_seconds: float | None = None
-        self.broken_reason: str | None = None
 
     # ---------------------------------------------------------------------------------------- models
 
-    def load(self) -> None:
+    def _load(self) -> None:
         """Warm up torch (its first model build costs ~2 s, once), start the v1 input processes, and load the v2
         checkpoint given at start."""
         self._warmup()
@@ -83,7 +60,6 @@ class Engine(DeviceLock):
             from poc.engine.v1inputs import make_executor
             self._executor = make_executor(self.v1_input_workers)
         if not self.model_dir:
-            self.state = "ready"
             return
         from poc.model.random_weights import random_model, random_spec
         from poc.model.weights import load_model, resolve_dtype
@@ -101,7 +77,6 @@ class Engine(DeviceLock):
         name = Path(self.model_dir).name
         self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile_v2)
         self.load_seconds = time.perf_counter() - t0
-        self.state = "ready"
 
     def _warmup(self) -> None:
         tiny = v1.V1Params(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=64, ffn_dim_multiplier=None,
@@ -134,15 +109,17 @@ class Engine(DeviceLock):
             self._v1 = c
         return self._v1
 
-    def require_v2(self) -> V2Compute:
-        if self.v2 is None:
-            raise InputError("no PoC v2 model is loaded: start the server with --model DIR", "params.model")
-        return self.v2
+    def build_v1(self, params: v1.V1Params, block_hash: str, dtype: str) -> None:
+        self.v1_compute(params, block_hash, dtype)
+
+    def v1_held_bytes(self) -> int:
+        c = self._v1
+        return memory.v1_weight_bytes(c.params, DTYPE_NAMES[c.dtype])[0] if c is not None else 0
 
     # ------------------------------------------------------------------------------------ jobs
 
-    def run(self, job: V1Job | V2Job, emit: Callable[[BatchResult], None], stop: threading.Event) -> JobSummary:
-        with self.exclusive():
+    def run(self, job, emit, stop, claim=None) -> JobSummary:
+        with self.exclusive(claim):
             return self._run(job, emit, stop)
 
     def _run(self, job, emit, stop) -> JobSummary:
@@ -223,7 +200,6 @@ class Engine(DeviceLock):
 
     def v1_distances(self, params: v1.V1Params, block_hash: str, public_key: str, nonces: Sequence[int],
                      dtype: str = "float16", batch_size: int = 64) -> np.ndarray:
-        """Distances for explicit nonces (validation, the CLI)."""
         with self.exclusive():
             comp = self.v1_compute(params, block_hash, dtype)
             out = [comp.run(comp.prepare(public_key, nonces[i:i + batch_size]))

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from poc import dtypes
 from poc.errors import InputError
 from poc.protocol import v1
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 GiB = 1 << 30
 
 
@@ -85,14 +85,14 @@ def v1_total_params(p: v1.V1Params) -> int:
 def v1_weight_bytes(p: v1.V1Params, dtype: str) -> tuple[int, int]:
     """(model weights, float32 pool) in bytes."""
     total = v1_total_params(p)
-    return (total - p.vocab_size * p.dim) * DTYPE_BYTES[dtype], 4 * v1.pool_size(total)
+    return (total - p.vocab_size * p.dim) * dtypes.BYTES[dtype], 4 * v1.pool_size(total)
 
 
 def v1_estimate(p: v1.V1Params, batch_size: int, dtype: str, *, tp: int = 1, pp: int = 1, cuda: bool = False,
                 fused: bool = False) -> Estimate:
     """One rank's share (tp x pp ranks split the weights; each builds from the whole pool)."""
     w, pool = v1_weight_bytes(p, dtype)
-    act = activation_bytes(batch_size, p.seq_len, p.dim, p.ffn_dim, p.n_heads, DTYPE_BYTES[dtype], tp=tp,
+    act = activation_bytes(batch_size, p.seq_len, p.dim, p.ffn_dim, p.n_heads, dtypes.BYTES[dtype], tp=tp,
                            fused=fused, math_attention=not cuda)
     # last position only: logits, their permuted and normalised float32 copies, the float64 difference, and the
     # int64 permutations on the device

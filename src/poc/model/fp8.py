@@ -339,14 +339,12 @@ def use_fp8_linears(model: nn.Module, is_fp8: Callable[[str], bool]) -> list[str
     """Replace (on a meta-built model, before tensor parallel and fuse) every attention and dense-MLP nn.Linear whose
     weight name `is_fp8` accepts by an Fp8Linear; return the replaced weights' names. MoE experts are not touched:
     they are stacked FP8 tensors of their own (MoE.set_fp8)."""
-    from poc.model.transformer import MLP
-
     done = []
     for key, block in model.layers.items():
         if block is None:
             continue
         mods = [(f"layers.{key}.self_attn.", block.self_attn, ATTN_LINEARS)]
-        if isinstance(block.mlp, MLP):
+        if all(hasattr(block.mlp, n) for n in MLP_LINEARS):  # a dense MLP (a MoE block has a router and experts)
             mods.append((f"layers.{key}.mlp.", block.mlp, MLP_LINEARS))
         for prefix, mod, names in mods:
             for n in names:

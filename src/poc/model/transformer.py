@@ -410,7 +410,7 @@ _FAST: dict = {}
 def _fast(fn, dynamic: bool = False):
     """fn compiled once per process (the engine's compile settings); dynamic: one graph for any row count."""
     if (fn, dynamic) not in _FAST:
-        from poc.engine.compute import maybe_compile
+        from poc.model.compile import maybe_compile
 
         _FAST[fn, dynamic] = maybe_compile(fn, True, dynamic=dynamic)
     return _FAST[fn, dynamic]

@@ -25,7 +25,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Callable, Sequence
@@ -34,7 +33,9 @@ import numpy as np
 import torch
 
 from poc.engine.compute import DTYPES, compile_flags, resolve_device
-from poc.engine.engine import DeviceLock, Engine
+from poc.engine import memory
+from poc.engine.base import Claim, EngineBase, ModelInfo
+from poc.engine.engine import Engine
 from poc.engine.jobs import BatchResult, JobSummary, Limits, V1Job, V2Job, take
 from poc.errors import InputError
 from poc.model.config import ModelConfig
@@ -50,15 +51,6 @@ SRC = str(Path(__file__).resolve().parents[2])  # the directory holding the poc 
 
 class RankFailure(RuntimeError):
     """A rank died, failed or timed out: the engine is broken until restart()."""
-
-
-@dataclass
-class V2Info:
-    """What the server reads of a loaded checkpoint (the same attributes as engine.compute.V2Compute)."""
-
-    cfg: ModelConfig
-    name: str
-    dtype: torch.dtype
 
 
 class _Ranks:
@@ -90,12 +82,13 @@ class _Ranks:
                 c.close()
 
 
-class DistEngine(DeviceLock):
-    """Same public interface as poc.engine.engine.Engine; the work runs in layout.world rank processes."""
+class DistEngine(EngineBase):
+    """The engine interface (EngineBase) over layout.world rank processes."""
 
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto", tp: int = 1,
                  pp: int = 1, world: int | None = None, timeout: float = 300.0, start_timeout: float = 180.0,
                  log_level: str | None = None, compile: bool | str = False, fp8_experts: str | None = None):
+        super().__init__(loading=bool(model_dir))
         self.device = resolve_device(device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", 0)  # the engine spans devices 0..world-1; this names the first
@@ -106,18 +99,13 @@ class DistEngine(DeviceLock):
         self.model_dir, self.dtype_flag = model_dir, dtype
         self.timeout, self.start_timeout = timeout, start_timeout
         self.log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        self.v2: V2Info | None = None
-        self._v1 = None  # the server's memory check reads this on Engine; ranks hold their own v1 models
+        self.v2: ModelInfo | None = None
         self.rank_free: dict[int, int] = {}  # rank -> free GPU bytes, as last reported (free_bytes)
         self.last_v1: tuple | None = None  # (params, dtype) of the v1 model the ranks hold: freed before the next
-        self.state = "loading" if model_dir else "ready"
-        self.broken_reason: str | None = None
-        self.load_seconds: float | None = None
         # as Engine (compute.compile_flags); CUDA only (the collectives inside the layer are traced)
         self.compile_v1, self.compile_v2 = compile_flags(compile, self.device)
         self.compile = self.compile_v2
         self.fp8_experts = fp8_experts
-        self._lock = threading.Lock()
         self._ranks: _Ranks | None = None
         self._job_ids = itertools.count(1)
 
@@ -262,15 +250,13 @@ class DistEngine(DeviceLock):
                     msg = c.recv()
                     if msg[0] != "error":
                         g.inbox.put(msg)
-        self.broken_reason = reason
-        self.state = "broken"
+        self.mark_broken(reason)
         g.inbox.put(("failed", reason))
 
     def restart(self) -> None:
         """Kill every rank, start fresh ones and reload the checkpoint: a broken engine comes back clean."""
         self._shutdown(graceful=False)
-        self.broken_reason = None
-        self.state = "loading"
+        self.clear_broken()
         self.load()
 
     def close(self) -> None:
@@ -298,7 +284,7 @@ class DistEngine(DeviceLock):
 
     # ------------------------------------------------------------------------------------ models
 
-    def load(self) -> None:
+    def _load(self) -> None:
         """Start the ranks and load the checkpoint given at start (each rank reads its own slices)."""
         t0 = time.perf_counter()
         if self.model_dir:  # refuse an uneven split here, before any process starts
@@ -312,9 +298,8 @@ class DistEngine(DeviceLock):
             infos = self._wait_all(g, "loaded", self.layout.world, limit=3600.0)
             self.rank_free = {i: info["free"] for i, info in enumerate(infos) if info.get("free") is not None}
             cfg = _model_config(self.model_dir)
-            self.v2 = V2Info(cfg, Path(self.model_dir).name, DTYPES[infos[0]["dtype"]])
+            self.v2 = ModelInfo(cfg, Path(self.model_dir).name, DTYPES[infos[0]["dtype"]])
         self.load_seconds = time.perf_counter() - t0
-        self.state = "ready"
 
     v2_dtype_arg = Engine.v2_dtype_arg
 
@@ -362,10 +347,14 @@ class DistEngine(DeviceLock):
             self.start()
         return self._ranks
 
-    def require_v2(self) -> V2Info:
-        if self.v2 is None:
-            raise InputError("no PoC v2 model is loaded: start the server with --model DIR", "params.model")
-        return self.v2
+    def parallel_dims(self) -> tuple[int, int, int]:
+        return self.layout.tp, self.layout.pp, self.layout.world
+
+    def v1_held_bytes(self) -> int:
+        """Each rank frees its shard of the last v1 model before the next build."""
+        if self.last_v1 is None:
+            return 0
+        return memory.v1_weight_bytes(*self.last_v1)[0] // (self.layout.tp * self.layout.pp)
 
     def free_bytes(self) -> int | None:
         """The tightest GPU's free memory (free + cached-but-unused) as the ranks last reported it (after loading,
@@ -380,8 +369,9 @@ class DistEngine(DeviceLock):
 
     # ------------------------------------------------------------------------------------ jobs
 
-    def run(self, job: V1Job | V2Job, emit: Callable[[BatchResult], None], stop: threading.Event) -> JobSummary:
-        with self.exclusive():
+    def run(self, job: V1Job | V2Job, emit: Callable[[BatchResult], None], stop: threading.Event,
+            claim: Claim | None = None) -> JobSummary:
+        with self.exclusive(claim):
             return self._run(job, lambda seq, b, payload: emit(b), stop)
 
     def _run(self, job, on_result, stop: threading.Event, opts: dict | None = None) -> JobSummary:

@@ -1,4 +1,4 @@
-"""Which rank is which: replicas x pipeline stages x tensor-parallel ranks, the stage layer ranges, nonce streams.
+"""Which rank is which: replicas x pipeline stages x tensor-parallel ranks, the stage layer ranges.
 
 rank = replica * (pp * tp) + stage * tp + tp_rank, so a replica's ranks are consecutive (one NVLink island on a
 GPU box) and a stage's tp ranks are neighbours. Pure Python: the server process imports it.
@@ -7,7 +7,6 @@ GPU box) and a stage's tp ranks are neighbours. Pure Python: the server process 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
 
 from poc.errors import InputError
 
@@ -96,36 +95,6 @@ def stage_layers(n_layers: int, n_stages: int) -> list[range]:
         out.append(range(start, start + n))
         start += n
     return out
-
-
-@dataclass(frozen=True)
-class NonceStream:
-    """first, first + step, first + 2·step, ... up to `end` inclusive (None: endless), as picklable data.
-
-    Every layout the protocols use is one: v1 /generate worker_nonces(start, w, W) = (start + w, W);
-    pow's node_id + group_id·node_count + x·(n_groups·node_count) = (node_id + group_id·node_count,
-    n_groups·node_count); /pooled range_nonces(a, b, g, G) = (a + g, G, end=b)."""
-
-    first: int
-    step: int = 1
-    end: int | None = None
-
-    def __post_init__(self):
-        if self.step < 1:
-            raise InputError(f"a nonce stream needs step >= 1, got {self.step}", "nonces")
-
-    def __iter__(self) -> Iterator[int]:
-        n = self.first
-        while self.end is None or n <= self.end:
-            yield n
-            n += self.step
-
-    def split(self, n_parts: int) -> list["NonceStream"]:
-        """Part r of R takes every R-th element from the r-th on: disjoint, and together the whole stream.
-
-        In pow's terms part r is group group_id + r·n_groups of n_groups·R (not group_id·R + r, which leaves the
-        node's lattice when n_groups > 1)."""
-        return [NonceStream(self.first + r * self.step, self.step * n_parts, self.end) for r in range(n_parts)]
 
 
 @dataclass(frozen=True)

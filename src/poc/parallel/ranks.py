@@ -6,7 +6,8 @@ A rank connects back to the engine, joins the process group (NCCL on CUDA, gloo 
 Only each replica's leader (first stage, tp rank 0) reads commands; it broadcasts each one to its replica's
 ranks over a CPU (gloo) group: a job (a few seeds and a shape), then per batch the nonces or the end, so all
 ranks of a replica stop at the same batch. Every rank derives its inputs from the seeds; the first stage builds
-the embeddings, the last stage post-processes and its tp rank 0 sends the small results back. No aiohttp here.
+the embeddings, the last stage post-processes and its tp rank 0 sends the small results back: the single-device
+engine's V1Compute/V2Compute (engine/compute.py) run here with this rank's Stage. No aiohttp here.
 """
 
 from __future__ import annotations
@@ -20,24 +21,23 @@ import threading
 import time
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from poc.engine.compute import DTYPES, Handle, maybe_compile, note_new_shape
+from poc.engine.compute import DTYPES, Stage, V1Compute, V2Compute
 from poc.engine.jobs import V1Job, V2Job
+from poc.logs import OneLineFormatter
 from poc.model.random_weights import random_model, random_spec
-from poc.model.transformer import Transformer
 from poc.model.weights import resolve_dtype
 from poc.parallel import pp
 from poc.parallel.layout import RankConfig
 from poc.parallel.pp import keep_stage
 from poc.parallel.shard import build_v1_shard, load_shard
 from poc.parallel.tp import apply_tp
-from poc.protocol import v1, v2
 from poc.protocol.pool import pool_workers
-from poc.server.logs import OneLineFormatter
 
 log = logging.getLogger("poc.ranks")
 
@@ -102,17 +102,15 @@ class Rank:
             self.device = torch.device("cpu")
             torch.set_num_threads(cfg.threads)
         self.pending: collections.deque = collections.deque()  # the leader's commands read ahead
-        self.v2 = None  # (model, cfg, dtype, name)
-        self.v1 = None  # (key, model, target)
-        self._refl: tuple[str, torch.Tensor] | None = None
-        self._keys: torch.Tensor | None = None
-        # compiled at fixed shapes like the single-device engine (a short last batch compiles its own shape)
-        self._step_v1 = maybe_compile(Transformer.layer_step, cfg.compile_v1)
-        self._step_v2 = maybe_compile(Transformer.layer_step, cfg.compile_v2)
+        self.v2: V2Compute | None = None
+        self.v1: tuple[tuple, V1Compute] | None = None  # (params, block_hash, dtype), its compute
+        # this rank's part of the pipeline, for the compute (engine.compute) shared with the single-device engine
+        self.io = Stage(first=self.is_first, last=self.is_last, reporter=self.is_reporter,
+                        recv=lambda shape, dtype: pp.recv(shape, dtype, self.device, self.prev),
+                        send=lambda out: pp.send(out, self.next), mark=self._mark)
         self._profile_dir, self._profiled = os.environ.get("POC_RANK_PROFILE"), False
         timing = os.environ.get("POC_STAGE_TIMING") == "1" and self.device.type == "cuda"
         self._timing, self._prev_end, self._host_s = (collections.deque() if timing else None), None, {}
-        self._inputs_v2 = maybe_compile(v2.inputs_from_seeds, cfg.compile_v2)
 
     # ------------------------------------------------------------------------------------ setup
 
@@ -196,14 +194,10 @@ class Rank:
                 apply_tp(m, self.tp_rank, L.tp, self.tp_group)
 
             model = random_model(mcfg, resolve_dtype(dtype, mcfg), self.device, fp8_experts=fp8, shard=shard)
-        model.fuse()
-        for block in model.layers.values():  # MoE dispatch: compiled elementwise steps (no collectives in them)
-            if block is not None and hasattr(block.mlp, "fast"):
-                block.mlp.fast = self.cfg.compile_v2
         mdtype = next(model.parameters()).dtype
-        self.v2 = (model, mcfg, mdtype)
-        self._refl = None
-        n_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        # compiled at fixed shapes like the single-device engine (a short last batch compiles its own shape)
+        self.v2 = V2Compute(model, mcfg, mdtype, self.device, Path(model_dir).name, self.cfg.compile_v2, stage=self.io)
+        n_bytes = sum(t.numel() * t.element_size() for t in self.v2.model.state_dict().values())
         log.info("loaded %s: stage %d/%d tp %d/%d, %.1f MB on this rank in %.1f s", model_dir, self.stage, L.pp,
                  self.tp_rank, L.tp, n_bytes / 1e6, time.perf_counter() - t0)
         self.send(("loaded", self.rank, {"bytes": n_bytes, "seconds": time.perf_counter() - t0,
@@ -216,13 +210,14 @@ class Rank:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             L, t0 = self.layout, time.perf_counter()
-            model = build_v1_shard(job.params, job.block_hash, DTYPES[job.dtype], self.device, self.stage, L.pp,
-                                   self.tp_rank, L.tp, self.tp_group).fuse()
-            tgt = torch.from_numpy(v1.target(job.block_hash, job.params.vocab_size)).to(self.device)
-            self.v1 = (key, model, tgt)
+            dtype = DTYPES[job.dtype]
+            shard = build_v1_shard(job.params, job.block_hash, dtype, self.device, self.stage, L.pp, self.tp_rank,
+                                   L.tp, self.tp_group)
+            self.v1 = (key, V1Compute(job.params, job.block_hash, dtype, self.device, self.cfg.compile_v1,
+                                      model=shard, stage=self.io))
             log.info("v1 model built: dim=%d layers=%d dtype=%s in %.1f s", job.params.dim, job.params.n_layers,
                      job.dtype, time.perf_counter() - t0)
-        return self.v1[1], self.v1[2]
+        return self.v1[1]
 
     # ------------------------------------------------------------------------------------ jobs
 
@@ -277,72 +272,19 @@ class Rank:
         if self.is_reporter:
             self.send(("done", job_id, self.replica))
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """Host -> device without a sync (pinned, non-blocking), so batch i+1's host work overlaps batch i."""
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
-
-    def _stage_input(self, host_x, B: int, S: int, D: int, dtype: torch.dtype) -> torch.Tensor:
-        """The first stage's inputs (from host_x()), or the previous stage's (B, S, D) output."""
-        if self.is_first:
-            return host_x()
-        return pp.recv((B, S, D), dtype, self.device, self.prev)
-
-    def _finish(self, out: torch.Tensor):
-        """Hand a stage's output on; on the last stage, the reporter's output becomes a Handle."""
-        if not self.is_last:
-            pp.send(out, self.next)
-            return None
-        return Handle(None, out, self.device) if self.is_reporter else None
-
     def launch_v2(self, job: V2Job, nonces: list[int]):
         """Queue one batch: host work first (seeds, the post-processing plan), then only device work."""
-        model, cfg, dtype = self.v2
-        S, D = job.seq_len, cfg.dim
-        post = self.is_last and self.is_reporter
-        seeds = v2.input_seeds(job.block_hash, job.public_key, nonces, job.stronger_rng) if self.is_first else None
-        pl = v2.plan(job.block_hash, job.public_key, nonces, D, job.k_dim, "cpu") if post else None
-
-        def host_x():
-            return self._inputs_v2(self._to_device(seeds), S, D, self.keys(S * D)).to(dtype)
-
         t0 = time.perf_counter()
-        x = self._stage_input(host_x, len(nonces), S, D, dtype)
-        self._host("input", t0)
-        if self.cfg.compile_v2:
-            note_new_shape("PoC v2", len(nonces), S)
-        self._mark(0)
+        prep = self.v2.prepare(job.block_hash, job.public_key, nonces, job.seq_len, job.k_dim, job.stronger_rng)
+        self._host("prepare", t0)
         t0 = time.perf_counter()
-        h = model(x, reflections=self.reflections(job.block_hash, cfg, dtype), last_only=True, step=self._step_v2)
-        self._host("forward launch", t0)
-        self._mark(1)
-        if post:
-            h = v2.project(h, v2.PostProcessPlan(self._to_device(pl.pick), self._to_device(pl.haar)))
-        t0 = time.perf_counter()
-        handle = self._finish(h)
-        self._host("send/collect launch", t0)
+        handle = self.v2.launch(prep)
+        self._host("launch", t0)
         return handle
 
     def launch_v1(self, job: V1Job, nonces: list[int]):
-        model, tgt = self.v1_model(job)
-        p = job.params
-        dtype = next(model.parameters()).dtype
-        post = self.is_last and self.is_reporter
-        # float16 first, as the reference
-        x16 = (torch.from_numpy(v1.input_embeddings(job.block_hash, job.public_key, nonces, p.seq_len, p.dim))
-               if self.is_first else None)
-        perms = (torch.from_numpy(v1.permutations(job.block_hash, job.public_key, nonces, p.vocab_size))
-                 if post else None)
-        x = self._stage_input(lambda: self._to_device(x16).to(dtype), len(nonces), p.seq_len, p.dim, dtype)
-        if self.cfg.compile_v1:
-            note_new_shape("PoC v1", len(nonces), p.seq_len)
-        out = model(x, last_only=True, logits=self.is_last, step=self._step_v1)
-        if post:
-            g = torch.gather(out.float(), 1, self._to_device(perms))
-            u = g / torch.linalg.vector_norm(g, dim=1, keepdim=True)  # float32, as the reference
-            out = torch.linalg.vector_norm(u.double() - tgt[None, :], dim=1)
-        return self._finish(out)
+        comp = self.v1_model(job)
+        return comp.launch(comp.prepare(job.public_key, nonces))
 
     def _host(self, name: str, t0: float) -> None:
         """POC_STAGE_TIMING: add the host seconds since t0 to this batch's host time under `name`."""
@@ -378,25 +320,11 @@ class Rank:
         self._log_timing()
         if out is None:
             return
-        res = out.wait()
-        if isinstance(job, V1Job):
-            payload = {"nonces": nonces, "dist": res.numpy().copy()}
-        else:
-            arts, dropped = v2.artifacts(nonces, res)
-            payload = {"nonces": nonces, "artifacts": arts, "dropped": dropped}
-            if opts.get("vectors"):
-                payload["vectors"] = res.float().numpy().copy()
+        comp = self.v1[1] if isinstance(job, V1Job) else self.v2
+        payload = {"nonces": nonces, **comp.collect(out)}
+        if opts.get("vectors"):
+            payload["vectors"] = out.wait().float().numpy().copy()
         self.send(("result", job_id, self.replica, seq, payload, time.perf_counter() - t0))
-
-    def reflections(self, block_hash: str, cfg, dtype) -> torch.Tensor:
-        if self._refl is None or self._refl[0] != block_hash:
-            self._refl = (block_hash, v2.layer_vectors(block_hash, cfg.n_layers, cfg.dim, self.device).to(dtype))
-        return self._refl[1]
-
-    def keys(self, n: int) -> torch.Tensor:
-        if self._keys is None or self._keys.numel() < n:
-            self._keys = v2.hash_keys(n, self.device)
-        return self._keys
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,11 +10,12 @@ import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 
 from poc.errors import InputError
+from poc.protocol.nonces import node_nonces, range_nonces, worker_nonces  # the spec's layouts (§3), as lattices
 
 # gonka chain defaults (spec-v1 §1.1)
 DEFAULT_R_TARGET = 1.4013564660458173
@@ -307,34 +308,6 @@ def distances(logits: np.ndarray, perms: np.ndarray, tgt: np.ndarray) -> np.ndar
     p = np.take_along_axis(np.asarray(logits, dtype=np.float32), perms, axis=1)
     u = p / np.linalg.norm(p, axis=1, keepdims=True)
     return np.linalg.norm(u.astype(np.float64) - tgt[None, :], axis=1)
-
-
-# --------------------------------------------------------------------------------------------------
-# Nonce layouts
-
-
-def worker_nonces(start_nonce: int, worker_id: int, n_workers: int) -> Iterator[int]:
-    """The seed's /generate layout: the k-th nonce of a worker is start + worker_id + k·n_workers."""
-    k = 0
-    while True:
-        yield start_nonce + worker_id + k * n_workers
-        k += 1
-
-
-def node_nonces(node_id: int, n_nodes: int, group_id: int = 0, n_groups: int = 1) -> Iterator[int]:
-    """pow's layout: node_id + group_id·n_nodes + k·(n_groups·n_nodes)."""
-    k = 0
-    while True:
-        yield node_id + group_id * n_nodes + k * (n_groups * n_nodes)
-        k += 1
-
-
-def range_nonces(range_start: int, range_end: int, gpu_id: int = 0, n_gpus: int = 1) -> Iterator[int]:
-    """/pooled: range_start + gpu_id + k·n_gpus while ≤ range_end (both ends inclusive)."""
-    n = range_start + gpu_id
-    while n <= range_end:
-        yield n
-        n += n_gpus
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,9 +17,10 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from poc import dtypes
 from poc.errors import InputError
 
-DTYPE_CHOICES = ("auto", "float16", "bfloat16", "float32")
+DTYPE_CHOICES = ("auto", *dtypes.NAMES)
 ENV = {"host": "POC_HOST", "port": "POC_PORT", "model": "POC_MODEL", "dtype": "POC_DTYPE", "device": "POC_DEVICE",
        "log_level": "POC_LOG_LEVEL", "spool_dir": "POC_SPOOL_DIR", "tp": "POC_TP", "pp": "POC_PP",
        "replicas": "POC_REPLICAS", "compile": "POC_COMPILE",

@@ -36,7 +36,7 @@ from aiohttp import web
 import poc
 from poc.errors import InputError
 from poc.server import schemas
-from poc.server.app import config_key, engine_key, runners_key
+from poc.server.context import config_key, engine_key, runners_key
 from poc.server.pow import BODY_KEY, pow_key
 
 log = logging.getLogger("poc.mlnode")

@@ -38,18 +38,19 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
-import numpy as np
 from aiohttp import web
 
 from poc.clients.orchestrator import OrchestratorClient
+from poc.engine.base import Claim
 from poc.engine.jobs import BatchResult, Limits, V1Job, V2Job
 from poc.errors import InputError
-from poc.server.security import url_policy
+from poc.logs import describe
 from poc.protocol import v1, v2
 from poc.server import schemas
-from poc.server.app import (check_v1_memory, check_v2_memory, claim_device, config_key, engine_key, new_runner,
-                            require_ready, sender_key, served_model)
-from poc.server.logs import describe
+from poc.server.context import (admit, check_v1_memory, check_v2_memory, config_key, engine_key, new_runner,
+                                sender_key, served_model, track_streams)
+from poc.server.results import v1_hits
+from poc.server.security import url_policy
 from poc.server.stream import JobRunner, NdjsonWriter, add_spans
 
 log = logging.getLogger("poc.pooled")
@@ -64,31 +65,21 @@ GPU_COUNT = 1  # one engine: the server's device (replicas are the parallel engi
 
 
 def setup(app: web.Application) -> None:
-    app[sessions_key] = set()
+    track_streams(app, sessions_key, lambda s: s.request_end("server_shutdown"))
     app.router.add_post("/pooled", pooled)
-    app.on_shutdown.append(_on_shutdown)
-
-
-async def _on_shutdown(app: web.Application) -> None:
-    for s in list(app[sessions_key]):
-        s.request_end("server_shutdown")
 
 
 async def pooled(request: web.Request) -> web.StreamResponse:
     app = request.app
     cfg = app[config_key]
-    body = schemas.unwrap(await schemas.read_json(request, cfg.max_body_bytes))
-    if not body.get("orchestrator_url"):
-        raise InputError("orchestrator_url is required", "orchestrator_url")
-    schemas.check_keys(body, {"orchestrator_url"}, {"batch_size", "max_duration", "dtype"})
-    url = schemas.get_url(body, "orchestrator_url", url_policy(app)).rstrip("/")
+    body, url = await schemas.read_url_body(request, cfg.max_body_bytes, "orchestrator_url",
+                                            {"batch_size", "max_duration", "dtype"}, url_policy(app))
     batch_size = schemas.get_batch_size(body, cfg, default=None)
     max_duration = schemas.get_number(body, "max_duration", default=cfg.pooled_max_duration, lo=0, lo_open=True,
                                       hi=cfg.max_duration_limit)
     dtype = schemas.get_dtype(body)
-    require_ready(app)
-    claim = claim_device(app, "/pooled")  # held for the whole session: 409 here, before the 200
-    session = PooledSession(app, url, batch_size, max_duration, dtype)
+    claim = admit(app, "/pooled")  # held for the whole session: 503 or 409 here, before the 200
+    session = PooledSession(app, url, batch_size, max_duration, dtype, claim)
     w = NdjsonWriter(request)
     app[sessions_key].add(session)
     try:
@@ -99,13 +90,6 @@ async def pooled(request: web.Request) -> web.StreamResponse:
         session.release_after_jobs(claim)
     await w.close()
     return w.resp
-
-
-class _Borrowed:
-    """The session holds the device claim; its jobs borrow it and must not give it back."""
-
-    def release(self) -> None:
-        pass
 
 
 @dataclass(frozen=True)
@@ -132,8 +116,10 @@ class Assignment:
 
 
 class PooledSession:
-    def __init__(self, app: web.Application, url: str, batch_size: int | None, max_duration: float, dtype: str):
+    def __init__(self, app: web.Application, url: str, batch_size: int | None, max_duration: float, dtype: str,
+                 claim: Claim):
         self.app, self.url, self.req_batch_size, self.max_duration, self.dtype = app, url, batch_size, max_duration, dtype
+        self.claim = claim  # the device, held for the whole session: its jobs borrow it
         self.cfg = app[config_key]
         self.sender = app[sender_key]
         self.worker_id = str(uuid.uuid4())
@@ -311,7 +297,7 @@ class PooledSession:
             p = schemas.parse_v1_params(params)
             bs = self._batch_size()
             check_v1_memory(self.app, p, bs, self.dtype)
-            await asyncio.to_thread(self.app[engine_key].v1_compute, p, self.conf["block_hash"], self.dtype)
+            await asyncio.to_thread(self.app[engine_key].build_v1, p, self.conf["block_hash"], self.dtype)
         else:
             schemas.parse_v2_params(params, served_model(self.app))
 
@@ -378,7 +364,7 @@ class PooledSession:
                         stronger_rng=a.stronger_rng, limits=lim)
         label = (f"pooled {self.worker_id[:8]} {a.protocol} range {start}..{a.range_end} key {a.public_key[:8]} "
                  f"batch {a.batch_size}")
-        runner = self.runner = self._last_runner = new_runner(self.app, job, _Borrowed(), label)
+        runner = self.runner = self._last_runner = new_runner(self.app, job, self.claim, label, borrowed=True)
         if self.end_reason is not None or self.assignment != a:  # changed while we got here
             runner.stop("stopped")
         summary = None
@@ -414,11 +400,10 @@ class PooledSession:
         self.total_computed += len(b.nonces)
         head = {"worker_id": 0, "public_key": a.public_key, "block_hash": a.block_hash, "block_height": a.block_height}
         if a.protocol == "v1":
-            keep = np.flatnonzero(b.dist < a.r_target)
-            self.total_valid += int(keep.size)
-            body = {**head, "nonces": [b.nonces[i] for i in keep], "dist": [float(b.dist[i]) for i in keep],
-                    "node_id": 0, "batch_number": self.batch_number, "batch_computed": len(b.nonces),
-                    "batch_valid": int(keep.size)}
+            nonces, dist = v1_hits(b, a.r_target)
+            self.total_valid += len(nonces)
+            body = {**head, "nonces": nonces, "dist": dist, "node_id": 0, "batch_number": self.batch_number,
+                    "batch_computed": len(b.nonces), "batch_valid": len(nonces)}
         else:
             arts = b.artifacts or []
             self.total_valid += len(arts)

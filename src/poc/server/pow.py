@@ -31,13 +31,14 @@ from aiohttp import web
 
 from poc.engine.jobs import BatchResult
 from poc.errors import InputError
+from poc.logs import describe
 from poc.protocol import v1, v2
 from poc.server import schemas
-from poc.server.app import (check_v1_memory, check_v2_memory, claim_device, config_key, engine_key, gate_key,
-                            new_runner, require_ready, sender_key, served_model, tasks_key)
-from poc.server.logs import describe
-from poc.server.stream import JobRunner, json_text
-from poc.server.vast import collect, validate_v1
+from poc.server.context import (check_v1_memory, check_v2_memory, claim_device, config_key, engine_key, new_runner,
+                                require_ready, sender_key, served_model, tasks_key, wait_claim)
+from poc.server.results import v1_hits, v2_body
+from poc.server.stream import JobRunner, collect, json_text
+from poc.server.vast import validate_v1
 
 log = logging.getLogger("poc.pow")
 
@@ -46,19 +47,22 @@ BODY_KEY = web.RequestKey("pow_body", dict)  # a body another route already read
 
 
 def setup(app: web.Application) -> None:
+    """The API as a sub-application at PREFIX; its service lives on the parent app (pow_key), whose keys it uses."""
     svc = PowService(app)
     app[pow_key] = svc
-    r = app.router
-    r.add_post(f"{PREFIX}/init", svc.init)
-    r.add_post(f"{PREFIX}/init/generate", svc.init_generate)
-    r.add_post(f"{PREFIX}/init/validate", svc.init_validate)
-    r.add_post(f"{PREFIX}/phase/generate", svc.phase_generate)
-    r.add_post(f"{PREFIX}/phase/validate", svc.phase_validate)
-    r.add_post(f"{PREFIX}/validate", svc.validate)
-    r.add_post(f"{PREFIX}/generate", svc.generate)
-    r.add_get(f"{PREFIX}/generate/{{request_id}}", svc.generate_result)
-    r.add_get(f"{PREFIX}/status", svc.status)
-    r.add_post(f"{PREFIX}/stop", svc.stop)
+    sub = web.Application()
+    r = sub.router
+    r.add_post("/init", svc.init)
+    r.add_post("/init/generate", svc.init_generate)
+    r.add_post("/init/validate", svc.init_validate)
+    r.add_post("/phase/generate", svc.phase_generate)
+    r.add_post("/phase/validate", svc.phase_validate)
+    r.add_post("/validate", svc.validate)
+    r.add_post("/generate", svc.generate)
+    r.add_get("/generate/{request_id}", svc.generate_result)
+    r.add_get("/status", svc.status)
+    r.add_post("/stop", svc.stop)
+    app.add_subapp(PREFIX, sub)
 
 
 def ok(state: str) -> web.Response:
@@ -183,19 +187,15 @@ class Generation:
             return
         i = self.init
         if self.protocol == "v2":
-            arts, dropped = list(b.artifacts or []), list(b.dropped)
-            if not arts and not dropped:
+            if not b.artifacts and not b.dropped:
                 return
             payload = {"public_key": i.public_key, "block_hash": i.block_hash, "block_height": i.block_height,
-                       "node_id": i.node_id, "artifacts": arts, "encoding": v2.encoding(i.k_dim)}
-            if dropped:
-                payload["dropped_nonces"] = dropped
+                       "node_id": i.node_id, **v2_body(b, i.k_dim)}
         else:
-            kept = [(n, float(d)) for n, d in zip(b.nonces, b.dist) if d < i.r_target]
-            if not kept:
+            nonces, dist = v1_hits(b, i.r_target)
+            if not nonces:
                 return
-            payload = v1.ProofBatch(i.public_key, i.block_hash, i.block_height, [n for n, _ in kept],
-                                    [d for _, d in kept], i.node_id).to_json()
+            payload = v1.ProofBatch(i.public_key, i.block_hash, i.block_height, nonces, dist, i.node_id).to_json()
         sender = self.app[sender_key]
         if self.backlog or not sender.room(url):  # in order behind what already waits
             self.backlog.append(payload)
@@ -310,7 +310,7 @@ class PowService:
         flight and put back at the head of the queue (the reference's queue waits while generation runs and
         interleaves with wait=true, spec-v2 §e.2). Anything else holding the device: 409 at once."""
         running = self._running
-        if running is None or self.app[gate_key].holder is not running[1]:
+        if running is None or self.app[engine_key].lock.holder is not running[1]:
             return claim_device(self.app, owner)
         job, _ = running
         self._holdoff += 1
@@ -502,7 +502,6 @@ class PowService:
             del self.jobs[rid]
 
     async def _work(self) -> None:
-        gate = self.app[gate_key]
         while True:
             while not self.queue:
                 self._wake.clear()
@@ -511,7 +510,7 @@ class PowService:
                 self._resume.clear()
                 await self._resume.wait()
             job = self.queue[0]
-            claim = await gate.claim(f"pow queue {job.id[:8]}")  # waits (without blocking the loop) for the device
+            claim = await wait_claim(self.app, f"pow queue {job.id[:8]}")  # waits (without blocking the loop) for the device
             if not self.queue or self.queue[0] is not job:  # cancelled by /stop meanwhile
                 claim.release()
                 continue

@@ -8,25 +8,23 @@ strict about unknown fields. The /api/v1/pow routes ignore unknown top-level fie
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import math
-import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from aiohttp import web
 
+from poc import dtypes
 from poc.engine.jobs import Limits, V1Job, V2Job
 from poc.errors import InputError
 from poc.protocol import v1, v2
+from poc.protocol.nonces import MAX_NONCE, stride_nonces, upto_max_nonce, worker_nonces
 from poc.server.config import ServerConfig
 
 MISSING = object()
-MAX_NONCE = (1 << 63) - 1  # nonces travel as int64 on the device
 MAX_INT64 = MAX_NONCE  # heights, node numbers: int64 on the chain
-V1_DTYPES = ("float16", "bfloat16", "float32")
+V1_DTYPES = dtypes.NAMES
 V2_PARAM_KEYS = {"model", "seq_len", "k_dim"}
 OFF_LOOP_BYTES = 256 << 10  # bodies larger than this are parsed on a thread
 
@@ -192,13 +190,19 @@ def _short(v) -> str:
     return r if len(r) <= 40 else f"{r[:20]}...({len(r)} characters)"
 
 
-def get_str(obj: dict, name: str, *, prefix: str = "", default=MISSING, nonempty: bool = True) -> str:
+def _get_typed(obj: dict, name: str, prefix: str, default, kind: type, what: str):
+    """(field path, value): the value is MISSING when absent (or null) and optional, else an instance of kind."""
     f = _path(prefix, name)
     v = _get(obj, name, default)
+    if v is not MISSING and not isinstance(v, kind):
+        raise InputError(f"{f} must be {what}, got {_short(v)}", f)
+    return f, v
+
+
+def get_str(obj: dict, name: str, *, prefix: str = "", default=MISSING, nonempty: bool = True) -> str:
+    f, v = _get_typed(obj, name, prefix, default, str, "a string")
     if v is MISSING:
         return default
-    if not isinstance(v, str):
-        raise InputError(f"{f} must be a string, got {_short(v)}", f)
     try:
         v.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate ("\ud800"): valid JSON, but no UTF-8 string can carry it
@@ -209,13 +213,19 @@ def get_str(obj: dict, name: str, *, prefix: str = "", default=MISSING, nonempty
 
 
 def get_bool(obj: dict, name: str, *, prefix: str = "", default=MISSING) -> bool:
-    f = _path(prefix, name)
-    v = _get(obj, name, default)
-    if v is MISSING:
-        return default
-    if not isinstance(v, bool):
-        raise InputError(f"{f} must be true or false, got {_short(v)}", f)
-    return v
+    _f, v = _get_typed(obj, name, prefix, default, bool, "true or false")
+    return default if v is MISSING else v
+
+
+async def read_url_body(request, max_bytes: int, url_field: str, optional: set[str],
+                        policy=None) -> tuple[dict, str]:
+    """A JSON body that names an outbound URL (required, checked against the outbound-URL policy) and some optional
+    keys: (body, the URL without a trailing slash)."""
+    body = unwrap(await read_json(request, max_bytes))
+    if not body.get(url_field):
+        raise InputError(f"{url_field} is required", url_field)
+    check_keys(body, {url_field}, optional)
+    return body, get_url(body, url_field, policy).rstrip("/")
 
 
 def get_url(obj: dict, name: str = "url", policy=None) -> str | None:
@@ -350,26 +360,6 @@ def get_dtype(obj: dict) -> str:
     return d
 
 
-def stride_nonces(start: int, node_id: int, node_count: int, group_id: int, n_groups: int) -> Iterator[int]:
-    """The node's nonces (pow's layout: node_id + group_id*node_count + k*node_count*n_groups) from `start` on.
-
-    start_nonce does not shift the lattice: it skips the node's nonces below it, so nodes stay disjoint
-    whatever start each one is given, and a job resumes exactly at the `next_nonce` a previous one reported.
-    """
-    base = node_id + group_id * node_count
-    stride = node_count * n_groups
-    k = max(0, -(-(start - base) // stride))  # ceil((start - base) / stride)
-    n = base + k * stride
-    while n <= MAX_NONCE:  # int64: the nonce space ends there
-        yield n
-        n += stride
-
-
-def upto_max_nonce(nonces: Iterator[int]) -> Iterator[int]:
-    """`nonces` while they fit in int64 (nonces are int64 on the chain and the device): a job ends there."""
-    return itertools.takewhile(lambda n: n <= MAX_NONCE, nonces)
-
-
 # --------------------------------------------------------------------------------------------------
 # root routes
 
@@ -384,7 +374,7 @@ def parse_v1_generate(body: dict, cfg: ServerConfig) -> V1Job:
     r_target = get_number(body, "r_target", lo=0, lo_open=True)
     start = get_int(body, "start_nonce", lo=0, hi=MAX_NONCE)
     return V1Job(block_hash=bh, public_key=pk, block_height=height, params=params, r_target=r_target,
-                 nonces=upto_max_nonce(v1.worker_nonces(start, 0, 1)), batch_size=get_batch_size(body, cfg),
+                 nonces=upto_max_nonce(worker_nonces(start, 0, 1)), batch_size=get_batch_size(body, cfg),
                  dtype=get_dtype(body), limits=get_limits(body, cfg))
 
 

@@ -24,7 +24,7 @@ class AppCollector(Collector):
             import torch
 
             from poc import __version__
-            from poc.server.app import engine_key
+            from poc.server.context import engine_key
 
             dev = self.app[engine_key].device
             name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"

@@ -1,10 +1,10 @@
 """The bridge between the engine's worker thread and the event loop, and the NDJSON writer.
 
-A job runs as `Engine.run(job, emit, stop)` on a worker thread. `emit(BatchResult)` hands each batch to the
-loop with `loop.call_soon_threadsafe(queue.put_nowait, ...)`; the thread's completion is queued behind every
-emit, so draining the queue after it loses no batch. Setting `stop` (client gone, /stop, SIGTERM) ends the job
-after the batch in flight. `DeviceGate` is the server's single "who holds the device" flag: a second GPU job is
-refused (409) before its response starts, and the claim is released only when the worker thread has ended.
+A job runs as `engine.run(job, emit, stop, claim)` on a worker thread, under the device claim that admission
+took (context.admit). `emit(BatchResult)` hands each batch to the loop with `loop.call_soon_threadsafe(...)`;
+the thread's completion is queued behind every emit, so draining the queue after it loses no batch. Setting
+`stop` (client gone, /stop, SIGTERM) ends the job after the batch in flight. The claim is released only when the
+worker thread has ended. `pump` writes a job's events as NDJSON lines; `collect` runs a job to its end.
 The job's nonces are dealt through a `JobOrder`, so each computed batch takes its place in the job's own sequence
 and `next_nonce` resumes at the first nonce not computed, whatever order the batches (replicas) arrived in.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import dataclasses
 import json
 import logging
@@ -24,11 +25,12 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Iterator
 
 from aiohttp import web
 
+from poc.engine.base import Claim, EngineBase
 from poc.engine.jobs import BatchResult, JobSummary, V1Job
-from poc.server.logs import describe_parts
+from poc.errors import InputError
+from poc.logs import describe_parts
 
 if TYPE_CHECKING:
-    from poc.engine.engine import Engine
     from poc.server.metrics import Metrics
 
 log = logging.getLogger("poc.server")
@@ -36,54 +38,6 @@ log = logging.getLogger("poc.server")
 _DONE = object()
 STALLED_BUFFER = 1 << 20  # bytes a stalled client may have queued before further lines are dropped
 stall_key = web.AppKey("stall_timeout", float)  # NdjsonWriter's default (security.setup sets it from the config)
-
-
-# --------------------------------------------------------------------------------------------------
-# the device gate
-
-
-class Claim:
-    """One holder of the device; `release()` is idempotent."""
-
-    def __init__(self, gate: "DeviceGate", owner: str):
-        self.gate, self.owner, self.released = gate, owner, False
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.gate._release(self)
-
-
-class DeviceGate:
-    """At most one job on the device. Lives on the event loop: check-and-claim is atomic there."""
-
-    def __init__(self):
-        self.holder: Claim | None = None
-        self._freed = asyncio.Event()
-
-    @property
-    def busy(self) -> bool:
-        return self.holder is not None
-
-    def try_claim(self, owner: str) -> Claim | None:
-        if self.holder is not None:
-            return None
-        self.holder = Claim(self, owner)
-        return self.holder
-
-    async def claim(self, owner: str) -> Claim:
-        """Wait for the device (the background queue does this; requests get a 409 instead)."""
-        while True:
-            c = self.try_claim(owner)
-            if c is not None:
-                return c
-            self._freed.clear()
-            await self._freed.wait()
-
-    def _release(self, claim: Claim) -> None:
-        if self.holder is claim:
-            self.holder = None
-            self._freed.set()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -225,11 +179,12 @@ class JobRunner:
     """Runs one engine job on a worker thread; `events()` yields ("batch", BatchResult), ("progress", stats)
     and finally ("done", JobSummary) on the loop. Leaving `events()` early stops the job."""
 
-    def __init__(self, engine: "Engine", job, claim: Claim, *, label: str, metrics: "Metrics",
+    def __init__(self, engine: EngineBase, job, claim: Claim, *, label: str, metrics: "Metrics",
                  registry: set["JobRunner"], progress_interval: float = 2.0, rate_log_interval: float = 5.0,
-                 max_waiting: int | None = None):
+                 max_waiting: int | None = None, borrowed: bool = False):
         order = JobOrder(job.nonces)  # the engine deals from it: computed batches get their place in the job
         self.engine, self.claim, self.metrics, self.registry = engine, claim, metrics, registry
+        self.borrowed = borrowed  # the claim is the caller's (a /pooled session's): never released here
         self.job = dataclasses.replace(job, nonces=order)
         self.stats = JobStats(job.protocol, label, order=order)
         self.progress_interval, self.rate_log_interval = progress_interval, rate_log_interval
@@ -256,15 +211,16 @@ class JobRunner:
         """Stop the job; if it never started, give the device back now."""
         self.stop("stopped")
         if not self.started:
+            self._release()
+
+    def _release(self) -> None:
+        if not self.borrowed:
             self.claim.release()
 
     def _run(self, emit: Callable[[BatchResult], None]) -> JobSummary:
         try:
-            return self.engine.run(self.job, emit, self.stop_event)
-        except Exception as e:  # one line to the client and the log; never a traceback
-            if "CUDA error" in str(e) or type(e).__name__ == "AcceleratorError":
-                self.engine.broken_reason = f"{type(e).__name__}: {e}"
-                self.engine.state = "broken"
+            return self.engine.run(self.job, emit, self.stop_event, claim=self.claim)
+        except Exception as e:  # one line to the client and the log; never a traceback (the engine classifies it)
             s = self.stats
             return JobSummary(reason="error", batches=s.batches, computed=s.computed, elapsed=s.elapsed,
                               error=str(e), error_type=type(e).__name__)
@@ -357,7 +313,7 @@ class JobRunner:
             self.summary = summary
             self.registry.discard(self)
             self._finish(summary)
-            self.claim.release()
+            self._release()
             q.put_nowait(_DONE)
             self._ended()
 
@@ -407,6 +363,66 @@ class JobRunner:
             rate = self.arrived_computed / summary.elapsed if summary.elapsed > 0 else 0.0
             log.info("job done: %s, reason %s, computed %d, valid %d in %.1f s (%.1f nonces/s)", s.label,
                      summary.reason, self.arrived_computed, self.arrived_valid, summary.elapsed, rate)
+
+
+async def pump(w: "NdjsonWriter", runner: JobRunner, make_line) -> None:
+    """A job's events as NDJSON lines: make_line(batch, runner) per batch (None: nothing to say), progress lines, an
+    error line if it failed, the done line. A client that went away stops the job (watched also while nothing is
+    written, e.g. during a v1 model build); a reader that takes nothing ends it as `stalled`."""
+    watch = asyncio.create_task(_watch_client(w, runner))
+    try:
+        await _pump_events(w, runner, make_line)
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+
+
+async def _watch_client(w: "NdjsonWriter", runner: JobRunner) -> None:
+    """A client that goes away stops the job within ~0.2 s, even while nothing is written (a v1 model build)."""
+    while not w.client_gone():
+        await asyncio.sleep(0.2)
+    runner.stop("disconnect")
+
+
+async def _pump_events(w: "NdjsonWriter", runner: JobRunner, make_line) -> None:
+    async with contextlib.aclosing(runner.events()) as events:
+        async for kind, item in events:
+            if kind == "batch":
+                line = make_line(item, runner)
+                if w.gone or w.stalled or (line is not None and not await w.write(line)):
+                    runner.undelivered(item)  # computed after the client went: logged at the job's end
+            elif kind == "progress":
+                if not w.stalled:
+                    await w.write({"status": "progress", **item})
+            else:
+                summary: JobSummary = item
+                if summary.reason == "error":
+                    await w.write({"error": summary.error, "error_type": summary.error_type})
+                await w.write(done_line(summary, runner.stats))
+            if w.client_gone():  # checked after every batch, even when it wrote nothing
+                runner.stop("disconnect")
+            elif w.stalled:  # the reader takes nothing: the device stops computing for nobody
+                runner.stop("stalled")
+
+
+async def collect(runner: JobRunner) -> tuple[list[BatchResult], JobSummary]:
+    """Run a job to its end; InputError(503/500) unless every nonce was computed."""
+    results: list[BatchResult] = []
+    summary = None
+    try:
+        async with contextlib.aclosing(runner.events()) as events:
+            async for kind, item in events:
+                if kind == "batch":
+                    results.append(item)
+                elif kind == "done":
+                    summary = item
+    finally:
+        runner.close()
+    if summary.reason == "error":
+        raise InputError(f"computation failed ({summary.error_type}): {summary.error}", None, status=500)
+    if summary.reason != "exhausted":
+        raise InputError(f"computation {summary.reason} before it finished", None, status=503)
+    return results, summary
 
 
 def done_line(summary: JobSummary, stats: JobStats) -> dict:

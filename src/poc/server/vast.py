@@ -8,22 +8,20 @@ every computed nonce (F9), uses the request's batch_size (F10), and adds progres
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
-import numpy as np
 from aiohttp import web
 
-from poc.engine.jobs import BatchResult, JobSummary, Limits, V1Job
+from poc.engine.jobs import Limits, V1Job
 from poc.errors import InputError
-from poc.protocol import v1, v2
+from poc.logs import describe
+from poc.protocol import v1
 from poc.server import schemas
-from poc.server.app import (check_v1_memory, check_v2_memory, claim_device, config_key, engine_key, gate_key,
-                            metrics_key, model_label, new_runner, require_ready, runners_key, sender_key,
-                            served_model)
-from poc.server.logs import describe
+from poc.server.context import (admit, config_key, engine_key, metrics_key, model_label, new_runner, require_ready,
+                                runners_key, sender_key, served_model)
 from poc.server.metrics import CONTENT_TYPE
-from poc.server.stream import JobRunner, NdjsonWriter, done_line, json_text
+from poc.server.results import V1Lines, V2Lines
+from poc.server.stream import JobRunner, NdjsonWriter, collect, json_text, pump
 
 log = logging.getLogger("poc.server")
 
@@ -46,8 +44,6 @@ async def health(request: web.Request) -> web.Response:
     app = request.app
     engine = app[engine_key]
     state = engine.state
-    if state == "ready" and app[gate_key].busy:
-        state = "busy"
     runners = list(app[runners_key])
     ok = state in ("ready", "busy")
     body = {"status": "healthy" if ok else state, "state": state, "model": model_label(app), "device": str(engine.device),
@@ -82,8 +78,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def parse_generate(app: web.Application, body: dict, route: str):
-    """A /generate-shaped request (v1 or v2 by its params) -> (job, its line format, a log label), with every check
-    that must fail before any work: schema, readiness, the memory estimate. Used by /generate and /warmup."""
+    """A /generate-shaped request (v1 or v2 by its params) -> (job, its line format, a log label): the schema and
+    readiness checks; admit_job() then checks its memory estimate and claims the device. Used by /generate and
+    /warmup."""
     cfg = app[config_key]
     if "params" not in body:  # v1 or v2 is told by params; the message names every v1 field missing, as the reference
         missing = [k for k in schemas.V1_GENERATE_FIELDS if k not in body]
@@ -92,13 +89,18 @@ def parse_generate(app: web.Application, body: dict, route: str):
     require_ready(app)
     if proto == "v1":
         job = schemas.parse_v1_generate(body, cfg)
-        check_v1_memory(app, job.params, job.batch_size, job.dtype)
         return job, V1Lines(job), \
             f"v1 {route} dim={job.params.dim} layers={job.params.n_layers} batch={job.batch_size}"
     st = schemas.parse_v2_generate(body, cfg, served_model(app))
     job = st.job
-    check_v2_memory(app, job.batch_size, job.seq_len)
     return job, V2Lines(job, st.node_id), f"v2 {route} seq_len={job.seq_len} k_dim={job.k_dim} batch={job.batch_size}"
+
+
+def admit_job(app: web.Application, job, owner: str):
+    """admit() for a parsed /generate job: readiness, its memory estimate, the device."""
+    if isinstance(job, V1Job):
+        return admit(app, owner, v1=(job.params, job.batch_size, job.dtype))
+    return admit(app, owner, v2=(job.batch_size, job.seq_len))
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -106,7 +108,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     cfg = app[config_key]
     body = schemas.unwrap(await schemas.read_json(request, cfg.max_body_bytes))
     job, lines, label = parse_generate(app, body, "/generate")
-    claim = claim_device(app, "/generate")  # 409 here, before the 200 goes out
+    claim = admit_job(app, job, "/generate")  # 422 or 409 here, before the 200 goes out
     runner = new_runner(app, job, claim, label)
     try:
         return await stream_job(request, runner, lines.line)
@@ -119,7 +121,7 @@ async def stream_job(request: web.Request, runner: JobRunner, make_line) -> web.
     w = NdjsonWriter(request)
     await w.open()
     try:
-        await _pump(w, runner, make_line)
+        await pump(w, runner, make_line)
     except asyncio.CancelledError:  # the client went away and the server cancels its handlers
         runner.stop("disconnect")
         raise
@@ -129,77 +131,6 @@ async def stream_job(request: web.Request, runner: JobRunner, make_line) -> web.
         await w.write({"error": str(e), "error_type": type(e).__name__})
     await w.close()
     return w.resp
-
-
-async def _watch_client(w: NdjsonWriter, runner: JobRunner) -> None:
-    """A client that goes away stops the job within ~0.2 s, even while nothing is written (a v1 model build)."""
-    while not w.client_gone():
-        await asyncio.sleep(0.2)
-    runner.stop("disconnect")
-
-
-async def _pump(w: NdjsonWriter, runner: JobRunner, make_line) -> None:
-    watch = asyncio.create_task(_watch_client(w, runner))
-    try:
-        await _pump_events(w, runner, make_line)
-    finally:
-        watch.cancel()
-        await asyncio.gather(watch, return_exceptions=True)
-
-
-async def _pump_events(w: NdjsonWriter, runner: JobRunner, make_line) -> None:
-    async with contextlib.aclosing(runner.events()) as events:
-        async for kind, item in events:
-            if kind == "batch":
-                line = make_line(item, runner)
-                if w.gone or w.stalled or (line is not None and not await w.write(line)):
-                    runner.undelivered(item)  # computed after the client went: logged at the job's end
-            elif kind == "progress":
-                if not w.stalled:
-                    await w.write({"status": "progress", **item})
-            else:
-                summary: JobSummary = item
-                if summary.reason == "error":
-                    await w.write({"error": summary.error, "error_type": summary.error_type})
-                await w.write(done_line(summary, runner.stats))
-            if w.client_gone():  # checked after every batch, even when it wrote nothing
-                runner.stop("disconnect")
-            elif w.stalled:  # the reader takes nothing: the device stops computing for nobody
-                runner.stop("stalled")
-
-
-class V1Lines:
-    """spec-v1 §4.1 batch lines: only batches with a nonce under r_target, keys in the reference's order."""
-
-    def __init__(self, job: V1Job):
-        self.job, self.emitted = job, 0
-
-    def line(self, b: BatchResult, runner: JobRunner) -> dict | None:
-        keep = np.flatnonzero(b.dist < self.job.r_target)
-        if keep.size == 0:
-            return None
-        self.emitted += 1
-        s, j = runner.stats, self.job
-        return {"worker_id": 0, "public_key": j.public_key, "block_hash": j.block_hash, "block_height": j.block_height,
-                "nonces": [b.nonces[i] for i in keep], "dist": [float(b.dist[i]) for i in keep], "node_id": 0,
-                "batch_number": self.emitted, "batch_computed": len(b.nonces), "batch_valid": int(keep.size),
-                "total_computed": s.computed, "total_valid": s.valid, "elapsed_seconds": int(b.elapsed),
-                "next_nonce": s.next_nonce, "aggregated_batch_number": self.emitted,
-                "aggregated_total_computed": s.computed, "aggregated_total_valid": s.valid, "n_workers": 1}
-
-
-class V2Lines:
-    def __init__(self, job, node_id: int):
-        self.job, self.node_id = job, node_id
-        self.encoding = v2.encoding(job.k_dim)
-
-    def line(self, b: BatchResult, runner: JobRunner) -> dict:
-        j = self.job
-        d = {"public_key": j.public_key, "block_hash": j.block_hash, "block_height": j.block_height,
-             "node_id": self.node_id, "batch_number": b.index, "artifacts": b.artifacts, "encoding": self.encoding}
-        if b.dropped:
-            d["dropped_nonces"] = b.dropped  # NaN/Inf vectors: reported, not counted as valid (spec-v2 §f 7)
-        return d
 
 
 # --------------------------------------------------------------------------------------------------
@@ -212,10 +143,8 @@ async def validate(request: web.Request) -> web.Response:
     cfg = app[config_key]
     body = schemas.unwrap(await schemas.read_json(request, cfg.max_body_bytes))
     req = schemas.parse_v1_validate(body, cfg)
-    require_ready(app)
     bs = min(len(req.batch.nonces), VALIDATE_BATCH_SIZE)
-    check_v1_memory(app, req.params, bs, req.dtype)
-    claim = claim_device(app, "/validate")
+    claim = admit(app, "/validate", v1=(req.params, bs, req.dtype))
     vb = await validate_v1(app, req.batch, req.params, req.r_target, req.fraud_threshold, req.dtype, claim)
     return web.json_response(vb.to_json(), dumps=json_text)  # a NaN distance is null, never a bare NaN
 
@@ -237,23 +166,3 @@ async def validate_v1(app: web.Application, batch: v1.ProofBatch, params: v1.V1P
     # batches arrive in completion order (replicas): each distance goes back to its own nonce
     by_nonce = {n: float(d) for b in results for n, d in zip(b.nonces, b.dist)}
     return v1.validate_batch(batch, [by_nonce[n] for n in batch.nonces], r_target, fraud_threshold)
-
-
-async def collect(runner: JobRunner) -> tuple[list[BatchResult], JobSummary]:
-    """Run a job to its end; InputError(503/500) unless every nonce was computed."""
-    results: list[BatchResult] = []
-    summary = None
-    try:
-        async with contextlib.aclosing(runner.events()) as events:
-            async for kind, item in events:
-                if kind == "batch":
-                    results.append(item)
-                elif kind == "done":
-                    summary = item
-    finally:
-        runner.close()
-    if summary.reason == "error":
-        raise InputError(f"computation failed ({summary.error_type}): {summary.error}", None, status=500)
-    if summary.reason != "exhausted":
-        raise InputError(f"computation {summary.reason} before it finished", None, status=503)
-    return results, summary

@@ -127,9 +127,9 @@ def _job(shape: WarmShape):
 def run(engine, shapes: tuple[WarmShape, ...]) -> None:
     """Blocking (a worker thread): one batch of each shape through engine.run. A failure is logged and the server
     starts all the same (its first job of that shape then compiles, or fails the same way, visibly)."""
-    from poc.server.logs import describe
+    from poc.logs import describe
 
-    compiled = getattr(engine, "compile_v2", False) or getattr(engine, "compile_v1", False)
+    compiled = engine.compile_v2 or engine.compile_v1
     for s in shapes:
         t0 = time.perf_counter()
         try:

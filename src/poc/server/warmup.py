@@ -25,12 +25,12 @@ import aiohttp
 from aiohttp import web
 
 from poc.errors import InputError
+from poc.logs import describe
 from poc.server import schemas
-from poc.server.app import claim_device, config_key, gate_key, new_runner, sender_key
-from poc.server.logs import describe
+from poc.server.context import config_key, engine_key, new_runner, sender_key, track_streams
 from poc.server.security import url_policy
-from poc.server.stream import NdjsonWriter
-from poc.server.vast import _pump, parse_generate
+from poc.server.stream import NdjsonWriter, pump
+from poc.server.vast import admit_job, parse_generate
 
 log = logging.getLogger("poc.warmup")
 UNREACHABLE = "callback unreachable"  # what the stream says of any failure: the detail is only logged
@@ -39,24 +39,14 @@ COMPLETED = ("max_nonces", "max_duration", "exhausted")  # the normal ends, afte
 
 
 def setup(app: web.Application) -> None:
-    app[warmups_key] = set()
+    track_streams(app, warmups_key, lambda stop: stop.set())
     app.router.add_post("/warmup", warmup)
-    app.on_shutdown.append(_on_shutdown)
-
-
-async def _on_shutdown(app: web.Application) -> None:
-    for ev in list(app[warmups_key]):
-        ev.set()
 
 
 async def warmup(request: web.Request) -> web.StreamResponse:
     app = request.app
     cfg = app[config_key]
-    body = schemas.unwrap(await schemas.read_json(request, cfg.max_body_bytes))
-    if not body.get("callback_url"):
-        raise InputError("callback_url is required", "callback_url")
-    schemas.check_keys(body, {"callback_url"}, {"job_id"})
-    cb = schemas.get_url(body, "callback_url", url_policy(app)).rstrip("/")
+    body, cb = await schemas.read_url_body(request, cfg.max_body_bytes, "callback_url", {"job_id"}, url_policy(app))
     job_id = body.get("job_id")
     if job_id is None:
         job_id = "unknown"
@@ -90,7 +80,7 @@ async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: s
                 return None
             polls += 1
             line = {"status": "warmup_waiting", "poll_count": polls, "elapsed": 0.0}  # the reference's keys first
-            if app[gate_key].busy:  # another job holds the device: the params are not taken (a refusal after
+            if app[engine_key].busy:  # another job holds the device: the params are not taken (a refusal after
                 line["detail"] = "device busy"  # taking them would lose the controller's job), asked again later
             else:
                 try:
@@ -142,14 +132,14 @@ async def _generate(app: web.Application, w: NdjsonWriter, cb: str, job_id: str 
     try:
         body = schemas.unwrap(body)
         job, lines, label = parse_generate(app, body, f"/warmup {job_id}")
-        claim = claim_device(app, "/warmup")
+        claim = admit_job(app, job, "/warmup")
     except InputError as e:
         log.info("warmup %s: params refused (%d): %s", job_id, e.status, e.message)
         await w.write({"error": e.message, "error_type": "InputError", "field": e.field, "http_status": e.status})
         return
     runner = new_runner(app, job, claim, label)
     try:
-        await _pump(w, runner, lines.line)
+        await pump(w, runner, lines.line)
     except asyncio.CancelledError:
         runner.stop("disconnect")
         raise

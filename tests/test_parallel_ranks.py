@@ -3,12 +3,9 @@
 The rank processes start once per layout (module fixtures); every parallel check uses batches of >= 2.
 """
 
-import importlib.util
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -16,19 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from poc.engine.engine import Busy, Engine
+from poc.engine.base import Busy
+from poc.engine.engine import Engine
 from poc.engine.jobs import Limits, V1Job, V2Job
 from poc.errors import InputError
-from poc.model.config import ModelConfig
-from poc.model.transformer import Transformer
-from poc.model.weights import index_checkpoint, iter_state_dict
 from poc.parallel.engine import DistEngine, RankFailure, make_engine, world_for
-from poc.parallel.layout import Layout, NonceStream, stage_layers
-from poc.parallel.pp import keep_stage
-from poc.parallel.tp import apply_tp
+from poc.parallel.layout import Layout
 from poc.protocol import v1, v2
 
-from .golden import ROOT, V1_GOLDEN as G1, v2_checkpoint
+from .golden import V1_GOLDEN as G1, v2_checkpoint
 
 BH, PK = G1["block_hash"], G1["public_key"]
 NONCES = list(range(10))  # batches of 4, 4, 2
@@ -105,185 +98,6 @@ def use_model(e: DistEngine, name: str) -> None:
     if e.v2 is None or e.v2.name != name:
         e.model_dir = str(v2_checkpoint(name))
         e.load()
-
-
-# --- layout, stages, nonce streams --------------------------------------------------------------------------------
-
-def test_layout_ranks_and_groups():
-    L = Layout(8, tp=2, pp=2)
-    assert L.replicas == 2 and L.group_size == 4
-    assert [L.coords(r) for r in range(8)] == [(r // 4, (r // 2) % 2, r % 2) for r in range(8)]
-    assert all(L.rank(*L.coords(r)) == r for r in range(8))
-    assert (L.leader(1), L.reporter(1)) == (4, 6)
-    assert L.replica_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert L.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert L.pp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
-
-
-def test_uneven_splits_are_refused_naming_the_numbers():
-    with pytest.raises(InputError, match=r"6 devices .* tp=4 x pp=1 = 4"):
-        Layout(6, tp=4)
-    with pytest.raises(InputError) as e:
-        Layout(6, tp=3, pp=2).check_model(n_heads=4, n_kv_heads=2, ffn_dim=128, n_layers=1)
-    msg = e.value.message
-    for part in ("n_heads=4", "n_kv_heads=2", "ffn_dim=128", "tp=3", "n_layers=1", "pp=2"):
-        assert part in msg, (part, msg)
-    Layout(4, tp=2, pp=2).check_config(ModelConfig.from_hf(v2_checkpoint("qwen3")))  # 4 heads, 2 kv, 2 layers
-
-
-def test_stage_layers_are_balanced_and_cover():
-    assert stage_layers(28, 3) == [range(0, 10), range(10, 19), range(19, 28)]
-    assert stage_layers(2, 2) == [range(0, 1), range(1, 2)]
-    for n, s in [(1, 1), (7, 7), (36, 4), (61, 8)]:
-        st = stage_layers(n, s)
-        assert [i for r in st for i in r] == list(range(n))
-        assert max(map(len, st)) - min(map(len, st)) <= 1
-    with pytest.raises(InputError, match="n_layers=2 .* 3"):
-        stage_layers(2, 3)
-
-
-def test_nonce_streams_split_disjoint_and_complete():
-    s = NonceStream(5, 3)
-    parts = s.split(4)
-    head = [n for _, n in zip(range(400), s)]
-    got = sorted(n for p in parts for _, n in zip(range(100), p))
-    assert got == head
-    # pow's lattice: part r is group group_id + r*n_groups of n_groups*R
-    node_id, node_count, group_id, n_groups, R = 2, 5, 1, 3, 2
-    pow_stream = NonceStream(node_id + group_id * node_count, n_groups * node_count)
-    for r, p in enumerate(pow_stream.split(R)):
-        want = v1.node_nonces(node_id, node_count, group_id + r * n_groups, n_groups * R)
-        assert [n for _, n in zip(range(20), p)] == [n for _, n in zip(range(20), want)]
-    # a finite /pooled range
-    rng = NonceStream(10, 2, end=40)
-    assert list(rng) == list(v1.range_nonces(10, 40, 0, 2))
-    assert sorted(n for p in rng.split(3) for n in p) == list(rng)
-
-
-# --- sharding in one process --------------------------------------------------------------------------------------
-
-def test_sliced_loader_reads_rows_and_columns(tmp_path, monkeypatch):
-    from safetensors.torch import save_file
-
-    import poc.model.weights as W
-
-    torch.manual_seed(0)
-    full = {"a": torch.randn(37, 24), "b": torch.randn(9, 50), "c": torch.randn(11)}
-    save_file({k: v.to(torch.bfloat16) for k, v in full.items()} | {"f": full["a"]}, str(tmp_path / "m.safetensors"))
-    refs = index_checkpoint(tmp_path)
-    shard = {"a": (1, 5, 17), "b": (0, 3, 8), "c": (0, 2, 9), "f": (1, 0, 12)}
-    for col_bytes in (1 << 20, 200, 16):  # one block; several row blocks; rows longer than the block
-        monkeypatch.setattr(W, "COLUMN_BYTES", col_bytes)
-        got = dict(iter_state_dict(refs, ["a", "b", "c", "f"], torch.float32, "cpu", shard=shard))
-        bf = {k: v.to(torch.bfloat16).float() for k, v in full.items()}
-        assert torch.equal(got["a"], bf["a"][:, 5:17])
-        assert torch.equal(got["b"], bf["b"][3:8])
-        assert torch.equal(got["c"], bf["c"][2:9])
-        assert torch.equal(got["f"], full["a"][:, :12])
-    with pytest.raises(ValueError, match="slice"):
-        list(iter_state_dict(refs, ["c"], shard={"c": (1, 0, 1)}))
-
-
-def _tiny(family: str, **over) -> ModelConfig:
-    """The golden tiny config of `family`, with config.json fields overridden."""
-    return ModelConfig.from_hf(json.loads((v2_checkpoint(family) / "config.json").read_text()) | over)
-
-
-@pytest.mark.parametrize("family,over", [("qwen3", {}), ("llama", {"attention_bias": True}),
-                                         ("llama", {"num_key_value_heads": 4})])
-def test_tp_partial_outputs_sum_to_the_whole(family, over):
-    """apply_tp without a group: each rank's attention/MLP output is a partial sum; the sum is the full output."""
-    cfg = _tiny(family, **over)
-    torch.manual_seed(1)
-    full = Transformer(cfg).eval()
-    with torch.no_grad():
-        for p in full.parameters():
-            p.normal_(0, 0.2)
-    shards = []
-    for r in range(2):
-        m = Transformer(cfg).eval()
-        m.load_state_dict(full.state_dict())
-        plan = apply_tp(m, r, 2, None)
-        shards.append(m.fuse())
-        assert m.layers["0"].self_attn.n_heads == cfg.n_heads // 2 and m.cfg.n_heads == cfg.n_heads
-        assert (m.layers["0"].self_attn.o_proj.bias is not None) == (cfg.o_bias and r == 0)
-        assert plan["layers.1.mlp.down_proj.weight"] == (1, r * cfg.ffn_dim // 2, (r + 1) * cfg.ffn_dim // 2)
-    x = torch.randn(3, 7, cfg.dim)
-    cos, sin = full.rope_cos[:7], full.rope_sin[:7]
-    with torch.no_grad():
-        for last in (False, True):
-            want = full.layers["0"].self_attn(x, cos, sin, last)
-            got = sum(s.layers["0"].self_attn(x, cos, sin, last) for s in shards)
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(sum(s.layers["1"].mlp(x) for s in shards), full.layers["1"].mlp(x),
-                                   atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="n_kv_heads=.* tp=3"):
-        apply_tp(Transformer(_tiny("llama", num_attention_heads=6, num_key_value_heads=2)), 0, 3, None)
-
-
-def test_tp_on_meta_leaves_shapes_only():
-    cfg = _tiny("qwen3")
-    with torch.device("meta"):
-        m = Transformer(cfg)
-    apply_tp(m, 1, 2, None)
-    a = m.layers["1"].self_attn
-    assert a.q_proj.weight.shape == (32, 64) and a.k_proj.weight.shape == (16, 64) and a.o_proj.weight.is_meta
-    assert a.o_proj.weight.shape == (64, 32) and m.layers["1"].mlp.down_proj.weight.shape == (64, 64)
-    assert a.q_norm.weight.shape == (16,)  # Qwen3's q/k norms stay whole
-
-
-def test_stages_chain_to_the_full_model():
-    """Stage 0 then stage 1 (reflections by global index) equals the whole model."""
-    from poc.model.weights import load_model
-
-    full, cfg = load_model(v2_checkpoint("qwen3"), dtype=torch.float32, progress=False)
-    stages = []
-    for s in range(2):
-        m, _ = load_model(v2_checkpoint("qwen3"), dtype=torch.float32, progress=False)
-        stages.append(keep_stage(m, s, 2))
-    assert list(stages[0].layers) == ["0"] and stages[0].norm is None
-    assert list(stages[1].layers) == ["1"] and stages[1].norm is not None
-    x = v2.inputs(BH, PK, [0, 1, 2], SEQ, cfg.dim)
-    refl = v2.layer_vectors(BH, cfg.n_layers, cfg.dim)
-    with torch.no_grad():
-        h = stages[0](x, reflections=refl, last_only=True)
-        assert h.shape == (3, SEQ, cfg.dim)
-        torch.testing.assert_close(stages[1](h, reflections=refl), full(x, reflections=refl), atol=0, rtol=0)
-
-
-def test_tp_rank_peak_memory_is_about_its_shard(tmp_path):
-    """A tp=2 rank loading a ~60 MB float32 checkpoint: peak RSS above baseline < 0.65x of the whole weights."""
-    spec = importlib.util.spec_from_file_location("measure_load_rss", ROOT / "scripts" / "measure_load_rss.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.write_checkpoint(tmp_path / "ck", "qwen3-0.6b", 50, "float32")
-    child = r"""
-import json, sys
-from pathlib import Path
-import torch
-from poc.model.config import PRESETS
-from poc.model.transformer import Transformer
-from poc.model.weights import index_checkpoint
-from poc.parallel.shard import load_shard
-
-def kb(field):
-    return next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field))
-
-Transformer(PRESETS["tiny"])  # page in the code a load runs
-base = kb("VmRSS:") * 1024
-Path("/proc/self/clear_refs").write_text("5")
-model, cfg = load_shard(sys.argv[1], torch.float32, "cpu", tp_rank=0, tp_size=2)
-peak = kb("VmHWM:") * 1024 - base
-mine = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-whole = sum(r.nbytes for n, r in index_checkpoint(sys.argv[1]).items() if n.startswith("layers."))
-print(json.dumps({"peak": peak, "mine": mine, "whole": whole}))
-"""
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    out = subprocess.run([sys.executable, "-c", child, str(tmp_path / "ck")], capture_output=True, text=True,
-                         env=env, check=True)
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert 40e6 < res["whole"] < 80e6 and 0.45 < res["mine"] / res["whole"] < 0.55, res
-    assert res["peak"] / res["whole"] < 0.65, res
 
 
 # --- the rank processes -------------------------------------------------------------------------------------------
@@ -531,13 +345,14 @@ async def test_server_with_a_killed_rank(aiohttp_client, monkeypatch):
 
     from poc.server import app as app_mod
     from poc.server.config import ServerConfig
+    from poc.server.context import engine_key
 
     monkeypatch.setattr(app_mod, "Engine", lambda device, model_dir, dtype, **kw: DistEngine(
         device, model_dir, dtype, tp=2, world=2, timeout=30))
     cfg = ServerConfig(device="cpu", dtype="float32", model=str(v2_checkpoint("qwen3")), progress_interval=0.2,
                        rate_log_interval=0.5, shutdown_flush_seconds=1.0)
     client = await aiohttp_client(app_mod.create_app(cfg))
-    engine = client.server.app[app_mod.engine_key]
+    engine = client.server.app[engine_key]
 
     async def health() -> tuple[int, dict]:
         r = await client.get("/health")
@@ -695,264 +510,3 @@ def test_rank_log_lines_are_one_line_and_defused(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and " rank1 poc.rank: batch failed" in err[0], err
     assert "Error:" not in err[0] and "Traceback" not in err[0] and "boom" in err[0]
-
-
-class _SimulatedRanks:
-    """In-process stand-in for the rank processes of DistEngine: each replica builds its model for `build_s`
-    after the job arrives, then computes its queued batches one by one (`batch_s` each); an "end" with drop
-    cancels what is still queued. Speaks the engine's messages: started, result, done. `fail_at=(replica, n)`:
-    that replica fails on its n-th batch (1-based) as a rank that raised does: the engine breaks (engine._fail:
-    every rank killed, "failed" queued). `sent` lists the nonces of every result the replicas reported."""
-
-    def __init__(self, layout: Layout, build_s: float, batch_s: float, engine: DistEngine | None = None,
-                 fail_at: tuple[int, int] | None = None):
-        import queue
-
-        self.inbox: queue.Queue = queue.Queue()
-        self.layout, self.build_s, self.batch_s = layout, build_s, batch_s
-        self.engine, self.fail_at = engine, fail_at
-        self.queues = {r: queue.Queue() for r in range(layout.replicas)}
-        self.replica_of = {layout.leader(r): r for r in range(layout.replicas)}
-        self.closing, self.lock, self.sent = False, threading.Lock(), []
-
-    def send(self, rank: int, msg) -> None:
-        r = self.replica_of[rank]
-        if msg[0] == "job":
-            threading.Thread(target=self._replica, args=(r, msg[1]), daemon=True).start()
-        else:
-            self.queues[r].put(msg)
-
-    def kill(self) -> None:  # engine._fail: what a killed rank had not reported never arrives
-        self.closing = True
-
-    def _put(self, msg) -> bool:
-        with self.lock:  # a message put before the kill is in the inbox ahead of "failed"
-            if self.closing:
-                return False
-            self.inbox.put(msg)
-            if msg[0] == "result":
-                self.sent.append(msg[4]["nonces"])
-            return True
-
-    def _replica(self, r: int, jid: int) -> None:
-        time.sleep(self.build_s)
-        self._put(("started", jid, r))
-        pending, n = [], 0
-        while True:
-            msgs = [self.queues[r].get()] if not pending else []
-            while not self.queues[r].empty():
-                msgs.append(self.queues[r].get())
-            for m in msgs:
-                if m[0] == "end" and m[2]:
-                    pending = [p for p in pending if p[0] != "batch"]
-                pending.append(m)
-            m = pending.pop(0)
-            if m[0] == "end":
-                self._put(("done", jid, r))
-                return
-            time.sleep(self.batch_s)
-            n += 1
-            if self.fail_at == (r, n):
-                with self.lock:
-                    self.engine._fail(self, f"rank {self.layout.leader(r)} failed: RuntimeError: boom")
-                return
-            _, _, seq, nonces = m
-            if not self._put(("result", jid, r, seq, {"nonces": nonces, "dist": np.zeros(len(nonces))},
-                              self.batch_s)):
-                return
-
-
-def _simulated(build_s: float = 0.0, batch_s: float = 0.02, **kw) -> DistEngine:
-    e = DistEngine("cpu", world=2, tp=1, timeout=5)  # two replicas, simulated in this process
-    e._ranks = _SimulatedRanks(e.layout, build_s, batch_s, engine=e, **kw)
-    return e
-
-
-def _v1_job(nonces, batch_size: int = 4, max_nonces: int | None = None) -> V1Job:
-    return V1Job(BH, PK, 1, v1_params("A_gqa_plain_rope"), 1.5, nonces, batch_size, "float32",
-                 Limits(max_nonces=max_nonces, max_duration=None))
-
-
-def test_max_duration_counts_from_the_built_model_not_the_job_start():
-    """A v1 model that takes longer to build than max_duration (the ranks build it when the job arrives, 0.6 s
-    here) still computes for max_duration: the clock starts at the replicas' "started", as one device starts it
-    after its build; before, the deadline passed during the build and every dealt batch was dropped."""
-    e = DistEngine("cpu", world=2, tp=1, timeout=30)  # two replicas, simulated in this process
-    e._ranks = _SimulatedRanks(e.layout, build_s=0.6, batch_s=0.05)
-    job = V1Job(BH, PK, 1, v1_params("A_gqa_plain_rope"), 1.5, v1.worker_nonces(0, 0, 1), 4, "float32",
-                Limits(max_nonces=None, max_duration=0.3))
-    out = []
-    t0 = time.monotonic()
-    s = e.run(job, out.append, threading.Event())
-    took = time.monotonic() - t0
-    got = [n for b in out for n in b.nonces]
-    assert s.reason == "max_duration" and s.computed == len(got) == len(set(got)), s
-    assert s.computed >= 2 * 4 * 3, s  # >= 3 batches a replica in 0.3 s of 0.05 s batches
-    assert 0.6 + 0.3 <= took < 0.6 + 0.3 + 2.0, took
-    assert all(b.elapsed < 0.6 for b in out), [b.elapsed for b in out]  # timed from the start of compute
-
-
-def test_a_failing_replica_does_not_drop_the_results_the_other_one_sent():
-    """Replica 1 fails on its 3rd batch while the consumer is slower than the replicas: every result a replica
-    reported before the engine broke is emitted, then RankFailure (before, the failure overtook the results still
-    queued: computed and reported nonces were never emitted)."""
-    e = _simulated(fail_at=(1, 3))
-    out = []
-
-    def emit(b):
-        time.sleep(0.05)
-        out.append(b)
-
-    with pytest.raises(RankFailure, match="boom"):
-        e.run(_v1_job(v1.worker_nonces(0, 0, 1)), emit, threading.Event())
-    got = [n for b in out for n in b.nonces]
-    assert len(got) == len(set(got)) and sorted(got) == sorted(n for ns in e._ranks.sent for n in ns)
-    assert e.state == "broken" and "boom" in e.broken_reason
-
-
-def test_a_failing_nonce_iterator_still_emits_the_batches_launched():
-    """The job's nonce iterator raises (a /pooled range that could not be fetched, say) while batches are
-    computing: the batches the replicas launched are still emitted, as the single-device Engine emits the one in
-    flight; the batches dealt but not launched are dropped; the error is raised and the engine stays ready."""
-    e = _simulated(batch_s=0.05)
-
-    def nonces():
-        yield from range(16)  # the 4 batches dealt ahead (DEPTH 2 x 2 replicas), then the iterator fails
-        raise ValueError("nonce source failed")
-
-    out = []
-    with pytest.raises(ValueError, match="nonce source failed"):
-        e.run(_v1_job(nonces()), out.append, threading.Event())
-    got = [n for b in out for n in b.nonces]
-    sent = sorted(n for ns in e._ranks.sent for n in ns)
-    assert len(sent) >= 8 and len(got) == len(set(got)) and sorted(got) == sent
-    assert e.state == "ready" and e.broken_reason is None
-    out = []
-    s = e.run(_v1_job(iter(range(10))), out.append, threading.Event())  # the next job runs normally
-    assert s.reason == "exhausted" and sorted(n for b in out for n in b.nonces) == list(range(10))
-
-
-def test_stop_and_end_emit_every_launched_batch_exactly_once():
-    """Two replicas finishing around a stop, the end of the nonces or max_nonces: every batch a replica reported
-    is emitted exactly once, and the summary counts exactly those."""
-    for job, stop_at in ((_v1_job(iter(range(37)), 3), None), (_v1_job(v1.worker_nonces(0, 0, 1), 3, 31), None),
-                         (_v1_job(v1.worker_nonces(0, 0, 1), 3), 4)):
-        e, stop, out = _simulated(batch_s=0.01), threading.Event(), []
-
-        def emit(b):
-            out.append(b)
-            if b.index == stop_at:
-                stop.set()
-
-        s = e.run(job, emit, stop)
-        time.sleep(0.05)  # a late result would be in the inbox by now
-        got = [n for b in out for n in b.nonces]
-        assert len(got) == len(set(got)) == s.computed and sorted(got) == sorted(n for ns in e._ranks.sent for n in ns)
-        assert e._ranks.inbox.empty() and s.reason == ("stopped" if stop_at else "exhausted" if job.limits.max_nonces
-                                                       is None else "max_nonces"), s
-        if stop_at is None:
-            assert sorted(got) == list(range(37 if job.limits.max_nonces is None else 31))
-
-
-def test_an_emit_error_with_a_replica_that_does_not_end_breaks_the_engine():
-    """emit raises and a replica does not end the job within the timeout: the engine is broken (/health says so)
-    rather than "ready" with a replica still inside the old job (before, the next job was sent to it and failed
-    with a confusing "command 'job' of job 2 inside job 1")."""
-    e = _simulated(batch_s=0.02)
-    e.timeout = 1.0
-    rr = e._ranks
-    slow = threading.Event()
-    orig = rr._put
-
-    def put(msg):  # replica 1 hangs in its batch after the first result
-        if msg[0] == "result" and msg[2] == 1:
-            if slow.is_set():
-                time.sleep(30)
-            slow.set()
-        return orig(msg)
-
-    rr._put = put
-
-    def emit(b):
-        if slow.is_set():
-            raise KeyError("consumer failed")
-
-    t0 = time.monotonic()
-    with pytest.raises(KeyError):
-        e.run(_v1_job(v1.worker_nonces(0, 0, 1)), emit, threading.Event())
-    assert time.monotonic() - t0 < 5 and e.state == "broken" and "did not end job" in e.broken_reason
-
-
-def test_results_still_in_the_sockets_reach_the_job_before_a_failure():
-    """The reader reads one message per connection per round: when one rank's error arrives, results another
-    replica had already sent are still in its socket. They go to the inbox ahead of the failure (before, the reader
-    stopped at the failure and they were lost)."""
-    from multiprocessing import Pipe
-
-    from poc.parallel.engine import _Ranks
-
-    class Proc:  # a rank process: killing it closes its end of the connection
-        def __init__(self, end, pid):
-            self.end, self.pid, self.returncode = end, pid, None
-
-        def poll(self):
-            return self.returncode
-
-        def kill(self):
-            self.end.close()
-            self.returncode = -9
-
-        def wait(self, timeout=None):
-            return self.returncode
-
-    e = DistEngine("cpu", world=2, tp=1, timeout=5)
-    g = _Ranks(2)
-    ends = [Pipe() for _ in range(2)]
-    g.conns = {r: ends[r][0] for r in range(2)}
-    g.procs = [Proc(ends[r][1], 1000 + r) for r in range(2)]
-    e._ranks = g
-    for seq in (1, 3, 5):
-        ends[0][1].send(("result", 1, 0, seq, {"nonces": [seq]}, 0.1))
-    ends[1][1].send(("error", 1, "RuntimeError: boom"))
-    e._read(g)
-    msgs = []
-    while not g.inbox.empty():
-        msgs.append(g.inbox.get())
-    assert [m[3] for m in msgs if m[0] == "result"] == [1, 3, 5] and msgs[-1][0] == "failed", msgs
-    assert e.state == "broken" and "boom" in e.broken_reason
-
-
-def test_a_rank_failing_a_batch_reports_the_batch_it_had_in_flight(tmp_path, monkeypatch):
-    """A replica's launch raises on a batch (injected in the rank processes: nonce 10**9 fails v2.input_seeds):
-    the batch it had launched before is computed, so the rank reports it before its error, as the single-device
-    Engine emits the batch in flight; the engine breaks with the rank's error and restart() recovers."""
-    (tmp_path / "sitecustomize.py").write_text(
-        "from poc.protocol import v2\n"
-        "_seeds = v2.input_seeds\n"
-        "def input_seeds(bh, pk, nonces, *a, **kw):\n"
-        "    if 10**9 in nonces:\n"
-        "        raise RuntimeError('injected failure')\n"
-        "    return _seeds(bh, pk, nonces, *a, **kw)\n"
-        "v2.input_seeds = input_seeds\n")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    e = DistEngine("cpu", model_dir=str(v2_checkpoint("qwen3")), dtype="float32", tp=1, world=2, timeout=30)
-    try:
-        e.load()
-        seen = []
-
-        def nonces():
-            yield from range(8)  # seqs 1, 3 to replica 0 and 2, 4 to replica 1 (DEPTH 2), then the bad batch
-            while True:
-                yield 10**9
-
-        job = V2Job(BH, PK, 1, SEQ, K, nonces(), 2, limits=Limits(max_nonces=None, max_duration=None))
-        with pytest.raises(RankFailure, match="injected failure"):
-            with e.exclusive():
-                e._run(job, lambda seq, b, p: seen.append((seq, p["replica"])), threading.Event())
-        failed = int(e.broken_reason.split("rank ")[1].split()[0])
-        assert {s for s, r in seen if r == failed} == ({1, 3} if failed == 0 else {2, 4}), (e.broken_reason, seen)
-        e.restart()
-        arts, _ = e.v2_artifacts(BH, PK, [3, 4, 5], SEQ, K, batch_size=2)
-        assert [a["nonce"] for a in arts] == [3, 4, 5]
-    finally:
-        e.close()

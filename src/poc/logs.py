@@ -1,4 +1,5 @@
-"""Logging for the server: one line per event, and nothing that the Vast PyWorker would read as a crash.
+"""Logging for the server and the rank processes: one line per event, and nothing that the Vast PyWorker would
+read as a crash.
 
 The PyWorker marks the worker dead for good when a log line contains one of its on_error substrings
 ("Traceback (most recent call last):", "Error:", "RuntimeError:", "OutOfMemoryError", "CUDA error"; see

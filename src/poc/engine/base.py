@@ -1,0 +1,236 @@
+"""What every engine is, whatever runs its work: the one-device `Engine` (engine.py) and the rank processes'
+`DistEngine` (poc.parallel.engine) both implement `EngineBase`, and the server reads nothing else.
+
+- Life cycle: `state` is loading | ready | busy | broken. `start_loading()` and `load()` move it, `mark_broken()`
+  and a device failure (`is_device_failure`: a CUDA error leaves the device unusable) end it.
+- One device lock: `try_claim(owner)` gives one `Claim` or None; a job runs under a claim taken before it
+  (`run(..., claim=)`, the server admits a request so) or under one it takes itself (`Busy` when held).
+- Model info and memory: `v2` (name, config, dtype of the loaded checkpoint), and `check_v1_memory` /
+  `check_v2_memory`, the estimate of one job against what this engine's devices have free.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from poc.engine import memory
+from poc.engine.jobs import BatchResult, JobSummary, V1Job, V2Job
+from poc.errors import InputError
+from poc.model.config import ModelConfig
+from poc.protocol import v1
+
+STATES = ("loading", "ready", "busy", "broken")
+
+
+class Busy(RuntimeError):
+    """A second job while one holds the device(s)."""
+
+
+@dataclass
+class ModelInfo:
+    """What a caller may know of the loaded PoC v2 checkpoint."""
+
+    cfg: ModelConfig
+    name: str
+    dtype: torch.dtype
+
+
+class Claim:
+    """One holder of the device(s); `release()` is idempotent and may be called from any thread."""
+
+    def __init__(self, lock: "DeviceLock", owner: str):
+        self.lock, self.owner, self.released = lock, owner, False
+
+    def release(self) -> None:
+        self.lock.release(self)
+
+
+class DeviceLock:
+    """At most one holder. Listeners (`on_release`) hear every release, from the thread that released."""
+
+    def __init__(self):
+        self._mutex = threading.Lock()
+        self.holder: Claim | None = None
+        self._listeners: list[Callable[[], None]] = []
+
+    @property
+    def busy(self) -> bool:
+        return self.holder is not None
+
+    def try_claim(self, owner: str) -> Claim | None:
+        with self._mutex:
+            if self.holder is not None:
+                return None
+            self.holder = Claim(self, owner)
+            return self.holder
+
+    def release(self, claim: Claim) -> None:
+        with self._mutex:
+            if claim.released:
+                return
+            claim.released = True
+            if self.holder is claim:
+                self.holder = None
+            listeners = list(self._listeners)
+        for f in listeners:
+            f()
+
+    def on_release(self, f: Callable[[], None]) -> None:
+        self._listeners.append(f)
+
+
+def is_device_failure(e: BaseException) -> bool:
+    """A failure after which the device cannot be trusted (a CUDA error: every later kernel fails too)."""
+    return "CUDA error" in str(e) or type(e).__name__ == "AcceleratorError"
+
+
+class EngineBase(abc.ABC):
+    """The engine interface: life cycle, one device lock, model info, memory estimates, jobs."""
+
+    device: torch.device
+    model_dir: str | None
+    v2: ModelInfo | None
+    compile_v1: bool
+    compile_v2: bool
+
+    def __init__(self, loading: bool):
+        self.lock = DeviceLock()
+        self.broken_reason: str | None = None
+        self.load_seconds: float | None = None
+        self._loading = loading
+
+    # ------------------------------------------------------------------------------------ life cycle
+
+    @property
+    def state(self) -> str:
+        if self.broken_reason:
+            return "broken"
+        if self._loading:
+            return "loading"
+        return "busy" if self.lock.busy else "ready"
+
+    def start_loading(self) -> None:
+        """The model is being (re)loaded: jobs wait for `load()` to end."""
+        self._loading = True
+
+    def loaded(self) -> None:
+        self._loading = False
+
+    def mark_broken(self, reason: str) -> None:
+        """The engine cannot run jobs until it is restarted (the latest reason is reported)."""
+        self.broken_reason = reason
+        self._loading = False
+
+    def clear_broken(self) -> None:
+        self.broken_reason = None
+
+    def load(self) -> None:
+        """Warm up and load the checkpoint given at start (blocking: run it on a thread). A failure breaks the
+        engine ("model load failed: ...") and is raised."""
+        self.start_loading()
+        try:
+            self._load()
+        except Exception as e:
+            self.mark_broken(f"model load failed: {type(e).__name__}: {e}")
+            raise
+        self.loaded()
+
+    @abc.abstractmethod
+    def _load(self) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    # ------------------------------------------------------------------------------------ the device lock
+
+    @property
+    def busy(self) -> bool:
+        return self.lock.busy
+
+    def try_claim(self, owner: str) -> Claim | None:
+        return self.lock.try_claim(owner)
+
+    @contextlib.contextmanager
+    def exclusive(self, claim: Claim | None = None, owner: str = "job"):
+        """Hold the device(s) for one job: under `claim` (taken by the caller, kept by it) or under a claim taken
+        here (Busy at once if another holds them). A device failure inside breaks the engine."""
+        own = None
+        if claim is None:
+            own = self.lock.try_claim(owner)
+            if own is None:
+                raise Busy("a job is already running")
+        elif claim is not self.lock.holder:
+            raise Busy(f"the claim of {claim.owner!r} does not hold the device")
+        try:
+            yield
+        except Exception as e:
+            if is_device_failure(e):
+                self.mark_broken(f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            if own is not None:
+                own.release()
+
+    # ------------------------------------------------------------------------------------ jobs
+
+    @abc.abstractmethod
+    def run(self, job: V1Job | V2Job, emit: Callable[[BatchResult], None], stop: threading.Event,
+            claim: Claim | None = None) -> JobSummary:
+        """Run one job batch by batch under `exclusive(claim)` (blocking: a worker thread): emit(BatchResult) as
+        each batch is on the host, every launched batch emitted also on a stop; a JobSummary at the end."""
+
+    @abc.abstractmethod
+    def v1_distances(self, params: v1.V1Params, block_hash: str, public_key: str, nonces: Sequence[int],
+                     dtype: str = "float16", batch_size: int = 64) -> np.ndarray:
+        """Distances for explicit nonces (validation, the CLI)."""
+
+    @abc.abstractmethod
+    def v2_artifacts(self, block_hash: str, public_key: str, nonces: Sequence[int], seq_len: int, k_dim: int,
+                     stronger_rng: bool = False, batch_size: int = 32) -> tuple[list[dict], list[int]]: ...
+
+    def build_v1(self, params: v1.V1Params, block_hash: str, dtype: str) -> None:
+        """Build the v1 model of a coming job ahead of it (blocking), where the engine keeps one; else nothing."""
+
+    def require_v2(self) -> ModelInfo:
+        if self.v2 is None:
+            raise InputError("no PoC v2 model is loaded: start the server with --model DIR", "params.model")
+        return self.v2
+
+    # ------------------------------------------------------------------------------------ memory
+
+    def parallel_dims(self) -> tuple[int, int, int]:
+        """(tp, pp, ranks): how a model is split over this engine's devices."""
+        return 1, 1, 1
+
+    def free_bytes(self) -> int | None:
+        """The tightest device's free memory as its holder reports it; None: read it here (memory.check_fits)."""
+        return None
+
+    @abc.abstractmethod
+    def v1_held_bytes(self) -> int:
+        """A device's bytes held by the cached v1 model, freed before the next one is built."""
+
+    def check_v1_memory(self, params: v1.V1Params, batch_size: int, dtype: str, headroom: float = 0.9) -> None:
+        """422 (InputError) when the v1 model and a batch of this size do not fit the free device memory."""
+        tp, pp, ranks = self.parallel_dims()
+        cuda = self.device.type == "cuda"
+        est = memory.v1_estimate(params, batch_size, dtype, tp=tp, pp=pp, cuda=cuda, fused=cuda and self.compile_v1)
+        memory.check_fits(est, self.device, reclaimable=self.v1_held_bytes(), headroom=headroom, field="params",
+                          free=self.free_bytes(), ranks=ranks)
+
+    def check_v2_memory(self, batch_size: int, seq_len: int, headroom: float = 0.9) -> None:
+        """422 (InputError) when a batch of this shape through the loaded model does not fit."""
+        tp, _pp, ranks = self.parallel_dims()
+        info = self.require_v2()
+        cuda = self.device.type == "cuda"
+        est = memory.v2_estimate(info.cfg, batch_size, seq_len, info.dtype.itemsize, tp=tp, cuda=cuda,
+                                 fused=cuda and self.compile_v2)
+        memory.check_fits(est, self.device, headroom=headroom, field="params.seq_len", free=self.free_bytes(),
+                          ranks=ranks)

@@ -1,0 +1,126 @@
+"""What the route modules share: the app's typed keys and `admit()`, the one gate before a job starts.
+
+`admit(app, owner, v1=..., v2=...)` checks, in this order and before any response starts: the engine is ready
+(503 while loading or broken), the job fits the devices' free memory (422, the engine's estimate), and the device
+is free (409: the engine's lock, claimed for the job). `wait_claim` is the same lock for the background queue,
+awaited on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from typing import Callable
+
+from aiohttp import web
+
+from poc.clients.callbacks import CallbackSender
+from poc.engine.base import Claim, EngineBase
+from poc.errors import InputError
+from poc.protocol import v1
+from poc.server.config import ServerConfig
+from poc.server.metrics import Metrics
+from poc.server.schemas import ServedModel
+from poc.server.stream import JobRunner
+
+config_key = web.AppKey("config", ServerConfig)
+engine_key = web.AppKey("engine", EngineBase)
+metrics_key = web.AppKey("metrics", Metrics)
+runners_key = web.AppKey("runners", set)  # the JobRunners in flight (for /health and shutdown)
+sender_key = web.AppKey("callbacks", CallbackSender)
+listening_key = web.AppKey("listening", asyncio.Event)
+tasks_key = web.AppKey("tasks", dict)  # background tasks by name
+freed_key = web.AppKey("freed", asyncio.Event)  # set on the loop whenever the engine's device lock is released
+
+
+def track_streams(app: web.Application, key: web.AppKey, end: Callable[[object], None]) -> None:
+    """app[key]: a route's open streams (the route adds and discards them); on shutdown each one is end()ed."""
+    app[key] = set()
+
+    async def on_shutdown(app: web.Application) -> None:
+        for s in list(app[key]):
+            end(s)
+
+    app.on_shutdown.append(on_shutdown)
+
+
+def require_ready(app: web.Application) -> None:
+    """503 while the checkpoint loads or after the engine broke."""
+    engine = app[engine_key]
+    if engine.state == "loading":
+        raise InputError("the model is still loading: retry when GET /health says ready", None, status=503)
+    if engine.state == "broken":
+        raise InputError(f"the engine is broken ({engine.broken_reason}): restart the server", None, status=503)
+
+
+def check_v1_memory(app: web.Application, params: v1.V1Params, batch_size: int, dtype: str) -> None:
+    app[engine_key].check_v1_memory(params, batch_size, dtype, headroom=app[config_key].memory_headroom)
+
+
+def check_v2_memory(app: web.Application, batch_size: int, seq_len: int) -> None:
+    app[engine_key].check_v2_memory(batch_size, seq_len, headroom=app[config_key].memory_headroom)
+
+
+def claim_device(app: web.Application, owner: str) -> Claim:
+    """The device for one job, or 409 at once (before any response is started)."""
+    c = app[engine_key].try_claim(owner)
+    if c is None:
+        raise InputError("busy: a job is already running", None, status=409)
+    return c
+
+
+def admit(app: web.Application, owner: str, *, v1: tuple | None = None, v2: tuple | None = None) -> Claim:
+    """Readiness, the memory estimate of the job (v1=(params, batch_size, dtype) or v2=(batch_size, seq_len)),
+    then the device claim: 503, 422 or 409 before anything starts."""
+    require_ready(app)
+    if v1 is not None:
+        check_v1_memory(app, *v1)
+    if v2 is not None:
+        check_v2_memory(app, *v2)
+    return claim_device(app, owner)
+
+
+def watch_releases(app: web.Application) -> None:
+    """Wake wait_claim() on every release of the engine's lock, from whichever thread released it."""
+    loop, freed = asyncio.get_running_loop(), app[freed_key]
+
+    def on_release() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
+            loop.call_soon_threadsafe(freed.set)
+
+    app[engine_key].lock.on_release(on_release)
+
+
+async def wait_claim(app: web.Application, owner: str) -> Claim:
+    """Wait for the device without blocking the loop (the background queue; requests get a 409 instead)."""
+    engine, freed = app[engine_key], app[freed_key]
+    while True:
+        c = engine.try_claim(owner)
+        if c is not None:
+            return c
+        freed.clear()
+        await freed.wait()
+
+
+def new_runner(app: web.Application, job, claim: Claim, label: str, borrowed: bool = False) -> JobRunner:
+    """A JobRunner for `job` on the engine under `claim` (`borrowed`: the caller keeps it and releases it)."""
+    cfg = app[config_key]
+    return JobRunner(app[engine_key], job, claim, label=label, metrics=app[metrics_key], registry=app[runners_key],
+                     progress_interval=cfg.progress_interval, rate_log_interval=cfg.rate_log_interval,
+                     max_waiting=cfg.stream_max_waiting, borrowed=borrowed)
+
+
+def served_model(app: web.Application) -> ServedModel | None:
+    engine = app[engine_key]
+    if engine.v2 is None:
+        return None
+    cfg = app[config_key]
+    return ServedModel.of(cfg.model, engine.v2.cfg, cfg.served_model_name)
+
+
+def model_label(app: web.Application) -> str | None:
+    engine = app[engine_key]
+    if engine.v2 is not None:
+        return engine.v2.name
+    return Path(app[config_key].model).name if app[config_key].model else None

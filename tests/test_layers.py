@@ -1,0 +1,151 @@
+"""The package's layering, read from the source: no import cycle between modules, and no import from a lower layer
+into a higher one. Every import counts, also one inside a function or under TYPE_CHECKING: a deferred import is
+still a dependency."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+# lowest first: a module may import its own layer and the layers before it
+LAYERS = [
+    ("poc", "poc.dtypes", "poc.errors", "poc.logs", "poc.profiling"),
+    ("poc.protocol",),
+    ("poc.model",),
+    ("poc.engine",),
+    ("poc.parallel",),
+    ("poc.clients",),
+    ("poc.server",),
+    ("poc.cli", "poc.bench", "poc.__main__"),
+]
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((SRC / "poc").rglob("*.py")):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The poc modules `name` imports (a `from pkg import mod` names the module when it is one)."""
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "poc")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = name.split(".") if is_pkg else name.split(".")[:-1]
+                pkg = pkg[:len(pkg) - (node.level - 1)]
+                base = ".".join(pkg + ([base] if base else []))
+            if base.split(".")[0] != "poc":
+                continue
+            for a in node.names:
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    found.discard(name)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def layer(name: str) -> int:
+    best = None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (name == p or name.startswith(p + ".")) and (best is None or len(p) > len(best[1])):
+                best = (i, p)
+    assert best is not None, f"{name} is in no layer: add it to LAYERS"
+    return best[0]
+
+
+def test_every_module_has_a_layer_and_imports_resolve():
+    g = graph()
+    for name, deps in g.items():
+        layer(name)
+        unknown = {d for d in deps if d not in g}
+        assert not unknown, f"{name} imports modules that do not exist: {sorted(unknown)}"
+
+
+def test_no_upward_import():
+    up = sorted(f"{name} ({LAYERS[layer(name)][0]}) imports {d} ({LAYERS[layer(d)][0]})"
+                for name, deps in graph().items() for d in deps if layer(d) > layer(name))
+    assert not up, "imports from a lower layer into a higher one:\n" + "\n".join(up)
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle():
+    found = cycles(graph())
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_checker_sees_a_cycle_and_an_upward_import():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    assert layer("poc.model.transformer") < layer("poc.engine.compute") < layer("poc.server.app")
+    assert layer("poc.logs") < layer("poc.protocol.v1")
+
+
+def engine_misuse(source: str) -> list[str]:
+    """In server code: an engine's private attribute read, a getattr() on an engine, or a write to an engine."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and "engine" in ast.unparse(node.value):
+            if node.attr.startswith("_") and not node.attr.startswith("__"):
+                found.append(f"line {node.lineno}: reads {ast.unparse(node)}")
+            if isinstance(node.ctx, (ast.Store, ast.Del)):
+                found.append(f"line {node.lineno}: writes {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr", "setattr") and \
+                node.args and "engine" in ast.unparse(node.args[0]):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_server_uses_only_the_engine_interface():
+    """The server reads the engine through EngineBase's public names and changes it only through its methods."""
+    bad = [f"{p.name} {m}" for p in sorted((SRC / "poc" / "server").glob("*.py")) for m in engine_misuse(p.read_text())]
+    assert not bad, "the server reaches into the engine:\n" + "\n".join(bad)
+
+
+def test_the_engine_misuse_check_sees_each_kind():
+    src = ("x = app[engine_key]._v1\nfree = getattr(engine, 'free_bytes', None)\nself.engine.state = 'broken'\n"
+           "ok = engine.state\nengine.mark_broken('r')\n")
+    assert [m.split(":")[0] for m in engine_misuse(src)] == ["line 1", "line 2", "line 3"]
