@@ -18,7 +18,7 @@ LAYERS = [
     ("poc.parallel",),
     ("poc.clients",),
     ("poc.server",),
-    ("poc.cli", "poc.bench", "poc.__main__"),
+    ("poc.cli", "poc.bench", "poc.serve", "poc.__main__"),
 ]
 
 

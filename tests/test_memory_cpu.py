@@ -14,15 +14,18 @@ import pytest
 from .fakes import ROOT
 
 PROBE = r"""
-import gc, json, resource, sys
+import gc, json, sys
 import torch
 from poc.engine import memory
 from poc.engine.engine import Engine
 from poc.server.schemas import parse_v1_params
 
-def rss():
+def status(key):
     with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS"))
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key))
+
+def rss():
+    return status("VmRSS:")
 
 dim, layers, dtype = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 p = parse_v1_params(dict(dim=dim, n_layers=layers, n_heads=8, n_kv_heads=8, vocab_size=4096, ffn_dim_multiplier=None,
@@ -33,7 +36,7 @@ gc.collect()
 r0 = rss()
 c = e.v1_compute(p, "memory-probe", dtype)
 c.run(c.prepare("pk", list(range(8))))
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = status("VmHWM:")  # this process's own high-water mark: ru_maxrss keeps the forking parent's across exec
 e._v1.close(); e._v1 = c = None
 gc.collect()
 est = memory.v1_estimate(p, 8, dtype)

@@ -114,7 +114,7 @@ async def _load(app: web.Application) -> None:
         if shapes:  # the expected shapes compiled before the readiness line (warm_start.py; jobs get 409 meanwhile)
             from poc.server import warm_start
 
-            await asyncio.to_thread(warm_start.run, engine, shapes)
+            await asyncio.to_thread(warm_start.run, engine, shapes, claim)  # under the start-up claim
     except Exception as e:  # the engine marked itself broken (a failed warm-up is only a warning: warm_start.run)
         app[metrics_key].error("model_load")
         log.warning("model load failed %s; /health reports broken", describe(e))

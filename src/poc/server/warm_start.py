@@ -124,7 +124,7 @@ def _job(shape: WarmShape):
                  dtype=shape.dtype, limits=limits)
 
 
-def run(engine, shapes: tuple[WarmShape, ...]) -> None:
+def run(engine, shapes: tuple[WarmShape, ...], claim=None) -> None:
     """Blocking (a worker thread): one batch of each shape through engine.run. A failure is logged and the server
     starts all the same (its first job of that shape then compiles, or fails the same way, visibly)."""
     from poc.logs import describe
@@ -138,7 +138,7 @@ def run(engine, shapes: tuple[WarmShape, ...]) -> None:
                 if p["seq_len"] > cfg.max_seq_len or p["k_dim"] > cfg.dim:
                     raise InputError(f"seq_len {p['seq_len']} / k_dim {p['k_dim']} past the model's "
                                      f"max_position_embeddings {cfg.max_seq_len} / hidden size {cfg.dim}")
-            summary = engine.run(_job(s), lambda _batch: None, threading.Event())
+            summary = engine.run(_job(s), lambda _batch: None, threading.Event(), claim=claim)
         except Exception as e:
             log.warning("compile at start: %s failed %s; serving without it", s.label(), describe(e))
             continue
