@@ -212,6 +212,12 @@ class CallbackSender:
         t.add_done_callback(self._stores.discard)
         return True
 
+    async def stored(self) -> None:
+        """Return once every record submitted so far is stored (spooled, or kept in memory): a release after it
+        covers them all."""
+        while self._stores:
+            await asyncio.gather(*list(self._stores), return_exceptions=True)
+
     async def put(self, kind: str, url: str, payload: dict, idempotency_id: str) -> bool:
         """`submit`, returning once the record is on disk (spool mode): a caller that reports the payload
         elsewhere afterwards (an NDJSON line) knows it will be delivered even after a crash."""

@@ -144,7 +144,10 @@ class Generation:
                         self.app[sender_key].release(self.id)
                         last = time.monotonic()
         finally:
-            self.app[sender_key].release(self.id, final=True)
+            try:  # the batches handed over just before the end are stored first, so the final release merges them
+                await self.app[sender_key].stored()
+            finally:
+                self.app[sender_key].release(self.id, final=True)
             self.runner.close()
             if self.gate is not None:
                 self.gate.resume.set()
