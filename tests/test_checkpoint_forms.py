@@ -82,15 +82,8 @@ FORMS = {  # name: (config.json as written on the Hub, checkpoint options)
                          dict(drop_head=True)),
 }
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _dequant_forward():
-    """The FP8 cases here check the dequantise forward (POC_FP8=dequant; their tiny shapes do not split on 128-blocks
-    under tensor parallel); the validators' W8A8 forward, the default, is tests/test_w8a8.py's."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("POC_FP8", "dequant")
-    yield
-    mp.undo()
+FP8_FORWARD = "dequant"  # the FP8 forms are checked against transformers' dequantised reading: the dequantise forward
+# (the default W8A8 forward is tests/test_w8a8.py's)
 
 
 def hub_config(over: dict) -> dict:

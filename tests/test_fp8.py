@@ -18,15 +18,7 @@ from tests.test_moe import make_hf_moe
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _dequant_forward():
-    """These tests are about the dequantise forward of FP8 checkpoints (POC_FP8=dequant); the validators' W8A8
-    forward, the default, is tests/test_w8a8.py's."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("POC_FP8", "dequant")
-    yield
-    mp.undo()
+FP8_FORWARD = "dequant"  # the dequantise forward's tests; the default W8A8 forward is tests/test_w8a8.py's
 
 
 def quantize(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,15 +24,8 @@ CASES = {  # name: config overrides; both layer kinds appear in each
                             norm_topk_prob=True, tie_word_embeddings=True),
 }
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _dequant_forward():
-    """The FP8 cases here check the dequantise forward (POC_FP8=dequant; their tiny shapes do not split on 128-blocks
-    under tensor parallel); the validators' W8A8 forward, the default, is tests/test_w8a8.py's."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("POC_FP8", "dequant")
-    yield
-    mp.undo()
+FP8_FORWARD = "dequant"  # the FP8 cases check the dequantise forward (their tiny shapes do not split on 128-blocks under
+# tensor parallel); the default W8A8 forward is tests/test_w8a8.py's
 
 
 def hf_moe_config(**overrides):

@@ -29,15 +29,8 @@ SEQ, K = 16, 12
 V1_SETS = ["A_gqa_plain_rope", "B_mha_scaled_rope"]
 LAYOUTS = {"tp2": dict(tp=2, pp=1, world=2), "pp2": dict(tp=1, pp=2, world=2), "rep2": dict(tp=1, pp=1, world=2)}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _dequant_forward():
-    """The FP8 cases here check the dequantise forward (POC_FP8=dequant; their tiny shapes do not split on 128-blocks
-    under tensor parallel); the validators' W8A8 forward, the default, is tests/test_w8a8.py's."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("POC_FP8", "dequant")
-    yield
-    mp.undo()
+FP8_FORWARD = "dequant"  # the FP8 cases check the dequantise forward (their tiny shapes do not split on 128-blocks under
+# tensor parallel); the default W8A8 forward is tests/test_w8a8.py's
 
 
 def v1_params(name: str) -> v1.V1Params:

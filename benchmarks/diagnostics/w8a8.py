@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from poc.bench import cuda_time
 from poc.engine.compute import V2Compute
 from poc.model import fp8
 from poc.model.config import PRESETS
@@ -37,21 +37,6 @@ from poc.protocol import v2
 BH = "ba5b00876d55f32856a5fbae8b4ebd79c5a90c763b23c15b7ec813cda54965ab"
 PK = "03b9be7b7bcc197eadcd6cd0ab62d129aa39b94e53ea72ecacc4d95ccec859435c"
 SHAPE = "qwen3-30b-a3b"
-
-
-def cuda_time(fn, iters: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
 
 
 def fp8_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -94,8 +94,10 @@ def flops_per_nonce(cfg: ModelConfig, seq_len: int, head: bool) -> float:
     return f + (2.0 * cfg.dim * cfg.vocab_size if head else 0.0)
 
 
-def cuda_time(fn, iters: int, warmup: int = 3) -> float:
-    """Median seconds per call, timed with CUDA events."""
+def cuda_time(fn, iters: int = 10, warmup: int = 3) -> float:
+    """Median seconds per call, timed with CUDA events (the benchmark diagnostics use it too)."""
+    import torch
+
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
