@@ -369,26 +369,12 @@ VS = unit_rows(3, 64)
 def tp_ranks(moe_ckpt, tmp_path_factory) -> dict[str, list[dict]]:
     """name -> each rank's results of the GLOO_CASES checkpoints under tp=2 over gloo: two rank processes, started
     once for all of them (a process start, which imports torch, is most of the cost)."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.golden import ROOT
+    from tests.gloo import run_ranks
 
     world, io = 2, tmp_path_factory.mktemp("gloo")
     ckpts = {name: str(moe_ckpt(name)[0]) for name in GLOO_CASES}
     torch.save((X, VS), io / "in.pt")
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(world), str(io), *ckpts.values()], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), outs
-    res = [torch.load(io / f"rank{r}.pt") for r in range(world)]
+    res = run_ranks(_RANK, io, list(ckpts.values()), world=world)
     return {name: [res[r][ck] for r in range(world)] for name, ck in ckpts.items()}
 
 

@@ -6,11 +6,6 @@ here, our W8A8 forward against a float32 emulation of the spec's arithmetic writ
 experts replaced by it), in one process and over tp=2 / ep=2 on gloo; the dequantise forward kept behind POC_FP8.
 """
 
-import os
-import subprocess
-import sys
-
-import numpy as np
 import pytest
 import torch
 
@@ -211,22 +206,11 @@ def test_tensor_and_expert_parallel_on_gloo(ckpts, tmp_path):
     the same shards within 1e-5 relative, and the single-process model closely (the row-parallel partial sums add
     in another order, and a value that lands on an FP8 rounding boundary may round the other way downstream, as
     it may between any two validators' layouts); each rank holds FP8 slices with their block scales."""
-    from tests.golden import ROOT
+    from tests.gloo import run_ranks
 
     torch.save((X, VS), tmp_path / "in.pt")
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}", OMP_NUM_THREADS="1")
-    env.pop("POC_FP8", None)
     names = [str(ckpts["dense"]), str(ckpts["moe"])]
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), "2", str(tmp_path), *names], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=180)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), outs
-    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    res = run_ranks(_RANK, tmp_path, names, timeout=180, env={"POC_FP8": "w8a8"})
     for name in names:
         ours, cfg = load_model(name, dtype=torch.float32, progress=False)
         want = ours(X, reflections=VS[:cfg.n_layers], last_only=False)
