@@ -381,8 +381,8 @@ def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4)
     dtype = DTYPES[w["dtype"]]
     cfg = replace(PRESETS[w["model"]])
     engine = Engine("cuda", compile=compile)
-    engine.v2 = V2Compute(random_v2_model(cfg, dtype, "cuda"), cfg, dtype, torch.device("cuda"), w["model"],
-                          compile=compile)
+    model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w.get("fp8_forward"))
+    engine.v2 = V2Compute(model, cfg, dtype, torch.device("cuda"), w["model"], compile=compile)
     job = V2Job(BH, PK, 1, w["seq_len"], 12, v1.worker_nonces(0, 0, 1), batch)
     job.limits = Limits(max_nonces=batch * warm, max_duration=None)
     engine.run(job, lambda b: None, threading.Event())  # compile + warm up
@@ -394,7 +394,7 @@ def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4)
         engine.run(job, lambda b: None, threading.Event())
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    b = breakdown(prof, wall)
+    b = breakdown(prof, wall, top_n=30)
     kinds = b["by_kind_s"]
     fl = flops_per_nonce(cfg, w["seq_len"], False) * batch * steps
     out = {"workload": name, "batch": batch, "compile": compile, **b,
