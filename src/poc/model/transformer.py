@@ -396,12 +396,18 @@ def _combine(y: Tensor, w: Tensor, pos: Tensor, n_valid: Tensor, T: int, k: int,
 
     y holds the expert outputs in expert-sorted order, one row per computed (token, choice) pair: all T*k of them,
     or under expert parallel only this rank's first n_valid. pos maps each (token, choice) slot to its row of y;
-    slots at or past n_valid are another rank's and count as zero. Written as a gather, so a compiled graph reads y
-    once and writes only the (T, D) result (no (T*k, D) scatter buffer to zero, fill and re-read)."""
-    valid = pos < n_valid
-    yw = _mul(y[pos.clamp(max=y.shape[0] - 1)], w[:, None])  # (T*k, D) in (token, choice) order
-    yw = torch.where(valid[:, None], yw, torch.zeros((), dtype=y.dtype, device=y.device))
-    return yw.view(T, k, -1).double().sum(dim=1).float().to(out_dtype)
+    slots at or past n_valid are another rank's and count as zero. Written as k gathers of whole rows added in
+    float64 (exact, so their order is free): a compiled graph makes it one elementwise kernel over (T, D) that reads
+    each token's k rows of y once, contiguously, and writes only the result. (As one (T, k, D) sum over k it was a
+    reduction kernel whose loads strided across the k rows: 4.9 ms against 0.9 at 64k tokens on the H100.)"""
+    pos, w = pos.view(T, k), w.view(T, k)
+    zero = torch.zeros((), dtype=y.dtype, device=y.device)
+    acc = None
+    for c in range(k):
+        p = pos[:, c]
+        term = torch.where((p < n_valid)[:, None], _mul(y[p.clamp(max=y.shape[0] - 1)], w[:, c, None]), zero)
+        acc = term.double() if acc is None else acc + term.double()
+    return acc.float().to(out_dtype)
 
 
 _FAST: dict = {}
