@@ -22,6 +22,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +30,14 @@ import torch
 
 from poc.bench import cuda_time
 from poc.engine.compute import V2Compute
-from poc.model import fp8
+from poc.model import fp8, fp8_triton
 from poc.model.config import PRESETS
 from poc.model.random_weights import random_model
+from poc.model.transformer import _act
 from poc.protocol import v2
+
+grouped_gemm = partial(fp8_triton.grouped_gemm, group_rows=fp8.GROUP_ROWS)
+w13_swiglu_quant = partial(fp8_triton.w13_swiglu_quant, group_rows=fp8.GROUP_ROWS)
 
 BH = "ba5b00876d55f32856a5fbae8b4ebd79c5a90c763b23c15b7ec813cda54965ab"
 PK = "03b9be7b7bcc197eadcd6cd0ab62d129aa39b94e53ea72ecacc4d95ccec859435c"
@@ -117,13 +122,10 @@ def kernels(args) -> dict:
     w2, s2 = (torch.stack(t) for t in zip(*[fp8_weight(D, F, g) for _ in range(E)]))
     s13, s2 = s13 * 0.05, s2 * 0.05  # keeps the SwiGLU input in a realistic range
 
-    def act(h):
-        a, b = h.chunk(2, dim=-1)
-        return torch.nn.functional.silu(a) * b
-
+    act = _act  # the model's SwiGLU (its roundings are what the fused kernel must reproduce)
     # the grouped GEMM alone (one Triton kernel over all experts, the padded row layout) against the emulation,
-    # and a sweep of its tile configurations
-    gmm = fp8._triton_grouped()
+    # and a sweep of its tile configurations; then the w13 kernel with SwiGLU and the quantiser in its epilogue
+    # against the three steps run apart (bit for bit), and a sweep of its tiles
     for name, (w, ws, K) in {"w13": (w13, s13, D), "w2": (w2, s2, F)}.items():
         counts = torch.distributions.Multinomial(32 * 1024 * 8, torch.ones(E)).sample().long().cuda()
         padded = (counts + fp8.GROUP_ROWS - 1) // fp8.GROUP_ROWS * fp8.GROUP_ROWS
@@ -137,23 +139,45 @@ def kernels(args) -> dict:
         bounds = pends.tolist()
         ref = torch.cat([emulate(q[a:b], sc[a:b], w[j], ws[j]) for j, (a, b) in enumerate(zip([0] + bounds[:-1], bounds))])
         for bm, warps, stages in ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 4), (64, 4, 3), (128, 8, 2)):
-            fp8.GROUPED_CONFIG.update(BM=bm, num_warps=warps, num_stages=stages)
+            fp8_triton.GROUPED_CONFIG.update(BM=bm, num_warps=warps, num_stages=stages)
             try:
-                y = gmm(q, sc, w, ws, tile_e, torch.bfloat16)
+                y = grouped_gemm(q, sc, w, ws, tile_e, torch.bfloat16)
                 rel = float((y.float() - ref).norm() / ref.norm())
-                tt = cuda_time(lambda: gmm(q, sc, w, ws, tile_e, torch.bfloat16), iters=5)
+                tt = cuda_time(lambda: grouped_gemm(q, sc, w, ws, tile_e, torch.bfloat16), iters=5)
                 row = {"gemm": f"grouped {name}", "rows": n, "experts": E, "N": w.shape[1], "K": K, "rel_err": rel,
-                       "config": dict(fp8.GROUPED_CONFIG), "tflops": 2 * n * w.shape[1] * K / tt / 1e12}
+                       "config": dict(fp8_triton.GROUPED_CONFIG), "tflops": 2 * n * w.shape[1] * K / tt / 1e12}
             except Exception as e:  # noqa: BLE001 - a config the compiler refuses: record it
-                row = {"gemm": f"grouped {name}", "config": dict(fp8.GROUPED_CONFIG), "error": str(e)[:200],
+                row = {"gemm": f"grouped {name}", "config": dict(fp8_triton.GROUPED_CONFIG), "error": str(e)[:200],
                        "tflops": None, "N": w.shape[1], "K": K}
             res["grouped"].append(row)
             print(json.dumps(row), flush=True)
-    best = max((r for r in res["grouped"] if r.get("tflops") and r["gemm"] == "grouped w13"), key=lambda r: r["tflops"])
-    fp8.GROUPED_CONFIG.update(best["config"])
-    res["grouped_config"] = best["config"]
+        best = max((r for r in res["grouped"] if r.get("tflops") and r["gemm"] == f"grouped {name}"),
+                   key=lambda r: r["tflops"])
+        res[f"grouped_config_{name}"] = best["config"]
+        if name == "w13":  # the fused kernel on the same rows
+            fp8_triton.GROUPED_CONFIG.update(best["config"])
+            want_q, want_s = fp8.quantize_act(act(grouped_gemm(q, sc, w, ws, tile_e, torch.bfloat16)))
+            for bm, warps, stages in ((128, 8, 3), (128, 8, 4), (64, 8, 3), (64, 4, 3), (128, 8, 2)):
+                fp8_triton.W13_CONFIG.update(BM=bm, num_warps=warps, num_stages=stages)
+                try:
+                    fq, fs = w13_swiglu_quant(q, sc, w, ws, tile_e, torch.bfloat16)
+                    same = (torch.equal(fq.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(fs, want_s))
+                    tt = cuda_time(lambda: w13_swiglu_quant(q, sc, w, ws, tile_e, torch.bfloat16), iters=5)
+                    row = {"gemm": "w13 + SwiGLU + quantiser", "rows": n, "experts": E, "N": w.shape[1], "K": K,
+                           "bit_identical_to_unfused": same, "config": dict(fp8_triton.W13_CONFIG),
+                           "tflops": 2 * n * w.shape[1] * K / tt / 1e12}
+                except Exception as e:  # noqa: BLE001
+                    row = {"gemm": "w13 + SwiGLU + quantiser", "config": dict(fp8_triton.W13_CONFIG),
+                           "error": str(e)[:200], "tflops": None}
+                res["grouped"].append(row)
+                print(json.dumps(row), flush=True)
+            best13 = max((r for r in res["grouped"] if r.get("tflops") and r["gemm"] == "w13 + SwiGLU + quantiser"),
+                         key=lambda r: r["tflops"])
+            fp8_triton.W13_CONFIG.update(best13["config"])
+            res["w13_config"] = best13["config"]
+    fp8_triton.GROUPED_CONFIG.update(res["grouped_config_w2"])  # the expert block below: w2 is the grouped kernel
 
-    for T in (8 * 1024, 32 * 1024):
+    for T in (8 * 1024, 32 * 1024, 64 * 1024):
         k = cfg.n_experts_per_tok
         x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
         idx = torch.randint(0, E, (T * k,), device="cuda", generator=g)

@@ -5,11 +5,13 @@ vLLM fork does not dequantise them: every FP8 linear (q/k/v/o, dense MLPs) and b
 per token per 128 columns and multiply FP8 by FP8 with float32 accumulation. This module is that recipe:
 
 - `quantize_act`: the per-token-group activation quantiser, bit for bit the spec's formula (a Triton kernel on CUDA,
-  plain torch ops elsewhere);
+  `fp8_triton.py`, plain torch ops elsewhere);
 - `fp8_mm` / `fp8_grouped_mm`: block-scaled FP8 x FP8 GEMMs, on the FP8 tensor cores through `torch._scaled_mm` on
   Hopper or newer, elsewhere an exact emulation (dequantise both operands, float32 matmul, one rounding);
 - `Fp8Linear`: the module the loader puts where the checkpoint has an FP8 linear (`use_fp8_linears`), with the
-  checkpoint's parameter names (`weight`, `weight_scale_inv`), so loading stays a name match.
+  checkpoint's parameter names (`weight`, `weight_scale_inv`), so loading stays a name match;
+- `experts_w8a8`: the MoE experts, on CUDA two Triton kernels for all experts (the first with SwiGLU and the
+  re-quantisation in its epilogue, `fp8_triton.py`).
 
 The router, norms and embeddings are not quantised. `POC_FP8=dequant` (or `fp8="dequant"`) keeps the older forward:
 weights dequantised to the model dtype, bf16 activations; it is a different arithmetic, kept for diagnosis.
@@ -84,8 +86,8 @@ def quantize_act(x: Tensor, width: int | None = None) -> tuple[Tensor, Tensor]:
     groups add nothing to a GEMM: an operand padded for the tensor cores' alignment)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_act takes (M, K), got {tuple(x.shape)}")
-    if x.is_cuda and _RECIPE[0] == "fast" and _triton_quant() is not None and x.shape[0] > 0:
-        return _triton_quant()(x, width or x.shape[1])
+    if x.is_cuda and _RECIPE[0] == "fast" and _triton() is not None and x.shape[0] > 0:
+        return _triton().quantize(x, width or x.shape[1], ld_align=LD_ALIGN)
     if width and width > x.shape[1]:
         x = F.pad(x, (0, width - x.shape[1]))
     return quantize_act_torch(x)
@@ -104,54 +106,20 @@ def quantize_act_torch(x: Tensor) -> tuple[Tensor, Tensor]:
     return q.contiguous(), s
 
 
-_TRITON: list = []  # [kernel wrapper or None], resolved once
+_TRITON: list = []  # [the fp8_triton module, or None without Triton], resolved once
 
 
-def _triton_quant():
+def _triton():
+    """The CUDA kernels (model/fp8_triton.py), or None where Triton is missing (CPU builds of torch)."""
     if not _TRITON:
-        _TRITON.append(_make_triton_quant())
+        try:
+            from poc.model import fp8_triton
+        except ImportError:
+            fp8_triton = None
+        if fp8_triton is not None and fp8_triton.GROUP != GROUP:
+            raise RuntimeError(f"fp8_triton.GROUP {fp8_triton.GROUP} != fp8.GROUP {GROUP}")
+        _TRITON.append(fp8_triton)
     return _TRITON[0]
-
-
-def _make_triton_quant():
-    """The quantiser as one Triton kernel (a tile of rows x one group per program), or None without Triton.
-    Division is div_rn (IEEE, as torch's): Triton's plain `/` on float32 is an approximation that can move a value
-    across an FP8 rounding boundary."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    @triton.jit
-    def kernel(x_ptr, q_ptr, s_ptr, M, K, W, stride_xm, stride_qm, stride_sg, ROWS: tl.constexpr,
-               BLOCK: tl.constexpr):
-        pid_m, g = tl.program_id(0), tl.program_id(1)
-        rows = pid_m * ROWS + tl.arange(0, ROWS)
-        cols = g * BLOCK + tl.arange(0, BLOCK)
-        mask = (rows[:, None] < M) & (cols[None, :] < K)
-        r64 = rows.to(tl.int64)[:, None]  # offsets past 2**31 elements at large batches
-        x = tl.load(x_ptr + r64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
-        s = amax * (1.0 / 448.0)
-        q = tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0)
-        out = (rows[:, None] < M) & (cols[None, :] < W)  # columns K..W-1: zero (loaded as 0, quantised to 0)
-        tl.store(q_ptr + r64 * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=out)
-        tl.store(s_ptr + g * stride_sg + rows, s, mask=rows < M)  # (G, >=M) row-major: s.t() column-major
-
-    def run(x: Tensor, width: int) -> tuple[Tensor, Tensor]:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        M, K = x.shape
-        G = cdiv(width, GROUP)
-        q = torch.empty((M, width), dtype=FP8, device=x.device)
-        s = torch.empty((G, _round_up(M, LD_ALIGN)), dtype=torch.float32, device=x.device)
-        rows = 32
-        kernel[(cdiv(M, rows), G)](x, q, s, M, K, width, x.stride(0), q.stride(0), s.stride(0), ROWS=rows,
-                                   BLOCK=GROUP)
-        return q, s[:, :M].t()
-
-    return run
 
 
 def dequantize_act(q: Tensor, s: Tensor) -> Tensor:
@@ -369,10 +337,11 @@ def scale_slice(name: str, dim: int, start: int, stop: int, full: int) -> tuple[
 
 
 GROUP_ROWS = 128  # the padded expert-group layout of experts_w8a8: each expert's rows start on a multiple of 128
+# (the Triton kernels' row tiles divide it)
 
 
 def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13: Tensor, w2: Tensor, s2: Tensor,
-                 act: Callable[[Tensor], Tensor]) -> Tensor:
+                 act: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor]:
     """The routed expert outputs (N, D) in the model dtype, as the fork's fused MoE computes them: each routed copy
     of a token's hidden state quantised per group (per row: the same numbers as quantising the token once), the w13
     FP8 GEMM, SwiGLU in the model dtype, quantised again, the w2 FP8 GEMM. rows: the (token, choice) pairs in expert
@@ -380,109 +349,50 @@ def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
     a padded layout and where each of the N rows sits in it (y[dest] is the (N, D) result; a caller that gathers
     anyway composes dest into its own index instead).
 
-    The rows are laid out with each expert's group padded to GROUP_ROWS (zero rows), so a GEMM tile never spans two
-    experts: on CUDA one Triton kernel per GEMM covers every expert (no host sync, no per-expert launch);
-    elsewhere one block-scaled GEMM per expert."""
-    E = w13.shape[0]
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
-    pends = padded.cumsum(0)
-    n_alloc = cdiv(rows.numel(), GROUP_ROWS) * GROUP_ROWS + E * GROUP_ROWS  # a bound on pends[-1]: no host sync
-    # where each routed row lands in the padded layout: its expert's padded start + its place in the expert's group
-    grp = torch.repeat_interleave(torch.arange(E, device=x.device), counts, output_size=rows.numel())
-    dest = torch.arange(rows.numel(), device=x.device) - (ends - counts)[grp] + (pends - padded)[grp]
+    act is the model's SwiGLU on the fused gate|up output (transformer._act: SiLU(gate) and its product with up each
+    rounded to the model dtype). The rows are laid out with each expert's group padded to GROUP_ROWS (zero rows), so
+    a GEMM tile never spans two experts: on CUDA one Triton kernel per GEMM covers every expert (no host sync, no
+    per-expert launch), the first with act and the re-quantisation in its epilogue (fp8_triton.w13_swiglu_quant:
+    the same bits as act and quantize_act after it, tests/test_w8a8.py on CUDA); elsewhere one block-scaled GEMM per
+    expert, then act, then the quantiser."""
+    dest, tile_expert, a_rows = padded_layout(rows, k, ends)
     # each token quantised once (the quantisation is per row); its routed copies are rows of that
     qt, st = quantize_act(x)
+    kern = _triton() if x.is_cuda and _RECIPE[0] == "fast" else None
+    if kern is not None and w13.shape[2] % GROUP == 0 and w2.shape[2] % GROUP == 0:
+        # w13, SwiGLU (act's arithmetic) and the re-quantisation in one kernel; the gather is in its loads
+        aq, as_ = kern.w13_swiglu_quant(qt, col_major(st), w13, s13, tile_expert, x.dtype, a_rows,
+                                        group_rows=GROUP_ROWS)
+        return kern.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype, group_rows=GROUP_ROWS), dest
     tok = rows // k
-    gmm = _triton_grouped() if x.is_cuda and _RECIPE[0] == "fast" else None
-    if gmm is not None and w13.shape[2] % GROUP == 0 and w2.shape[2] % GROUP == 0:
-        tiles = torch.arange(0, n_alloc, GROUP_ROWS, device=x.device)
-        tile_expert = torch.searchsorted(pends, tiles, right=True).to(torch.int32)  # E: past the last group
-        a_rows = torch.full((n_alloc,), -1, dtype=torch.int32, device=x.device)  # padded row -> token (-1: zero)
-        a_rows[dest] = tok.to(torch.int32)
-        h = gmm(qt, col_major(st), w13, s13, tile_expert, x.dtype, a_rows)  # the gather is in the kernel's loads
-        aq, as_ = quantize_act(act(h))
-        return gmm(aq, as_, w2, s2, tile_expert, x.dtype), dest
-    q = torch.zeros((n_alloc, x.shape[1]), dtype=FP8, device=x.device)
+    q = torch.zeros((a_rows.numel(), x.shape[1]), dtype=FP8, device=x.device)
     q[dest] = qt[tok]
-    s = torch.zeros((n_alloc, st.shape[1]), dtype=torch.float32, device=x.device)
+    s = torch.zeros((a_rows.numel(), st.shape[1]), dtype=torch.float32, device=x.device)
     s[dest] = st[tok]
-    bounds = pends.tolist()  # one host sync per layer: each expert's GEMM takes its own row count
+    # one host sync per layer: each expert's GEMM takes its own row count (group j: the tiles of expert j)
+    bounds = (torch.searchsorted(tile_expert, torch.arange(1, w13.shape[0] + 1, device=x.device,
+                                                           dtype=torch.int32)) * GROUP_ROWS).tolist()
     n = bounds[-1] if bounds else 0
     h = fp8_grouped_mm(q[:n], s[:n], w13, s13, bounds, x.dtype)
     aq, as_ = quantize_act(act(h))
     return fp8_grouped_mm(aq, as_, w2, s2, bounds, x.dtype), dest
 
 
-_GROUPED: list = []
-GROUPED_CONFIG = {"BM": 128, "num_warps": 8, "num_stages": 3}  # the Triton grouped GEMM's tile (BM divides
-# GROUP_ROWS); chosen by benchmarks/diagnostics/w8a8.py's sweep on H100
-
-
-def _triton_grouped():
-    if not _GROUPED:
-        _GROUPED.append(_make_triton_grouped())
-    return _GROUPED[0]
-
-
-def _make_triton_grouped():
-    """The experts' block-scaled FP8 GEMM as one Triton kernel: tile (m, n) of the padded row layout multiplies its
-    expert's weight; each 128-deep K block's FP8 product is scaled by the rows' and the block's scales and added to
-    a float32 accumulator (as vLLM's Triton block-FP8 kernels do); written in the model dtype."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    @triton.jit
-    def kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_e_ptr, a_rows_ptr, K, E, s_am, s_asm, s_asg, s_be, s_bn,
-               s_bse, s_bsn, s_cm, GATHER: tl.constexpr, TILES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr):
-        # N tiles vary fastest: the CTAs that run together share one block of rows (read from memory once) and
-        # sweep the expert's weight, which stays in L2 across that expert's row blocks
-        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-        e = tl.load(tile_e_ptr + pid_m // TILES)
-        if e < E:
-            rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-            cols = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-            ks = tl.arange(0, BK)
-            if GATHER:  # A's row of each output row (a token), -1 for a padding row (read as zero)
-                src = tl.load(a_rows_ptr + rows).to(tl.int64)
-            else:
-                src = rows
-            live = src >= 0
-            src = tl.where(live, src, 0)
-            a_ptrs = a_ptr + src[:, None] * s_am + ks[None, :]
-            b_ptrs = b_ptr + e.to(tl.int64) * s_be + cols[None, :] * s_bn + ks[:, None]
-            as_ptrs = as_ptr + src * s_asm
-            bs_ptrs = bs_ptr + e.to(tl.int64) * s_bse + (pid_n * BN // BK) * s_bsn
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for kb in range(0, K // BK):
-                a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
-                b = tl.load(b_ptrs)
-                sa = tl.load(as_ptrs + kb * s_asg, mask=live, other=0.0)
-                sb = tl.load(bs_ptrs + kb)
-                acc += tl.dot(a, b) * sa[:, None] * sb
-                a_ptrs += BK
-                b_ptrs += BK
-            tl.store(c_ptr + rows[:, None] * s_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty))
-
-    def run(q: Tensor, s: Tensor, w: Tensor, w_scale: Tensor, tile_expert: Tensor, out_dtype: torch.dtype,
-            a_rows: Tensor | None = None) -> Tensor:
-        """Rows of the padded layout (tile_expert.numel() * GROUP_ROWS), each q's row a_rows[i] (or the i-th)."""
-        K = q.shape[1]
-        M = tile_expert.numel() * GROUP_ROWS
-        E, N, _ = w.shape
-        w_scale = w_scale.contiguous()
-        out = torch.empty((M, N), dtype=out_dtype, device=q.device)
-        bm, warps, stages = GROUPED_CONFIG["BM"], GROUPED_CONFIG["num_warps"], GROUPED_CONFIG["num_stages"]
-        grid = (N // GROUP, tile_expert.numel() * (GROUP_ROWS // bm))
-        gather = a_rows is not None
-        kernel[grid](q, s, w, w_scale, out, tile_expert, a_rows if gather else tile_expert, K, E, q.stride(0),
-                     s.stride(0), s.stride(1), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
-                     out.stride(0), GATHER=gather, TILES=GROUP_ROWS // bm, BM=bm, BN=GROUP, BK=GROUP,
-                     num_warps=warps, num_stages=stages)
-        return out
-
-    return run
+def padded_layout(rows: Tensor, k: int, ends: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The routed rows laid out with each expert's group padded to GROUP_ROWS: (dest, tile_expert, a_rows). dest
+    (N,): where each of the N routed rows (in expert order) lands; tile_expert (n_alloc / GROUP_ROWS,) int32: each
+    row tile's expert (E for the tiles past the last group); a_rows (n_alloc,) int32: each padded row's token
+    (rows // k), -1 for a padding row. n_alloc is a bound on the padded rows known without a host sync."""
+    E, N = ends.numel(), rows.numel()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
+    pends = padded.cumsum(0)
+    n_alloc = cdiv(N, GROUP_ROWS) * GROUP_ROWS + E * GROUP_ROWS
+    # each routed row: its expert's padded start + its place in the expert's group
+    grp = torch.repeat_interleave(torch.arange(E, device=rows.device), counts, output_size=N)
+    dest = torch.arange(N, device=rows.device) - (ends - counts)[grp] + (pends - padded)[grp]
+    tiles = torch.arange(0, n_alloc, GROUP_ROWS, device=rows.device)
+    tile_expert = torch.searchsorted(pends, tiles, right=True).to(torch.int32)
+    a_rows = torch.full((n_alloc,), -1, dtype=torch.int32, device=rows.device)
+    a_rows[dest] = (rows // k).to(torch.int32)
+    return dest, tile_expert, a_rows

@@ -1,0 +1,211 @@
+"""The W8A8 recipe's CUDA kernels, in Triton (`model/fp8.py` calls them on CUDA; it holds the recipe and the CPU path).
+
+- `quantize`: the per-token-group activation quantiser, bit for bit the spec's formula (IEEE division: Triton's
+  plain `/` on float32 is an approximation that can move a value across an FP8 rounding boundary);
+- `grouped_gemm`: the experts' block-scaled FP8 GEMM, every expert in one launch over the padded row layout of
+  `fp8.experts_w8a8` (each expert's rows start on a multiple of `group_rows`, so a tile never spans two experts);
+- `w13_swiglu_quant`: the first expert GEMM with SwiGLU and the re-quantisation in its epilogue: each tile computes
+  128 gate and the matching 128 up columns, rounds both to the model dtype, takes SiLU(gate) * up as
+  `transformer._act` rounds it, and quantises those 128 columns (one activation group) per row. The (rows, 2F)
+  intermediate and the (rows, F) activation never reach memory; the output is the FP8 input of the second GEMM.
+
+Importing this module needs Triton (present with CUDA builds of torch); `fp8` imports it only for CUDA tensors. It
+imports nothing of `fp8` (the layout's parameters come with each call: `group_rows`, `ld_align`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import libdevice
+except ImportError:  # older Triton
+    from triton.language.extra import libdevice
+
+GROUP = 128  # the checkpoints' weight block and the activation group: the kernels' K tile (fp8.GROUP, checked there)
+FP8 = torch.float8_e4m3fn
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+# tile configurations, chosen by benchmarks/diagnostics/w8a8.py's sweep on the H100 (Qwen3-30B-A3B expert shapes,
+# benchmarks/h100/w8a8_kernels.json): the grouped kernel serves w2 (K = 768), the fused one w13
+GROUPED_CONFIG = {"BM": 64, "num_warps": 4, "num_stages": 3}
+W13_CONFIG = {"BM": 128, "num_warps": 8, "num_stages": 3}
+FP_FUSION = True  # a*b+c may contract to one FMA inside the accumulator update (the GEMMs only: accumulation
+# order, which the spec leaves open); set explicitly so that the process's TRITON_DEFAULT_FP_FUSION (compile.py sets
+# it for inductor's kernels) does not change these kernels' bits between processes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the quantiser
+
+
+@triton.jit
+def fp8_act_quant(x_ptr, q_ptr, s_ptr, M, K, W, stride_xm, stride_qm, stride_sg, ROWS: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """A tile of ROWS rows x one 128-column group: amax, scale = amax * (1/448), q = clamp(x / scale)."""
+    pid_m, g = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * ROWS + tl.arange(0, ROWS)
+    cols = g * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    r64 = rows.to(tl.int64)[:, None]  # offsets past 2**31 elements at large batches
+    x = tl.load(x_ptr + r64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
+    s = amax * (1.0 / 448.0)
+    q = tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0)
+    out = (rows[:, None] < M) & (cols[None, :] < W)  # columns K..W-1: zero (loaded as 0, quantised to 0)
+    tl.store(q_ptr + r64 * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=out)
+    tl.store(s_ptr + g * stride_sg + rows, s, mask=rows < M)  # (G, >=M) row-major: s.t() column-major
+
+
+def quantize(x: torch.Tensor, width: int, *, ld_align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> q (M, width) float8 (columns past K zero), s (M, ceil(width/128)) float32, column-major in a
+    buffer whose row count is padded to ld_align (the block-scaled GEMM's alignment)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    G = triton.cdiv(width, GROUP)
+    q = torch.empty((M, width), dtype=FP8, device=x.device)
+    s = torch.empty((G, triton.cdiv(M, ld_align) * ld_align), dtype=torch.float32, device=x.device)
+    rows = 32
+    fp8_act_quant[(triton.cdiv(M, rows), G)](x, q, s, M, K, width, x.stride(0), q.stride(0), s.stride(0), ROWS=rows,
+                                       BLOCK=GROUP)
+    return q, s[:, :M].t()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the experts' GEMMs
+
+
+@triton.jit
+def _tile_rows(tile_e_ptr, a_rows_ptr, pid_m, GATHER: tl.constexpr, TILES: tl.constexpr, BM: tl.constexpr):
+    """The expert of row tile pid_m (E: past the last group), its output rows, and the A row each reads (the token,
+    when the gather is in the loads) with the rows that read zeros (padding rows, a_rows -1)."""
+    e = tl.load(tile_e_ptr + pid_m // TILES)
+    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    if GATHER:
+        src = tl.load(a_rows_ptr + rows).to(tl.int64)
+    else:
+        src = rows
+    live = src >= 0
+    return e, rows, tl.where(live, src, 0), live
+
+
+@triton.jit
+def fp8_grouped_gemm(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_e_ptr, a_rows_ptr, K: tl.constexpr, E, s_am, s_asm,
+                     s_asg, s_be, s_bn, s_bse, s_bsn, s_cm, GATHER: tl.constexpr, TILES: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Tile (m, n) of the padded row layout times its expert's weight: each 128-deep K block's FP8 product scaled
+    by the rows' and the block's scales, added to a float32 accumulator; written in c's dtype. N tiles vary
+    fastest, so the CTAs that run together share one block of rows and sweep the expert's weight from L2."""
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    e, rows, src, live = _tile_rows(tile_e_ptr, a_rows_ptr, pid_m, GATHER, TILES, BM)
+    if e < E:
+        cols = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+        ks = tl.arange(0, BK)
+        a_ptrs = a_ptr + src[:, None] * s_am + ks[None, :]
+        b_ptrs = b_ptr + e.to(tl.int64) * s_be + cols[None, :] * s_bn + ks[:, None]
+        as_ptrs = as_ptr + src * s_asm
+        bs_ptrs = bs_ptr + e.to(tl.int64) * s_bse + (pid_n * BN // BK) * s_bsn
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(0, K // BK):
+            a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+            sa = tl.load(as_ptrs + kb * s_asg, mask=live, other=0.0)
+            acc += tl.dot(a, b) * sa[:, None] * tl.load(bs_ptrs + kb)
+            a_ptrs += BK
+            b_ptrs += BK
+        tl.store(c_ptr + rows[:, None] * s_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty))
+
+
+def grouped_gemm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, tile_expert: torch.Tensor,
+                 out_dtype: torch.dtype, a_rows: torch.Tensor | None = None, *, group_rows: int) -> torch.Tensor:
+    """The padded layout's rows (tile_expert.numel() * group_rows of them, each expert's starting on a multiple of
+    group_rows) times their experts' w (E, N, K) with block scales w_scale (E, N/128, K/128); row i reads q's row
+    a_rows[i] (-1: a zero row), or the i-th."""
+    K = q.shape[1]
+    M = tile_expert.numel() * group_rows
+    E, N, _ = w.shape
+    w_scale = w_scale.contiguous()
+    out = torch.empty((M, N), dtype=out_dtype, device=q.device)
+    bm, warps, stages = GROUPED_CONFIG["BM"], GROUPED_CONFIG["num_warps"], GROUPED_CONFIG["num_stages"]
+    gather = a_rows is not None
+    fp8_grouped_gemm[(N // GROUP, tile_expert.numel() * (group_rows // bm))](
+        q, s, w, w_scale, out, tile_expert, a_rows if gather else tile_expert, K, E, q.stride(0), s.stride(0),
+        s.stride(1), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0), GATHER=gather,
+        TILES=group_rows // bm, BM=bm, BN=GROUP, BK=GROUP, num_warps=warps, num_stages=stages,
+        enable_fp_fusion=FP_FUSION)
+    return out
+
+
+@triton.jit
+def _swiglu_quant(acc_g, acc_u, OUT: tl.constexpr):
+    """Float32 gate and up tiles -> the SwiGLU output's quantised values (float32, FP8-representable) and the rows'
+    scales: g and u rounded to OUT, SiLU(g) = g / (1 + exp(-g)) in float32 (libdevice exp, IEEE division, as eager
+    torch) rounded to OUT, times u rounded to OUT, then fp8_act_quant's formula over the tile's 128 columns."""
+    g = acc_g.to(OUT).to(tl.float32)
+    u = acc_u.to(OUT).to(tl.float32)
+    silu = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)).to(OUT).to(tl.float32)
+    h = (silu * u).to(OUT).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10) * (1.0 / 448.0)
+    return tl.clamp(tl.math.div_rn(h, s[:, None]), -448.0, 448.0), s
+
+
+@triton.jit
+def fp8_gemm_w13_swiglu_quant(a_ptr, as_ptr, b_ptr, bs_ptr, q_ptr, qs_ptr, tile_e_ptr, a_rows_ptr, K: tl.constexpr,
+                              F: tl.constexpr, E, s_am, s_asm, s_asg, s_be, s_bn, s_bse, s_bsn, s_qm, s_qsg,
+                              OUT: tl.constexpr, GATHER: tl.constexpr, TILES: tl.constexpr, BM: tl.constexpr,
+                              BK: tl.constexpr):
+    """Tile (m, n): gate columns [n*128, n*128+128) and up columns F + the same, accumulated as fp8_grouped_gemm
+    does; then SwiGLU in OUT (the model dtype) and the quantiser (_swiglu_quant), written to q (rows, F) float8 and
+    qs (F/128, rows) float32."""
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    e, rows, src, live = _tile_rows(tile_e_ptr, a_rows_ptr, pid_m, GATHER, TILES, BM)
+    if e < E:
+        cols = (pid_n * BK + tl.arange(0, BK)).to(tl.int64)
+        ks = tl.arange(0, BK)
+        a_ptrs = a_ptr + src[:, None] * s_am + ks[None, :]
+        bg_ptrs = b_ptr + e.to(tl.int64) * s_be + cols[None, :] * s_bn + ks[:, None]
+        bu_ptrs = bg_ptrs + F * s_bn
+        as_ptrs = as_ptr + src * s_asm
+        bsg_ptrs = bs_ptr + e.to(tl.int64) * s_bse + pid_n * s_bsn
+        bsu_ptrs = bsg_ptrs + (F // BK) * s_bsn
+        acc_g = tl.zeros((BM, BK), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BK), dtype=tl.float32)
+        for kb in range(0, K // BK):
+            a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+            bg = tl.load(bg_ptrs)
+            bu = tl.load(bu_ptrs)
+            sa = tl.load(as_ptrs + kb * s_asg, mask=live, other=0.0)
+            acc_g += tl.dot(a, bg) * sa[:, None] * tl.load(bsg_ptrs + kb)
+            acc_u += tl.dot(a, bu) * sa[:, None] * tl.load(bsu_ptrs + kb)
+            a_ptrs += BK
+            bg_ptrs += BK
+            bu_ptrs += BK
+        q, s = _swiglu_quant(acc_g, acc_u, OUT)
+        tl.store(q_ptr + rows[:, None] * s_qm + cols[None, :], q.to(q_ptr.dtype.element_ty))
+        tl.store(qs_ptr + pid_n * s_qsg + rows, s)
+
+
+def w13_swiglu_quant(q: torch.Tensor, s: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                     tile_expert: torch.Tensor, model_dtype: torch.dtype, a_rows: torch.Tensor | None = None, *,
+                     group_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The padded layout's rows through w13 (E, 2F, K) (gate rows, then up rows), SwiGLU in model_dtype and the
+    quantiser: (q (rows, F) float8, s (rows, F/128) float32 column-major), the second GEMM's input. Rows that read
+    no token (padding) come out as zero groups."""
+    K = q.shape[1]
+    E, F2, _ = w13.shape
+    F = F2 // 2
+    M = tile_expert.numel() * group_rows
+    w13_scale = w13_scale.contiguous()
+    qo = torch.empty((M, F), dtype=FP8, device=q.device)
+    so = torch.empty((F // GROUP, M), dtype=torch.float32, device=q.device)
+    bm, warps, stages = W13_CONFIG["BM"], W13_CONFIG["num_warps"], W13_CONFIG["num_stages"]
+    gather = a_rows is not None
+    fp8_gemm_w13_swiglu_quant[(F // GROUP, tile_expert.numel() * (group_rows // bm))](
+        q, s, w13, w13_scale, qo, so, tile_expert, a_rows if gather else tile_expert, K, F, E, q.stride(0),
+        s.stride(0), s.stride(1), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        qo.stride(0), so.stride(0), OUT=TL_DTYPES[model_dtype], GATHER=gather, TILES=group_rows // bm, BM=bm,
+        BK=GROUP, num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
+    return qo, so.t()
