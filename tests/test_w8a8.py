@@ -86,7 +86,8 @@ def test_cuda_kernels_match_the_spec(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton expert kernels)")
-def test_cuda_expert_kernels_match_the_unfused_recipe():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_expert_kernels_match_the_unfused_recipe(dtype):
     """The w13 kernel with SwiGLU and the quantiser in its epilogue gives the bits of the three steps run apart (the
     grouped GEMM, the model's _act, the quantiser); the whole expert block is near the float32 emulation. Uneven
     groups, an expert with no rows, groups that are not multiples of the row tile."""
@@ -101,7 +102,7 @@ def test_cuda_expert_kernels_match_the_unfused_recipe():
         return w, torch.rand(E, n // 128, kk // 128, device="cuda", generator=g) * 2e-5 + 1e-5
 
     (w13, s13), (w2, s2) = weight(2 * F, D), weight(D, F)
-    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    x = torch.randn(T, D, device="cuda", generator=g).to(dtype)
     experts = torch.randint(0, E - 1, (T * k,), device="cuda", generator=g)  # expert E-1 gets no row
     experts[: T // 2] = 0  # a crowded expert
     rows = experts.argsort(stable=True)
@@ -109,9 +110,9 @@ def test_cuda_expert_kernels_match_the_unfused_recipe():
     dest, tile_e, a_rows = fp8.padded_layout(rows, k, ends)
     qt, st = fp8.quantize_act(x)
     live = a_rows >= 0
-    h = fp8_triton.grouped_gemm(qt, st, w13, s13, tile_e, torch.bfloat16, a_rows, group_rows=fp8.GROUP_ROWS)
+    h = fp8_triton.grouped_gemm(qt, st, w13, s13, tile_e, dtype, a_rows, group_rows=fp8.GROUP_ROWS)
     want_q, want_s = fp8.quantize_act(_act(h))
-    q, s = fp8_triton.w13_swiglu_quant(qt, st, w13, s13, tile_e, torch.bfloat16, a_rows, group_rows=fp8.GROUP_ROWS)
+    q, s = fp8_triton.w13_swiglu_quant(qt, st, w13, s13, tile_e, dtype, a_rows, group_rows=fp8.GROUP_ROWS)
     assert torch.equal(q[live].view(torch.uint8), want_q[live].view(torch.uint8))
     assert torch.equal(s[live], want_s[live])
     assert q.view(torch.uint8)[live].float().std() > 10  # not a degenerate (all-zero or saturated) activation
