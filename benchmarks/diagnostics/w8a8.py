@@ -5,9 +5,11 @@
     python benchmarks/diagnostics/w8a8.py kernels --out FILE               # the same, by hand
     speed: the poc.bench workloads W6F (dequantise forward) and W6Q (W8A8), e.g. bash benchmarks/run.sh h100 W6Q
 
-kernels: on Qwen3-30B-A3B-FP8 layer sizes (seq 1024 batches), the activation quantiser against the spec's formula
-written in plain torch ops (bit-identical or not, plus adversarial groups), the dense and grouped block-scaled GEMMs
-against the float32 emulation (relative Frobenius error), and the FP8 / bf16 matmul ceilings at 8192^3.
+kernels: on Qwen3-30B-A3B-FP8 layer sizes (`--shape qwen3-235b-a22b`: that model's), seq 1024 batches, the activation
+quantiser against the spec's formula written in plain torch ops (bit-identical or not, plus adversarial groups), the
+dense and grouped block-scaled GEMMs against the float32 emulation (relative Frobenius error) with a sweep of the
+expert kernels' tiles (the fused w13 kernel against its three steps run apart, bit for bit), the whole expert block,
+and the FP8 / bf16 matmul ceilings at 8192^3.
 accuracy: v2 artifacts (seq 1024) of a random-weight Qwen3-30B-A3B-FP8 shape, first 4 layers and all 48: ours (the
 served W8A8 path) vs the float32 emulation, the emulation against itself with another attention kernel, and the
 dequantise forward vs the emulation: L2 of the decoded fp16 artifacts (mean, p98, max), as the validators measure.
@@ -81,7 +83,7 @@ def adversarial(g: torch.Generator) -> torch.Tensor:
 @torch.no_grad()
 def kernels(args) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
-    cfg = PRESETS[SHAPE]
+    cfg = PRESETS[args.shape]
     res: dict = {"quantiser": [], "gemm": [], "grouped": []}
     # the quantiser, on activations of the model's widths (seq 1024 batches) and on adversarial groups
     for dtype in (torch.bfloat16, torch.float32):
@@ -316,6 +318,9 @@ def main(argv=None) -> None:
     ap.add_argument("--deep-nonces", type=int, default=256, help="nonces of the 48-layer model")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--compile", action="store_true", help="the served (compiled) path for ours")
+    ap.add_argument("--shape", default=SHAPE, choices=sorted(k for k, c in PRESETS.items() if c.n_experts),
+                    help="kernels: the MoE preset whose layer sizes are measured (e.g. qwen3-235b-a22b, one rank's "
+                         "experts at expert parallel are the same shapes)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
