@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from .fakes import ROOT, ServerProcess, free_port
+from .golden import v2_checkpoint
 
 FATAL = "Error: POC-FATAL"
 
@@ -257,7 +258,7 @@ def test_the_pyworker_needs_no_torch():
 # --------------------------------------------------------------------------------------------------
 # --model <Hugging Face repo id>, from the local cache only
 
-TINY = Path(__file__).resolve().parents[2] / "shared" / "golden" / "v2_tiny" / "qwen3"
+TINY = v2_checkpoint("qwen3")  # where tests/golden.py finds the shared files ($POC_SHARED, ../shared, ./shared)
 REV = "0123456789abcdef0123456789abcdef01234567"
 
 
