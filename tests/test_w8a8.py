@@ -126,6 +126,57 @@ def test_cuda_expert_kernels_match_the_unfused_recipe(dtype):
     assert ((got - ref).norm() / ref.norm()).item() < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="needs a Hopper GPU (the Gluon wgmma expert kernels are sm_90a)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_hopper_expert_kernels_give_the_triton_bits(dtype):
+    """On Hopper the experts run fp8_gluon's warp-specialised kernels on rows the scattering quantiser lays out: the
+    same bits as the Triton kernels (quantised rows, w13 with SwiGLU and the quantiser, w2), and experts_w8a8 takes
+    that path. A slot routed elsewhere (-1, expert parallel) is not written; padding rows are zeros."""
+    from poc.model import fp8_gluon, fp8_triton
+    from poc.model.transformer import _act
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    E, F, D, k, T = 6, 256, 512, 2, 701
+
+    def weight(n, kk):
+        w = (torch.randn(E, n, kk, device="cuda", generator=g) * 64).clamp(-448, 448).to(E4M3)
+        return w, torch.rand(E, n // 128, kk // 128, device="cuda", generator=g) * 2e-5 + 1e-5
+
+    (w13, s13), (w2, s2) = weight(2 * F, D), weight(D, F)
+    x = torch.randn(T, D, device="cuda", generator=g).to(dtype)
+    experts = torch.randint(0, E - 1, (T * k,), device="cuda", generator=g)  # expert E-1 gets no row
+    experts[: T // 2] = 0  # a crowded expert
+    rows = experts.argsort(stable=True)
+    ends = torch.searchsorted(experts[rows], torch.arange(1, E + 1, device="cuda"))
+    dest, tile_e, a_rows = fp8.padded_layout(rows, k, ends)
+    live = a_rows >= 0
+    slots = torch.full((T * k,), -1, dtype=torch.int32, device="cuda")
+    slots[rows] = dest.to(torch.int32)
+    q, s = fp8_triton.quantize_scatter(x, slots.view(T, k), a_rows)
+    qt, st = fp8.quantize_act(x)
+    assert torch.equal(q[dest].view(torch.uint8), qt[rows // k].view(torch.uint8))
+    assert torch.equal(s.t()[dest], st[rows // k])
+    assert not q[~live].view(torch.uint8).any() and not s.t()[~live].any()
+    kw = dict(group_rows=fp8.GROUP_ROWS)
+    want_q, want_s = fp8_triton.w13_swiglu_quant(qt, st, w13, s13, tile_e, dtype, a_rows, **kw)
+    aq, as_ = fp8_gluon.w13_swiglu_quant(q, s, w13, s13, tile_e, dtype)
+    assert torch.equal(aq[live].view(torch.uint8), want_q[live].view(torch.uint8))
+    assert torch.equal(as_.t()[live], want_s[live])
+    assert aq.view(torch.uint8)[live].float().std() > 10  # not a degenerate activation
+    want_y = fp8_triton.grouped_gemm(want_q, want_s, w2, s2, tile_e, dtype, **kw)
+    y = fp8_gluon.grouped_gemm(aq, as_, w2, s2, tile_e, dtype)
+    assert torch.equal(y[live], want_y[live]) and y[live].abs().amax() > 0
+    y2, dest2 = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, _act)
+    assert torch.equal(y2[dest2], want_y[dest])
+    # a rank's share of the slots (expert parallel): the others stay -1 and are not written
+    half = torch.full_like(slots, -1)
+    half[rows[: T // 2]] = dest[: T // 2].to(torch.int32)
+    q2, s2_ = fp8_triton.quantize_scatter(x, half.view(T, k), a_rows)
+    assert torch.equal(q2[dest[: T // 2]].view(torch.uint8), q[dest[: T // 2]].view(torch.uint8))
+
+
 # --- tiny FP8 checkpoints whose tensor-parallel splits fall on 128-blocks ------------------------------------------
 
 DENSE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,

@@ -124,6 +124,7 @@ def kernels(args) -> dict:
     w2, s2 = (torch.stack(t) for t in zip(*[fp8_weight(D, F, g) for _ in range(E)]))
     s13, s2 = s13 * 0.05, s2 * 0.05  # keeps the SwiGLU input in a realistic range
 
+    glu = fp8._gluon(x.device)  # the Hopper kernels where they apply (fp8_gluon), else None
     act = _act  # the model's SwiGLU (its roundings are what the fused kernel must reproduce)
     # the grouped GEMM alone (one Triton kernel over all experts, the padded row layout) against the emulation,
     # and a sweep of its tile configurations; then the w13 kernel with SwiGLU and the quantiser in its epilogue
@@ -177,6 +178,24 @@ def kernels(args) -> dict:
                          key=lambda r: r["tflops"])
             fp8_triton.W13_CONFIG.update(best13["config"])
             res["w13_config"] = best13["config"]
+        if glu is not None:  # the Hopper kernels (served on sm_90) on the same rows: the Triton kernels' bits
+            fp8_triton.GROUPED_CONFIG.update(best["config"])
+            y_t = grouped_gemm(q, sc, w, ws, tile_e, torch.bfloat16)
+            y = glu.grouped_gemm(q, sc.t(), w, ws, tile_e, torch.bfloat16)
+            tt = cuda_time(lambda: glu.grouped_gemm(q, sc.t(), w, ws, tile_e, torch.bfloat16), iters=5)
+            row = {"gemm": f"grouped {name} (gluon)", "rows": n, "experts": E, "N": w.shape[1], "K": K,
+                   "rel_err": float((y.float() - ref).norm() / ref.norm()), "bit_identical_to_triton":
+                   torch.equal(y, y_t), "tflops": 2 * n * w.shape[1] * K / tt / 1e12}
+            res["grouped"].append(row)
+            print(json.dumps(row), flush=True)
+            if name == "w13":
+                fq, fs = glu.w13_swiglu_quant(q, sc.t(), w, ws, tile_e, torch.bfloat16)
+                same = torch.equal(fq.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(fs.t(), want_s)
+                tt = cuda_time(lambda: glu.w13_swiglu_quant(q, sc.t(), w, ws, tile_e, torch.bfloat16), iters=5)
+                row = {"gemm": "w13 + SwiGLU + quantiser (gluon)", "rows": n, "experts": E, "N": w.shape[1], "K": K,
+                       "bit_identical_to_unfused": same, "tflops": 2 * n * w.shape[1] * K / tt / 1e12}
+                res["grouped"].append(row)
+                print(json.dumps(row), flush=True)
     fp8_triton.GROUPED_CONFIG.update(res["grouped_config_w2"])  # the expert block below: w2 is the grouped kernel
 
     for T in (8 * 1024, 32 * 1024, 64 * 1024):
@@ -192,7 +211,8 @@ def kernels(args) -> dict:
             ref = ref[dest].float()
         rel = float((y.float() - ref).norm() / ref.norm())
         tt = cuda_time(lambda: fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, act), iters=5)
-        row = {"gemm": "experts", "tokens": T, "rows": T * k, "experts": E, "N": 2 * F, "K": D, "rel_err": rel,
+        row = {"gemm": "experts", "kernels": "gluon" if glu is not None else "triton", "tokens": T, "rows": T * k,
+               "experts": E, "N": 2 * F, "K": D, "rel_err": rel,
                "tflops": 2 * T * k * 3 * F * D / tt / 1e12, "seconds": tt}
         res["grouped"].append(row)
         print(json.dumps(row), flush=True)

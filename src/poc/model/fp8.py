@@ -122,6 +122,27 @@ def _triton():
     return _TRITON[0]
 
 
+_GLUON: dict = {}  # device index -> the fp8_gluon module, or None where it does not apply
+
+
+def _gluon(device: torch.device):
+    """The Hopper expert kernels (model/fp8_gluon.py) for this device, or None: not sm_90, no Gluon in this Triton,
+    or POC_FP8_GLUON=0 (the Triton kernels then run: the same bits, slower)."""
+    if device.index not in _GLUON:
+        mod = None
+        if os.environ.get("POC_FP8_GLUON", "1") != "0":
+            try:
+                from poc.model import fp8_gluon as mod
+            except ImportError:
+                mod = None
+            if mod is not None and (mod.GROUP != GROUP or GROUP_ROWS % mod.ROWS):
+                raise RuntimeError(f"fp8_gluon tiles {mod.GROUP}/{mod.ROWS} do not fit {GROUP}/{GROUP_ROWS}")
+            if mod is not None and not mod.supported(device):
+                mod = None
+        _GLUON[device.index] = mod
+    return _GLUON[device.index]
+
+
 def dequantize_act(q: Tensor, s: Tensor) -> Tensor:
     """q (M, K) float8 x its group scales (M, ceil(K/128)) -> float32 (M, K)."""
     K = q.shape[-1]
@@ -356,9 +377,18 @@ def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
     the same bits as act and quantize_act after it, tests/test_w8a8.py on CUDA); elsewhere one block-scaled GEMM per
     expert, then act, then the quantiser."""
     dest, tile_expert, a_rows = padded_layout(rows, k, ends)
+    kern = _triton() if x.is_cuda and _RECIPE[0] == "fast" else None
+    glu = _gluon(x.device) if kern is not None else None
+    if glu is not None and glu.fits(w13, w2):
+        # Hopper: each token quantised once and written to its routed rows (contiguous A for TMA), then the
+        # warp-specialised kernels (the Triton kernels' bits)
+        slots = torch.full((x.shape[0] * k,), -1, dtype=torch.int32, device=x.device)
+        slots[rows] = dest.to(torch.int32)
+        q, s = kern.quantize_scatter(x, slots.view(-1, k), a_rows)
+        aq, as_ = glu.w13_swiglu_quant(q, s, w13, s13, tile_expert, x.dtype)
+        return glu.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype), dest
     # each token quantised once (the quantisation is per row); its routed copies are rows of that
     qt, st = quantize_act(x)
-    kern = _triton() if x.is_cuda and _RECIPE[0] == "fast" else None
     if kern is not None and w13.shape[2] % GROUP == 0 and w2.shape[2] % GROUP == 0:
         # w13, SwiGLU (act's arithmetic) and the re-quantisation in one kernel; the gather is in its loads
         aq, as_ = kern.w13_swiglu_quant(qt, col_major(st), w13, s13, tile_expert, x.dtype, a_rows,

@@ -42,6 +42,15 @@ FP_FUSION = True  # a*b+c may contract to one FMA inside the accumulator update 
 
 
 @triton.jit
+def _quant_groups(x):
+    """(R, 128) float32, one activation group per row -> (q as float32 values on the FP8 grid, s (R,)): the spec's
+    amax, scale = amax * (1/448) and q = clamp(x / scale) with IEEE division."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
+    s = amax * (1.0 / 448.0)
+    return tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0), s
+
+
+@triton.jit
 def fp8_act_quant(x_ptr, q_ptr, s_ptr, M, K, W, stride_xm, stride_qm, stride_sg, ROWS: tl.constexpr,
                   BLOCK: tl.constexpr):
     """A tile of ROWS rows x one 128-column group: amax, scale = amax * (1/448), q = clamp(x / scale)."""
@@ -51,9 +60,7 @@ def fp8_act_quant(x_ptr, q_ptr, s_ptr, M, K, W, stride_xm, stride_qm, stride_sg,
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     r64 = rows.to(tl.int64)[:, None]  # offsets past 2**31 elements at large batches
     x = tl.load(x_ptr + r64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
-    s = amax * (1.0 / 448.0)
-    q = tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0)
+    q, s = _quant_groups(x)
     out = (rows[:, None] < M) & (cols[None, :] < W)  # columns K..W-1: zero (loaded as 0, quantised to 0)
     tl.store(q_ptr + r64 * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=out)
     tl.store(s_ptr + g * stride_sg + rows, s, mask=rows < M)  # (G, >=M) row-major: s.t() column-major
@@ -72,6 +79,62 @@ def quantize(x: torch.Tensor, width: int, *, ld_align: int) -> tuple[torch.Tenso
     fp8_act_quant[(triton.cdiv(M, rows), G)](x, q, s, M, K, width, x.stride(0), q.stride(0), s.stride(0), ROWS=rows,
                                        BLOCK=GROUP)
     return q, s[:, :M].t()
+
+
+@triton.jit
+def fp8_act_quant_scatter(x_ptr, q_ptr, s_ptr, dest_ptr, M, K, stride_xm, stride_qm, stride_sg, KSEL: tl.constexpr,
+                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """fp8_act_quant's tile, stored to each of its rows' KSEL destination rows (dest (M, KSEL); -1: none)."""
+    pid_m, g = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * ROWS + tl.arange(0, ROWS)
+    cols = g * BLOCK + tl.arange(0, BLOCK)
+    live = rows < M
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :],
+                mask=live[:, None] & (cols[None, :] < K), other=0.0).to(tl.float32)
+    q, s = _quant_groups(x)
+    q = q.to(q_ptr.dtype.element_ty)
+    for j in tl.static_range(KSEL):
+        d = tl.load(dest_ptr + rows * KSEL + j, mask=live, other=-1).to(tl.int64)
+        ok = d >= 0
+        tl.store(q_ptr + d[:, None] * stride_qm + cols[None, :], q, mask=ok[:, None])
+        tl.store(s_ptr + g * stride_sg + d, s, mask=ok)
+
+
+@triton.jit
+def fp8_zero_rows(q_ptr, s_ptr, a_rows_ptr, M, stride_qm, stride_sg, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Zero values and scales of one group of the padding rows (a_rows -1) in a tile of ROWS rows."""
+    pid_m, g = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * ROWS + tl.arange(0, ROWS)
+    pad = tl.load(a_rows_ptr + rows, mask=rows < M, other=0) < 0
+    cols = g * BLOCK + tl.arange(0, BLOCK)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :],
+             tl.zeros((ROWS, BLOCK), dtype=q_ptr.dtype.element_ty), mask=pad[:, None])
+    tl.store(s_ptr + g * stride_sg + rows, tl.zeros((ROWS, ), dtype=tl.float32), mask=pad)
+
+
+SCATTER_CONFIG = {"ROWS": 32, "num_warps": 4}
+
+
+def quantize_scatter(x: torch.Tensor, dest: torch.Tensor, a_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (T, K) quantised per token per group, each token's row written to its routed rows of the padded layout:
+    dest (T, k) int32 (-1: a slot routed elsewhere), a_rows (rows,) each padded row's token (-1: padding, written
+    as zeros). Returns q (rows, K) float8 and s (K/128, rows) float32 (row-major), the layout the Hopper expert
+    kernels read (fp8_gluon). The values are quantize's, bit for bit (one formula, _quant_groups)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    T, K = x.shape
+    M, G = a_rows.numel(), triton.cdiv(K, GROUP)
+    if K % GROUP:
+        raise ValueError(f"quantize_scatter: K {K} is not a multiple of {GROUP}")
+    q = torch.empty((M, K), dtype=FP8, device=x.device)
+    s = torch.empty((G, M), dtype=torch.float32, device=x.device)
+    rows, warps = SCATTER_CONFIG["ROWS"], SCATTER_CONFIG["num_warps"]
+    if T:
+        fp8_act_quant_scatter[(triton.cdiv(T, rows), G)](x, q, s, dest, T, K, x.stride(0), q.stride(0), s.stride(0),
+                                                         KSEL=dest.shape[1], ROWS=rows, BLOCK=GROUP, num_warps=warps)
+    if M:
+        fp8_zero_rows[(triton.cdiv(M, 64), G)](q, s, a_rows, M, q.stride(0), s.stride(0), ROWS=64, BLOCK=GROUP)
+    return q, s
 
 
 # ---------------------------------------------------------------------------------------------------------------

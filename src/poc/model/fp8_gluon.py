@@ -1,0 +1,236 @@
+"""The experts' block-scaled FP8 GEMMs on Hopper, in Gluon: warp-specialised and persistent (`fp8.experts_w8a8`
+calls them on sm_90; `fp8_triton` holds the portable Triton kernels, which compute the same bits).
+
+One program per SM loops over 128-row x 256-column tiles of the padded row layout (`fp8.padded_layout`: each
+expert's rows start on a multiple of 128, so a tile never spans two experts; the tiles past the last group are
+skipped). Three partitions share a ring of shared-memory stages:
+- a producer warp issues the TMA loads of each 128-deep K block (the tile's A rows, two 128-row blocks of the
+  expert's weight) and runs ahead across tile boundaries, so the next tile's loads overlap this tile's epilogue;
+- two consumer warp groups take 64 rows each. Per K block and weight block: a zero-initialised wgmma (FP8 x FP8,
+  float32), then the recipe's promotion `acc += p * s_a * s_b` (the activation group's scale per row, the weight
+  block's scale), the arithmetic of `fp8_triton` (and of the fork's Triton kernel) in the same order. While one
+  warp group scales, the other's wgmma keeps the tensor cores busy;
+- the epilogue stores through shared memory with TMA: w13's SwiGLU and re-quantisation (`fp8_triton._swiglu_quant`'s
+  formula, so the FP8 output and its scales are bit-identical to the Triton kernel's), or w2's rows in the model
+  dtype.
+
+w13's two weight blocks are the gate rows [n*128, n*128+128) and the up rows F + the same (one activation group of
+the SwiGLU output per tile, quantised whole); w2's are two adjacent 128-column blocks. A must be contiguous rows in
+the padded layout (`fp8_triton.quantize_scatter` writes it), its scales (K/128, rows) row-major.
+
+Measured on the H100 (Qwen3-30B-A3B expert shapes, 64k routed tokens; benchmarks/diagnostics/w8a8.py): w13 with its
+epilogue 4.25 ms (776 TFLOP/s) against the Triton kernel's 5.72, w2 1.89 ms (871) against 2.59.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.extra import libdevice
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+GROUP = 128  # the K block, each weight block's rows and the activation group (fp8.GROUP, checked there)
+ROWS = 128  # a tile's rows (two warp groups of 64): the padded layout's group_rows must be a multiple
+FP8 = torch.float8_e4m3fn
+# the model dtype (SwiGLU's rounding, w2's output) as a constexpr code: Gluon takes no dtype objects as partition args
+_OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32, FP8: gl.float8e4nv}
+# stages of the shared-memory ring (48 KB each), chosen on the H100 (benchmarks/h100/w8a8_kernels.json); w2 keeps
+# 64 KB of shared memory for its epilogue tiles
+W13_STAGES, W2_STAGES = 4, 3
+CONSUMER_REGS, PRODUCER_REGS = 232, 40  # registers per thread after setmaxnreg: 2 x 128 x 232 + 128 x 40 <= 64K
+
+
+def supported(device: torch.device) -> bool:
+    """wgmma and setmaxnreg are sm_90a instructions: Hopper only (other GPUs take the Triton kernels)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+@gluon.constexpr_function
+def _dtype(code):
+    return [gl.bfloat16, gl.float16, gl.float32][code]
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E, n_tiles, NT_N: gl.constexpr,
+              KB: gl.constexpr, N_E: gl.constexpr, TILE_N: gl.constexpr, SUB_STRIDE: gl.constexpr,
+              STAGES: gl.constexpr):
+    """TMA loads of every K block of this program's tiles into the ring; stage s is refilled once both consumer
+    warp groups released it (empty), and signals ready when its bytes have landed."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
+    it = 0
+    for t in range(pid, n_tiles, nprog):
+        pid_n = t % NT_N
+        pid_m = t // NT_N
+        e = gl.load(tile_e_ptr + pid_m)
+        if e < E:
+            brow = e * N_E + pid_n * TILE_N
+            for kb in range(KB):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(a_desc, [pid_m * 128, kb * 128], bar, a_bufs.index(2 * s))
+                tma.async_copy_global_to_shared(a_desc, [pid_m * 128 + 64, kb * 128], bar, a_bufs.index(2 * s + 1))
+                tma.async_copy_global_to_shared(b_desc, [brow, kb * 128], bar, b_bufs.index(2 * s))
+                tma.async_copy_global_to_shared(b_desc, [brow + SUB_STRIDE, kb * 128], bar, b_bufs.index(2 * s + 1))
+                it += 1
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
+              out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N: gl.constexpr, KB: gl.constexpr,
+              TILE_N: gl.constexpr, SUB_STRIDE: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr,
+              OUT_CODE: gl.constexpr, TMA_OUT: gl.constexpr):
+    """Rows [64 WG, 64 WG + 64) of each tile: the two weight blocks' block-scaled products, then the epilogue."""
+    OUT: gl.constexpr = _dtype(OUT_CODE)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    rl: gl.constexpr = gl.SliceLayout(1, mma)
+    cl: gl.constexpr = gl.SliceLayout(0, mma)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    zero = gl.zeros([64, 128], gl.float32, mma)
+    it = 0
+    for t in range(pid, n_tiles, nprog):
+        pid_n = t % NT_N
+        pid_m = t // NT_N
+        e = gl.load(tile_e_ptr + pid_m)
+        if e < E:
+            rows = pid_m * 128 + WG * 64 + gl.arange(0, 64, rl)
+            bs0 = bs_ptr + e.to(gl.int64) * s_bse + ((pid_n * TILE_N) // 128) * s_bsn
+            bs1 = bs_ptr + e.to(gl.int64) * s_bse + ((pid_n * TILE_N + SUB_STRIDE) // 128) * s_bsn
+            acc0 = zero
+            acc1 = zero
+            sa = gl.load(as_ptr + rows)
+            sb0 = gl.load(bs0)
+            sb1 = gl.load(bs1)
+            for kb in range(KB):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                a = a_bufs.index(2 * s + WG)
+                p = warpgroup_mma(a, b_bufs.index(2 * s).permute((1, 0)), zero, use_acc=False, is_async=True)
+                kn = gl.minimum(kb + 1, KB - 1)  # the next block's scales load while this one multiplies
+                sa_n = gl.load(as_ptr + kn * s_asg + rows)
+                sb0_n = gl.load(bs0 + kn)
+                sb1_n = gl.load(bs1 + kn)
+                p = warpgroup_mma_wait(0, deps=(p, ))
+                acc0 += p * sa[:, None] * sb0
+                p = warpgroup_mma(a, b_bufs.index(2 * s + 1).permute((1, 0)), zero, use_acc=False, is_async=True)
+                p = warpgroup_mma_wait(0, deps=(p, ))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc1 += p * sa[:, None] * sb1
+                sa = sa_n
+                sb0 = sb0_n
+                sb1 = sb1_n
+                it += 1
+            row0 = pid_m * 128 + WG * 64
+            if SWIGLU:  # fp8_triton._swiglu_quant, term for term
+                g = acc0.to(OUT).to(gl.float32)
+                u = acc1.to(OUT).to(gl.float32)
+                silu = gl.div_rn(g, 1.0 + libdevice.exp(-g)).to(OUT).to(gl.float32)
+                h = (silu * u).to(OUT).to(gl.float32)
+                sc = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-10) * (1.0 / 448.0)
+                q = gl.minimum(gl.maximum(gl.div_rn(h, sc[:, None]), -448.0), 448.0).to(gl.float8e4nv)
+                tma.store_wait(0)  # the previous tile's store has left c_bufs
+                c_bufs.index(WG).store(q)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(c_desc, [row0, pid_n * 128], c_bufs.index(WG))
+                gl.store(qs_ptr + pid_n * s_qsg + rows, sc)
+            elif TMA_OUT:
+                tma.store_wait(0)
+                c_bufs.index(2 * WG).store(acc0.to(OUT))
+                c_bufs.index(2 * WG + 1).store(acc1.to(OUT))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(c_desc, [row0, pid_n * TILE_N], c_bufs.index(2 * WG))
+                tma.async_copy_shared_to_global(c_desc, [row0, pid_n * TILE_N + 128], c_bufs.index(2 * WG + 1))
+            else:  # a float32 model: 64 KB tiles would not fit beside the ring; plain stores
+                r64 = rows.to(gl.int64)
+                c0 = pid_n * TILE_N + gl.arange(0, 128, cl)
+                gl.store(out_ptr + r64[:, None] * s_om + c0[None, :], acc0.to(OUT))
+                gl.store(out_ptr + r64[:, None] * s_om + (c0 + 128)[None, :], acc1.to(OUT))
+    if SWIGLU or TMA_OUT:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def fp8_ws_grouped_gemm(a_desc, b_desc, c_desc, as_ptr, s_asg, bs_ptr, s_bse, s_bsn, out_ptr, s_om, qs_ptr, s_qsg,
+                        tile_e_ptr, E, n_tiles, NT_N: gl.constexpr, KB: gl.constexpr, N_E: gl.constexpr,
+                        TILE_N: gl.constexpr, SUB_STRIDE: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr,
+                        OUT_CODE: gl.constexpr, TMA_OUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 64, 128], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 128, 128], b_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2 if SWIGLU else (4 if TMA_OUT else 1), 64, 128],
+                                       c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warp group
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn, out_ptr,
+                     s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES, SWIGLU,
+                     OUT_CODE, TMA_OUT)),
+        (_consumer, (1, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn, out_ptr,
+                     s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES, SWIGLU,
+                     OUT_CODE, TMA_OUT)),
+        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E, n_tiles, NT_N, KB, N_E, TILE_N,
+                     SUB_STRIDE, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def fits(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """The shapes these kernels take: w13 (E, 2F, D), w2 (E, D, F) with F a multiple of 128 and D of 256."""
+    E, F2, D = w13.shape
+    return F2 % (2 * GROUP) == 0 and D % (2 * GROUP) == 0 and tuple(w2.shape) == (E, D, F2 // 2)
+
+
+def _launch(q, s, w, w_scale, tile_expert, out, qs, swiglu, model_dtype, stages, tma_out):
+    E, N, K = w.shape
+    if q.shape[0] != tile_expert.numel() * ROWS or K % GROUP or q.stride(1) != 1 or s.stride(1) != 1:
+        raise ValueError(f"fp8_gluon: A {tuple(q.shape)} for {tile_expert.numel()} row tiles, K {K}")
+    nt_n, tile_n, sub = ((N // 2) // GROUP, GROUP, N // 2) if swiglu else (N // (2 * GROUP), 2 * GROUP, GROUP)
+    n_tiles = tile_expert.numel() * nt_n
+    if n_tiles == 0:
+        return
+    nsm = torch.cuda.get_device_properties(q.device).multi_processor_count
+    w_scale = w_scale.contiguous()
+    fp8_ws_grouped_gemm[(min(nsm, n_tiles), )](
+        _desc(q, [64, GROUP]), _desc(w.view(E * N, K), [GROUP, GROUP]), _desc(out, [64, GROUP]), s, s.stride(0),
+        w_scale, w_scale.stride(0), w_scale.stride(1), out, out.stride(0), qs, qs.stride(0), tile_expert, E, n_tiles,
+        NT_N=nt_n, KB=K // GROUP, N_E=N, TILE_N=tile_n, SUB_STRIDE=sub, STAGES=stages, SWIGLU=swiglu,
+        OUT_CODE=_OUT_CODES[model_dtype], TMA_OUT=tma_out, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4)
+
+
+def w13_swiglu_quant(q: torch.Tensor, s: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                     tile_expert: torch.Tensor, model_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The padded layout's rows q (rows, D) float8 with scales s (D/128, rows) through w13 (E, 2F, D), SwiGLU in
+    model_dtype and the quantiser: (q (rows, F) float8, s (F/128, rows) float32), the second GEMM's input (the
+    tiles past the last group are left unwritten; no GEMM reads them)."""
+    M, F = q.shape[0], w13.shape[1] // 2
+    qo = torch.empty((M, F), dtype=FP8, device=q.device)
+    so = torch.empty((F // GROUP, M), dtype=torch.float32, device=q.device)
+    _launch(q, s, w13, w13_scale, tile_expert, qo, so, True, model_dtype, W13_STAGES, True)
+    return qo, so
+
+
+def grouped_gemm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, tile_expert: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """The padded layout's rows q (rows, K) float8 with scales s (K/128, rows) times their experts' w (E, N, K):
+    (rows, N) in out_dtype (N a multiple of 256)."""
+    out = torch.empty((q.shape[0], w.shape[1]), dtype=out_dtype, device=q.device)
+    tma_out = out_dtype != torch.float32
+    _launch(q, s, w, w_scale, tile_expert, out, out, False, out_dtype, W2_STAGES, tma_out)
+    return out
