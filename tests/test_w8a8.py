@@ -8,6 +8,7 @@ experts replaced by it), in one process and over tp=2 / ep=2 on gloo; the dequan
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from poc.errors import InputError
 from poc.model import fp8
@@ -82,6 +83,29 @@ def test_cuda_kernels_match_the_spec(dtype):
         y = fp8.fp8_mm(qa, sa, w, ws, torch.bfloat16)
         ref = fp8.dequantize_act(qa, sa) @ fp8.dequantize_blocks(w, ws).t()
         assert ((y.float() - ref).norm() / ref.norm()).item() < 2e-3, (M, N, K)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton quantiser)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_quantiser_division_is_exact_on_every_16bit_pair(dtype):
+    """For 16-bit inputs the CUDA quantisers divide by a row's scale through one reciprocal per row and an FMA
+    correction (fp8_triton._div_by_row) instead of IEEE division per value. A 16-bit group's scale comes from its
+    16-bit amax, so the pairs (amax, value) are finite: every one of them, quantised, against the spec's formula in
+    torch (IEEE division)."""
+    vals = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).cuda()
+    vals = vals[torch.isfinite(vals)]
+    amaxes = vals[vals > 0]
+    per_row = fp8.GROUP - 1
+    vals = F.pad(vals, (0, -vals.numel() % per_row))  # each amax's row block: every value, clamped into [-a, a]
+    for a in amaxes.split(1024):
+        v = torch.minimum(torch.maximum(vals[None, :], -a[:, None]), a[:, None]).view(a.numel(), -1, per_row)
+        x = torch.cat([a[:, None, None].expand(-1, v.shape[1], 1), v], dim=2).view(-1, fp8.GROUP)
+        q, s = fp8.quantize_act(x)
+        want_q, want_s = fp8.quantize_act_torch(x)
+        assert torch.equal(s, want_s), float(a[0])
+        bad = q.view(torch.uint8) != want_q.view(torch.uint8)
+        assert not bad.any(), (int(bad.sum()), x[bad.any(1)][:1], q[bad][:4], want_q[bad][:4])
 
 
 @pytest.mark.gpu

@@ -135,7 +135,13 @@ def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as
                 silu = gl.div_rn(g, 1.0 + libdevice.exp(-g)).to(OUT).to(gl.float32)
                 h = (silu * u).to(OUT).to(gl.float32)
                 sc = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-10) * (1.0 / 448.0)
-                q = gl.minimum(gl.maximum(gl.div_rn(h, sc[:, None]), -448.0), 448.0).to(gl.float8e4nv)
+                if OUT_CODE == 2:  # float32 h: IEEE division
+                    hs = gl.div_rn(h, sc[:, None])
+                else:  # 16-bit h: fp8_triton._div_by_row's exact division, a reciprocal per row and one FMA
+                    y = gl.div_rn(gl.full_like(sc, 1.0), sc)
+                    q0 = h * y[:, None]
+                    hs = gl.where(h == 0.0, h, gl.fma(gl.fma(-q0, sc[:, None], h), y[:, None], q0))
+                q = gl.minimum(gl.maximum(hs, -448.0), 448.0).to(gl.float8e4nv)
                 tma.store_wait(0)  # the previous tile's store has left c_bufs
                 c_bufs.index(WG).store(q)
                 fence_async_shared()

@@ -42,12 +42,29 @@ FP_FUSION = True  # a*b+c may contract to one FMA inside the accumulator update 
 
 
 @triton.jit
-def _quant_groups(x):
+def _div_by_row(x, s, FAST: tl.constexpr):
+    """x / s[:, None] rounded as IEEE division. FAST: one correctly rounded reciprocal per row, then per value the
+    product and one FMA correction (Markstein: with y = RN(1/s) and q0 = RN(x y), the residual r = x - s q0 is exact
+    and RN(q0 + r y) = RN(x / s); a zero x keeps its sign), which has no slow-path branch per value. Used where x holds bf16/fp16 values and
+    s comes from a 16-bit amax (the quantisers' inputs, the SwiGLU output): tests/test_w8a8.py checks it against IEEE
+    division on every such pair; float32 inputs keep div_rn."""
+    if FAST:
+        y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        q0 = x * y[:, None]
+        q = tl.math.fma(tl.math.fma(-q0, s[:, None], x), y[:, None], q0)
+        return tl.where(x == 0.0, x, q)  # the correction of -0 gives +0: x / s keeps x's sign
+    else:
+        return tl.math.div_rn(x, s[:, None])
+
+
+@triton.jit
+def _quant_groups(x, FAST: tl.constexpr):
     """(R, 128) float32, one activation group per row -> (q as float32 values on the FP8 grid, s (R,)): the spec's
-    amax, scale = amax * (1/448) and q = clamp(x / scale) with IEEE division."""
+    amax, scale = amax * (1/448) and q = clamp(x / scale) with IEEE division (_div_by_row; FAST: x holds 16-bit
+    values)."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
     s = amax * (1.0 / 448.0)
-    return tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0), s
+    return tl.clamp(_div_by_row(x, s, FAST), -448.0, 448.0), s
 
 
 @triton.jit
@@ -59,8 +76,8 @@ def fp8_act_quant(x_ptr, q_ptr, s_ptr, M, K, W, stride_xm, stride_qm, stride_sg,
     cols = g * BLOCK + tl.arange(0, BLOCK)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     r64 = rows.to(tl.int64)[:, None]  # offsets past 2**31 elements at large batches
-    x = tl.load(x_ptr + r64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, s = _quant_groups(x)
+    x = tl.load(x_ptr + r64 * stride_xm + cols[None, :], mask=mask, other=0.0)
+    q, s = _quant_groups(x.to(tl.float32), x.dtype != tl.float32)
     out = (rows[:, None] < M) & (cols[None, :] < W)  # columns K..W-1: zero (loaded as 0, quantised to 0)
     tl.store(q_ptr + r64 * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=out)
     tl.store(s_ptr + g * stride_sg + rows, s, mask=rows < M)  # (G, >=M) row-major: s.t() column-major
@@ -90,8 +107,8 @@ def fp8_act_quant_scatter(x_ptr, q_ptr, s_ptr, dest_ptr, M, K, stride_xm, stride
     cols = g * BLOCK + tl.arange(0, BLOCK)
     live = rows < M
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :],
-                mask=live[:, None] & (cols[None, :] < K), other=0.0).to(tl.float32)
-    q, s = _quant_groups(x)
+                mask=live[:, None] & (cols[None, :] < K), other=0.0)
+    q, s = _quant_groups(x.to(tl.float32), x.dtype != tl.float32)
     q = q.to(q_ptr.dtype.element_ty)
     for j in tl.static_range(KSEL):
         d = tl.load(dest_ptr + rows * KSEL + j, mask=live, other=-1).to(tl.int64)
@@ -101,15 +118,17 @@ def fp8_act_quant_scatter(x_ptr, q_ptr, s_ptr, dest_ptr, M, K, stride_xm, stride
 
 
 @triton.jit
-def fp8_zero_rows(q_ptr, s_ptr, a_rows_ptr, M, stride_qm, stride_sg, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Zero values and scales of one group of the padding rows (a_rows -1) in a tile of ROWS rows."""
-    pid_m, g = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * ROWS + tl.arange(0, ROWS)
+def fp8_zero_rows(q_ptr, s_ptr, a_rows_ptr, M, stride_qm, stride_sg, G: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Zero the values and scales of the padding rows (a_rows -1) among ROWS rows."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     pad = tl.load(a_rows_ptr + rows, mask=rows < M, other=0) < 0
-    cols = g * BLOCK + tl.arange(0, BLOCK)
-    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :],
-             tl.zeros((ROWS, BLOCK), dtype=q_ptr.dtype.element_ty), mask=pad[:, None])
-    tl.store(s_ptr + g * stride_sg + rows, tl.zeros((ROWS, ), dtype=tl.float32), mask=pad)
+    if tl.max(pad.to(tl.int32)) > 0:
+        cols = tl.arange(0, BLOCK)
+        for g in tl.static_range(G):
+            tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + (g * BLOCK + cols)[None, :],
+                     tl.zeros((ROWS, BLOCK), dtype=q_ptr.dtype.element_ty), mask=pad[:, None])
+            tl.store(s_ptr + g * stride_sg + rows, tl.zeros((ROWS, ), dtype=tl.float32), mask=pad)
 
 
 SCATTER_CONFIG = {"ROWS": 32, "num_warps": 4}
@@ -133,7 +152,7 @@ def quantize_scatter(x: torch.Tensor, dest: torch.Tensor, a_rows: torch.Tensor) 
         fp8_act_quant_scatter[(triton.cdiv(T, rows), G)](x, q, s, dest, T, K, x.stride(0), q.stride(0), s.stride(0),
                                                          KSEL=dest.shape[1], ROWS=rows, BLOCK=GROUP, num_warps=warps)
     if M:
-        fp8_zero_rows[(triton.cdiv(M, 64), G)](q, s, a_rows, M, q.stride(0), s.stride(0), ROWS=64, BLOCK=GROUP)
+        fp8_zero_rows[(triton.cdiv(M, 64), )](q, s, a_rows, M, q.stride(0), s.stride(0), G=G, ROWS=64, BLOCK=GROUP)
     return q, s
 
 
@@ -211,8 +230,7 @@ def _swiglu_quant(acc_g, acc_u, OUT: tl.constexpr):
     u = acc_u.to(OUT).to(tl.float32)
     silu = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)).to(OUT).to(tl.float32)
     h = (silu * u).to(OUT).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10) * (1.0 / 448.0)
-    return tl.clamp(tl.math.div_rn(h, s[:, None]), -448.0, 448.0), s
+    return _quant_groups(h, OUT != tl.float32)
 
 
 @triton.jit
