@@ -3,23 +3,24 @@ calls them on sm_90; `fp8_triton` holds the portable Triton kernels, which compu
 
 One program per SM loops over 128-row x 256-column tiles of the padded row layout (`fp8.padded_layout`: each
 expert's rows start on a multiple of 128, so a tile never spans two experts; the tiles past the last group are
-skipped). Three partitions share a ring of shared-memory stages:
+skipped). The partitions share a ring of shared-memory stages:
 - a producer warp issues the TMA loads of each 128-deep K block (the tile's A rows, two 128-row blocks of the
   expert's weight) and runs ahead across tile boundaries, so the next tile's loads overlap this tile's epilogue;
 - two consumer warp groups take 64 rows each. Per K block and weight block: a zero-initialised wgmma (FP8 x FP8,
   float32), then the recipe's promotion `acc += p * s_a * s_b` (the activation group's scale per row, the weight
   block's scale), the arithmetic of `fp8_triton` (and of the fork's Triton kernel) in the same order. While one
   warp group scales, the other's wgmma keeps the tensor cores busy;
-- the epilogue stores through shared memory with TMA: w13's SwiGLU and re-quantisation (`fp8_triton._swiglu_quant`'s
-  formula, so the FP8 output and its scales are bit-identical to the Triton kernel's), or w2's rows in the model
-  dtype.
+- w13 (16-bit models): the consumers round gate and up to the model dtype into two hand-off tiles and go on to the
+  next tile, while a fourth partition (4 warps) takes SwiGLU and the re-quantisation (`fp8_triton._swiglu_quant`'s
+  formula, with the quantiser's exact division by a row's scale, so the FP8 output and its scales are bit-identical
+  to the Triton kernel's) 8 rows at a time and stores them. A float32 model runs that epilogue in the consumers;
+- w2: the consumers store the rows in the model dtype through shared memory with TMA.
 
 w13's two weight blocks are the gate rows [n*128, n*128+128) and the up rows F + the same (one activation group of
 the SwiGLU output per tile, quantised whole); w2's are two adjacent 128-column blocks. A must be contiguous rows in
 the padded layout (`fp8_triton.quantize_scatter` writes it), its scales (K/128, rows) row-major.
 
-Measured on the H100 (Qwen3-30B-A3B expert shapes, 64k routed tokens; benchmarks/diagnostics/w8a8.py): w13 with its
-epilogue 4.25 ms (776 TFLOP/s) against the Triton kernel's 5.72, w2 1.89 ms (871) against 2.59.
+Measured on the H100: benchmarks/h100/w8a8_kernels.json (`benchmarks/diagnostics/w8a8.py kernels`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.floa
 # 64 KB of shared memory for its epilogue tiles
 W13_STAGES, W2_STAGES = 4, 3
 CONSUMER_REGS, PRODUCER_REGS = 232, 40  # registers per thread after setmaxnreg: 2 x 128 x 232 + 128 x 40 <= 64K
+# w13 with its SwiGLU epilogue in a fourth partition (16-bit models): the consumers' and epilogue warps' registers,
+# the rows the epilogue takes at a time, and the ring's stages (64 KB of shared memory go to the hand-off tiles)
+HANDOFF = True
+HANDOFF_REGS = (216, 24, 56)  # consumers, producer, epilogue: 2 x 216 + 24 + 56 = 512 (x 128 threads = 64K); no spills
+HANDOFF_ROWS = 8
+HANDOFF_STAGES = 3
 
 
 def supported(device: torch.device) -> bool:
@@ -86,8 +93,9 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E, n_til
 def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
               out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N: gl.constexpr, KB: gl.constexpr,
               TILE_N: gl.constexpr, SUB_STRIDE: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr,
-              OUT_CODE: gl.constexpr, TMA_OUT: gl.constexpr):
-    """Rows [64 WG, 64 WG + 64) of each tile: the two weight blocks' block-scaled products, then the epilogue."""
+              OUT_CODE: gl.constexpr, TMA_OUT: gl.constexpr, HANDOFF: gl.constexpr, h_bufs, hready, hfree):
+    """Rows [64 WG, 64 WG + 64) of each tile: the two weight blocks' block-scaled products, then the epilogue (or,
+    HANDOFF, the products rounded to the model dtype into h_bufs for _swiglu_epilogue)."""
     OUT: gl.constexpr = _dtype(OUT_CODE)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rl: gl.constexpr = gl.SliceLayout(1, mma)
@@ -96,6 +104,7 @@ def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as
     nprog = gl.num_programs(0)
     zero = gl.zeros([64, 128], gl.float32, mma)
     it = 0
+    tc = 0
     for t in range(pid, n_tiles, nprog):
         pid_n = t % NT_N
         pid_m = t // NT_N
@@ -129,19 +138,15 @@ def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as
                 sb1 = sb1_n
                 it += 1
             row0 = pid_m * 128 + WG * 64
-            if SWIGLU:  # fp8_triton._swiglu_quant, term for term
-                g = acc0.to(OUT).to(gl.float32)
-                u = acc1.to(OUT).to(gl.float32)
-                silu = gl.div_rn(g, 1.0 + libdevice.exp(-g)).to(OUT).to(gl.float32)
-                h = (silu * u).to(OUT).to(gl.float32)
-                sc = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-10) * (1.0 / 448.0)
-                if OUT_CODE == 2:  # float32 h: IEEE division
-                    hs = gl.div_rn(h, sc[:, None])
-                else:  # 16-bit h: fp8_triton._div_by_row's exact division, a reciprocal per row and one FMA
-                    y = gl.div_rn(gl.full_like(sc, 1.0), sc)
-                    q0 = h * y[:, None]
-                    hs = gl.where(h == 0.0, h, gl.fma(gl.fma(-q0, sc[:, None], h), y[:, None], q0))
-                q = gl.minimum(gl.maximum(hs, -448.0), 448.0).to(gl.float8e4nv)
+            if HANDOFF:  # g and u rounded to the model dtype (SwiGLU's first step) go to the epilogue warps
+                mbarrier.wait(hfree.index(WG), (tc & 1) ^ 1)  # they have read this tile's predecessor
+                h_bufs.index(2 * WG).store(acc0.to(OUT))
+                h_bufs.index(2 * WG + 1).store(acc1.to(OUT))
+                gl.thread_barrier()
+                mbarrier.arrive(hready.index(WG), count=1)
+                tc += 1
+            elif SWIGLU:  # fp8_triton._swiglu_quant, term for term
+                q, sc = _swiglu_quant_rows(acc0.to(OUT).to(gl.float32), acc1.to(OUT).to(gl.float32), OUT, OUT_CODE)
                 tma.store_wait(0)  # the previous tile's store has left c_bufs
                 c_bufs.index(WG).store(q)
                 fence_async_shared()
@@ -164,31 +169,101 @@ def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as
 
 
 @gluon.jit
+def _swiglu_quant_rows(g, u, OUT: gl.constexpr, OUT_CODE: gl.constexpr):
+    """fp8_triton._swiglu_quant on rows of g and u (float32 values of the model dtype): the FP8 values and the rows'
+    scales."""
+    silu = gl.div_rn(g, 1.0 + libdevice.exp(-g)).to(OUT).to(gl.float32)
+    h = (silu * u).to(OUT).to(gl.float32)
+    sc = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-10) * (1.0 / 448.0)
+    if OUT_CODE == 2:  # float32 h: IEEE division
+        hs = gl.div_rn(h, sc[:, None])
+    else:  # 16-bit h: fp8_triton._div_by_row's exact division, a reciprocal per row and one FMA
+        y = gl.div_rn(gl.full_like(sc, 1.0), sc)
+        q0 = h * y[:, None]
+        hs = gl.where(h == 0.0, h, gl.fma(gl.fma(-q0, sc[:, None], h), y[:, None], q0))
+    return gl.minimum(gl.maximum(hs, -448.0), 448.0).to(gl.float8e4nv), sc
+
+
+@gluon.jit
+def _swiglu_epilogue(h_bufs, hready, hfree, out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles,
+                     NT_N: gl.constexpr, OUT_CODE: gl.constexpr, CH: gl.constexpr):
+    """w13's epilogue in warps of its own, overlapping the consumers' next tile: each half tile's g and u from
+    h_bufs, CH rows at a time, through SwiGLU and the quantiser to q (rows, F) and its scales."""
+    OUT: gl.constexpr = _dtype(OUT_CODE)
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    rl: gl.constexpr = gl.SliceLayout(1, blk)
+    cols = gl.arange(0, 128, gl.SliceLayout(0, blk))
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    tc = 0
+    for t in range(pid, n_tiles, nprog):
+        pid_n = t % NT_N
+        pid_m = t // NT_N
+        e = gl.load(tile_e_ptr + pid_m)
+        if e < E:
+            for wg in gl.static_range(2):
+                mbarrier.wait(hready.index(wg), tc & 1)
+                for r0 in gl.static_range(0, 64, CH):
+                    g = h_bufs.index(2 * wg).slice(r0, CH).load(blk).to(gl.float32)
+                    u = h_bufs.index(2 * wg + 1).slice(r0, CH).load(blk).to(gl.float32)
+                    q, sc = _swiglu_quant_rows(g, u, OUT, OUT_CODE)
+                    rows = pid_m * 128 + wg * 64 + r0 + gl.arange(0, CH, rl)
+                    gl.store(out_ptr + rows.to(gl.int64)[:, None] * s_om + (pid_n * 128 + cols)[None, :], q)
+                    gl.store(qs_ptr + pid_n * s_qsg + rows, sc)
+                gl.thread_barrier()
+                mbarrier.arrive(hfree.index(wg), count=1)
+            tc += 1
+
+
+@gluon.jit
 def fp8_ws_grouped_gemm(a_desc, b_desc, c_desc, as_ptr, s_asg, bs_ptr, s_bse, s_bsn, out_ptr, s_om, qs_ptr, s_qsg,
                         tile_e_ptr, E, n_tiles, NT_N: gl.constexpr, KB: gl.constexpr, N_E: gl.constexpr,
                         TILE_N: gl.constexpr, SUB_STRIDE: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr,
-                        OUT_CODE: gl.constexpr, TMA_OUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr):
+                        OUT_CODE: gl.constexpr, TMA_OUT: gl.constexpr, HANDOFF: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, EPILOGUE_REGS: gl.constexpr,
+                        CH: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 64, 128], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 128, 128], b_desc.layout)
-    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2 if SWIGLU else (4 if TMA_OUT else 1), 64, 128],
-                                       c_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [1 if HANDOFF else (2 if SWIGLU else (4 if TMA_OUT else 1)), 64,
+                                                      128], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    h_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    h_bufs = gl.allocate_shared_memory(gl.bfloat16 if OUT_CODE == 0 else gl.float16,
+                                       [4, 64, 128] if HANDOFF else [1, 8, 128], h_layout)
+    hready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    hfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warp group
+    for i in gl.static_range(2):
+        mbarrier.init(hready.index(i), count=1)
+        mbarrier.init(hfree.index(i), count=1)
     fence_async_shared()
-    gl.warp_specialize([
-        (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn, out_ptr,
-                     s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES, SWIGLU,
-                     OUT_CODE, TMA_OUT)),
-        (_consumer, (1, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn, out_ptr,
-                     s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES, SWIGLU,
-                     OUT_CODE, TMA_OUT)),
-        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E, n_tiles, NT_N, KB, N_E, TILE_N,
-                     SUB_STRIDE, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if HANDOFF:
+        gl.warp_specialize([
+            (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
+                         out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree)),
+            (_consumer, (1, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
+                         out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E, n_tiles, NT_N, KB, N_E,
+                         TILE_N, SUB_STRIDE, STAGES)),
+            (_swiglu_epilogue, (h_bufs, hready, hfree, out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N,
+                                OUT_CODE, CH)),
+        ], [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, EPILOGUE_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
+                         out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree)),
+            (_consumer, (1, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
+                         out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E, n_tiles, NT_N, KB, N_E,
+                         TILE_N, SUB_STRIDE, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -202,7 +277,7 @@ def fits(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     return F2 % (2 * GROUP) == 0 and D % (2 * GROUP) == 0 and tuple(w2.shape) == (E, D, F2 // 2)
 
 
-def _launch(q, s, w, w_scale, tile_expert, out, qs, swiglu, model_dtype, stages, tma_out):
+def _launch(q, s, w, w_scale, tile_expert, out, qs, swiglu, model_dtype, stages, tma_out, handoff=False):
     E, N, K = w.shape
     if q.shape[0] != tile_expert.numel() * ROWS or K % GROUP or q.stride(1) != 1 or s.stride(1) != 1:
         raise ValueError(f"fp8_gluon: A {tuple(q.shape)} for {tile_expert.numel()} row tiles, K {K}")
@@ -216,7 +291,9 @@ def _launch(q, s, w, w_scale, tile_expert, out, qs, swiglu, model_dtype, stages,
         _desc(q, [64, GROUP]), _desc(w.view(E * N, K), [GROUP, GROUP]), _desc(out, [64, GROUP]), s, s.stride(0),
         w_scale, w_scale.stride(0), w_scale.stride(1), out, out.stride(0), qs, qs.stride(0), tile_expert, E, n_tiles,
         NT_N=nt_n, KB=K // GROUP, N_E=N, TILE_N=tile_n, SUB_STRIDE=sub, STAGES=stages, SWIGLU=swiglu,
-        OUT_CODE=_OUT_CODES[model_dtype], TMA_OUT=tma_out, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        OUT_CODE=_OUT_CODES[model_dtype], TMA_OUT=tma_out, HANDOFF=handoff,
+        CONSUMER_REGS=HANDOFF_REGS[0] if handoff else CONSUMER_REGS,
+        PRODUCER_REGS=HANDOFF_REGS[1] if handoff else PRODUCER_REGS, EPILOGUE_REGS=HANDOFF_REGS[2], CH=HANDOFF_ROWS,
         num_warps=4)
 
 
@@ -228,7 +305,9 @@ def w13_swiglu_quant(q: torch.Tensor, s: torch.Tensor, w13: torch.Tensor, w13_sc
     M, F = q.shape[0], w13.shape[1] // 2
     qo = torch.empty((M, F), dtype=FP8, device=q.device)
     so = torch.empty((F // GROUP, M), dtype=torch.float32, device=q.device)
-    _launch(q, s, w13, w13_scale, tile_expert, qo, so, True, model_dtype, W13_STAGES, True)
+    handoff = model_dtype != torch.float32 and HANDOFF
+    _launch(q, s, w13, w13_scale, tile_expert, qo, so, True, model_dtype, HANDOFF_STAGES if handoff else W13_STAGES,
+            True, handoff)
     return qo, so
 
 
