@@ -188,6 +188,10 @@ def test_cuda_hopper_expert_kernels_give_the_triton_bits(dtype):
     aq, as_ = fp8_gluon.w13_swiglu_quant(q, s, w13, s13, tile_e, dtype)
     assert torch.equal(aq[live].view(torch.uint8), want_q[live].view(torch.uint8))
     assert torch.equal(as_.t()[live], want_s[live])
+    if dtype != torch.float32:  # 16-bit models gather the tokens' rows in w13's loads (what experts_w8a8 runs)
+        gq, gs = fp8_gluon.w13_swiglu_quant(qt, st.t(), w13, s13, tile_e, dtype, a_rows)
+        assert torch.equal(gq[live].view(torch.uint8), want_q[live].view(torch.uint8))
+        assert torch.equal(gs.t()[live], want_s[live])
     assert aq.view(torch.uint8)[live].float().std() > 10  # not a degenerate activation
     want_y = fp8_triton.grouped_gemm(want_q, want_s, w2, s2, tile_e, dtype, **kw)
     y = fp8_gluon.grouped_gemm(aq, as_, w2, s2, tile_e, dtype)

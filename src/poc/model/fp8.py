@@ -380,12 +380,16 @@ def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
     kern = _triton() if x.is_cuda and _RECIPE[0] == "fast" else None
     glu = _gluon(x.device) if kern is not None else None
     if glu is not None and glu.fits(w13, w2):
-        # Hopper: each token quantised once and written to its routed rows (contiguous A for TMA), then the
-        # warp-specialised kernels (the Triton kernels' bits)
-        slots = torch.full((x.shape[0] * k,), -1, dtype=torch.int32, device=x.device)
-        slots[rows] = dest.to(torch.int32)
-        q, s = kern.quantize_scatter(x, slots.view(-1, k), a_rows)
-        aq, as_ = glu.w13_swiglu_quant(q, s, w13, s13, tile_expert, x.dtype)
+        # Hopper: the warp-specialised kernels (the Triton kernels' bits). A 16-bit model's w13 gathers each token's
+        # quantised row in its loads; a float32 model's tokens are quantised into their routed rows first
+        if x.dtype == torch.float32:
+            slots = torch.full((x.shape[0] * k,), -1, dtype=torch.int32, device=x.device)
+            slots[rows] = dest.to(torch.int32)
+            q, s = kern.quantize_scatter(x, slots.view(-1, k), a_rows)
+            aq, as_ = glu.w13_swiglu_quant(q, s, w13, s13, tile_expert, x.dtype)
+        else:
+            qt, st = quantize_act(x)
+            aq, as_ = glu.w13_swiglu_quant(qt, st.t(), w13, s13, tile_expert, x.dtype, a_rows)
         return glu.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype), dest
     # each token quantised once (the quantisation is per row); its routed copies are rows of that
     qt, st = quantize_act(x)

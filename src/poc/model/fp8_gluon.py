@@ -29,8 +29,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 GROUP = 128  # the K block, each weight block's rows and the activation group (fp8.GROUP, checked there)
@@ -49,6 +49,7 @@ HANDOFF = True
 HANDOFF_REGS = (216, 24, 56)  # consumers, producer, epilogue: 2 x 216 + 24 + 56 = 512 (x 128 threads = 64K); no spills
 HANDOFF_ROWS = 8
 HANDOFF_STAGES = 3
+GATHER_REGS = (216, 24, 56)  # the same with a 4-warp producer gathering A (w13_swiglu_quant's a_rows)
 
 
 def supported(device: torch.device) -> bool:
@@ -90,10 +91,50 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E, n_til
 
 
 @gluon.jit
+def _producer_gather(a_ptr, s_am, a_rows_ptr, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E, n_tiles,
+                     NT_N: gl.constexpr, KB: gl.constexpr, N_E: gl.constexpr, TILE_N: gl.constexpr,
+                     SUB_STRIDE: gl.constexpr, STAGES: gl.constexpr):
+    """_producer for A rows gathered from the tokens' quantised rows (a_rows: each padded row's token, -1: a zero
+    row): four warps copy them with cp.async (their completion held on the stage's barrier), the weight blocks come
+    by TMA as in _producer."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    nbytes: gl.constexpr = 2 * b_desc.block_type.nbytes
+    cols = gl.arange(0, 128, gl.SliceLayout(0, blk))
+    it = 0
+    for t in range(pid, n_tiles, nprog):
+        pid_n = t % NT_N
+        pid_m = t // NT_N
+        e = gl.load(tile_e_ptr + pid_m)
+        if e < E:
+            brow = e * N_E + pid_n * TILE_N
+            r0 = gl.load(a_rows_ptr + pid_m * 128 + gl.arange(0, 64, gl.SliceLayout(1, blk)))
+            r1 = gl.load(a_rows_ptr + pid_m * 128 + 64 + gl.arange(0, 64, gl.SliceLayout(1, blk)))
+            p0 = a_ptr + (gl.maximum(r0, 0).to(gl.int64) * s_am)[:, None] + cols[None, :]
+            p1 = a_ptr + (gl.maximum(r1, 0).to(gl.int64) * s_am)[:, None] + cols[None, :]
+            m0 = (r0 >= 0)[:, None] & (cols >= 0)[None, :]
+            m1 = (r1 >= 0)[:, None] & (cols >= 0)[None, :]
+            for kb in range(KB):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                async_copy.async_copy_global_to_shared(a_bufs.index(2 * s), p0 + kb * 128, mask=m0)
+                async_copy.async_copy_global_to_shared(a_bufs.index(2 * s + 1), p1 + kb * 128, mask=m1)
+                async_copy.mbarrier_arrive(bar)  # each thread's copies hold the phase open until they land
+                gl.thread_barrier()  # ... before the expect's arrival could complete it
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(b_desc, [brow, kb * 128], bar, b_bufs.index(2 * s))
+                tma.async_copy_global_to_shared(b_desc, [brow + SUB_STRIDE, kb * 128], bar, b_bufs.index(2 * s + 1))
+                it += 1
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
               out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N: gl.constexpr, KB: gl.constexpr,
               TILE_N: gl.constexpr, SUB_STRIDE: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr,
-              OUT_CODE: gl.constexpr, TMA_OUT: gl.constexpr, HANDOFF: gl.constexpr, h_bufs, hready, hfree):
+              OUT_CODE: gl.constexpr, TMA_OUT: gl.constexpr, HANDOFF: gl.constexpr, h_bufs, hready, hfree,
+              GATHER: gl.constexpr, a_rows_ptr):
     """Rows [64 WG, 64 WG + 64) of each tile: the two weight blocks' block-scaled products, then the epilogue (or,
     HANDOFF, the products rounded to the model dtype into h_bufs for _swiglu_epilogue)."""
     OUT: gl.constexpr = _dtype(OUT_CODE)
@@ -115,7 +156,11 @@ def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as
             bs1 = bs_ptr + e.to(gl.int64) * s_bse + ((pid_n * TILE_N + SUB_STRIDE) // 128) * s_bsn
             acc0 = zero
             acc1 = zero
-            sa = gl.load(as_ptr + rows)
+            if GATHER:  # the scales of the rows' tokens (a padding row reads token 0's: times zeros)
+                srows = gl.maximum(gl.load(a_rows_ptr + rows), 0)
+            else:
+                srows = rows
+            sa = gl.load(as_ptr + srows)
             sb0 = gl.load(bs0)
             sb1 = gl.load(bs1)
             for kb in range(KB):
@@ -124,7 +169,7 @@ def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as
                 a = a_bufs.index(2 * s + WG)
                 p = warpgroup_mma(a, b_bufs.index(2 * s).permute((1, 0)), zero, use_acc=False, is_async=True)
                 kn = gl.minimum(kb + 1, KB - 1)  # the next block's scales load while this one multiplies
-                sa_n = gl.load(as_ptr + kn * s_asg + rows)
+                sa_n = gl.load(as_ptr + kn * s_asg + srows)
                 sb0_n = gl.load(bs0 + kn)
                 sb1_n = gl.load(bs1 + kn)
                 p = warpgroup_mma_wait(0, deps=(p, ))
@@ -216,12 +261,13 @@ def _swiglu_epilogue(h_bufs, hready, hfree, out_ptr, s_om, qs_ptr, s_qsg, tile_e
 
 
 @gluon.jit
-def fp8_ws_grouped_gemm(a_desc, b_desc, c_desc, as_ptr, s_asg, bs_ptr, s_bse, s_bsn, out_ptr, s_om, qs_ptr, s_qsg,
+def fp8_ws_grouped_gemm(a_desc, a_ptr, s_am, a_rows_ptr, b_desc, c_desc, as_ptr, s_asg, bs_ptr, s_bse, s_bsn, out_ptr,
+                        s_om, qs_ptr, s_qsg,
                         tile_e_ptr, E, n_tiles, NT_N: gl.constexpr, KB: gl.constexpr, N_E: gl.constexpr,
                         TILE_N: gl.constexpr, SUB_STRIDE: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr,
                         OUT_CODE: gl.constexpr, TMA_OUT: gl.constexpr, HANDOFF: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, EPILOGUE_REGS: gl.constexpr,
-                        CH: gl.constexpr):
+                        CH: gl.constexpr, GATHER: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 64, 128], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 128, 128], b_desc.layout)
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [1 if HANDOFF else (2 if SWIGLU else (4 if TMA_OUT else 1)), 64,
@@ -240,14 +286,27 @@ def fp8_ws_grouped_gemm(a_desc, b_desc, c_desc, as_ptr, s_asg, bs_ptr, s_bse, s_
         mbarrier.init(hready.index(i), count=1)
         mbarrier.init(hfree.index(i), count=1)
     fence_async_shared()
-    if HANDOFF:
+    if HANDOFF and GATHER:
         gl.warp_specialize([
             (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr)),
             (_consumer, (1, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr)),
+            (_producer_gather, (a_ptr, s_am, a_rows_ptr, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E,
+                                n_tiles, NT_N, KB, N_E, TILE_N, SUB_STRIDE, STAGES)),
+            (_swiglu_epilogue, (h_bufs, hready, hfree, out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N,
+                                OUT_CODE, CH)),
+        ], [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, EPILOGUE_REGS])
+    elif HANDOFF:
+        gl.warp_specialize([
+            (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
+                         out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr)),
+            (_consumer, (1, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
+                         out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E, n_tiles, NT_N, KB, N_E,
                          TILE_N, SUB_STRIDE, STAGES)),
             (_swiglu_epilogue, (h_bufs, hready, hfree, out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N,
@@ -257,10 +316,10 @@ def fp8_ws_grouped_gemm(a_desc, b_desc, c_desc, as_ptr, s_asg, bs_ptr, s_bse, s_
         gl.warp_specialize([
             (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr)),
             (_consumer, (1, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E, n_tiles, NT_N, KB, N_E,
                          TILE_N, SUB_STRIDE, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -277,9 +336,12 @@ def fits(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     return F2 % (2 * GROUP) == 0 and D % (2 * GROUP) == 0 and tuple(w2.shape) == (E, D, F2 // 2)
 
 
-def _launch(q, s, w, w_scale, tile_expert, out, qs, swiglu, model_dtype, stages, tma_out, handoff=False):
+def _launch(q, s, w, w_scale, tile_expert, out, qs, swiglu, model_dtype, stages, tma_out, handoff=False,
+            a_rows=None):
     E, N, K = w.shape
-    if q.shape[0] != tile_expert.numel() * ROWS or K % GROUP or q.stride(1) != 1 or s.stride(1) != 1:
+    rows = tile_expert.numel() * ROWS
+    gather = a_rows is not None
+    if (a_rows.numel() if gather else q.shape[0]) != rows or K % GROUP or q.stride(1) != 1 or s.stride(1) != 1:
         raise ValueError(f"fp8_gluon: A {tuple(q.shape)} for {tile_expert.numel()} row tiles, K {K}")
     nt_n, tile_n, sub = ((N // 2) // GROUP, GROUP, N // 2) if swiglu else (N // (2 * GROUP), 2 * GROUP, GROUP)
     n_tiles = tile_expert.numel() * nt_n
@@ -287,27 +349,31 @@ def _launch(q, s, w, w_scale, tile_expert, out, qs, swiglu, model_dtype, stages,
         return
     nsm = torch.cuda.get_device_properties(q.device).multi_processor_count
     w_scale = w_scale.contiguous()
+    regs = (GATHER_REGS if gather else HANDOFF_REGS) if handoff else (CONSUMER_REGS, PRODUCER_REGS, 0)
     fp8_ws_grouped_gemm[(min(nsm, n_tiles), )](
-        _desc(q, [64, GROUP]), _desc(w.view(E * N, K), [GROUP, GROUP]), _desc(out, [64, GROUP]), s, s.stride(0),
-        w_scale, w_scale.stride(0), w_scale.stride(1), out, out.stride(0), qs, qs.stride(0), tile_expert, E, n_tiles,
-        NT_N=nt_n, KB=K // GROUP, N_E=N, TILE_N=tile_n, SUB_STRIDE=sub, STAGES=stages, SWIGLU=swiglu,
-        OUT_CODE=_OUT_CODES[model_dtype], TMA_OUT=tma_out, HANDOFF=handoff,
-        CONSUMER_REGS=HANDOFF_REGS[0] if handoff else CONSUMER_REGS,
-        PRODUCER_REGS=HANDOFF_REGS[1] if handoff else PRODUCER_REGS, EPILOGUE_REGS=HANDOFF_REGS[2], CH=HANDOFF_ROWS,
+        _desc(q, [64, GROUP]), q, q.stride(0), a_rows if gather else tile_expert, _desc(w.view(E * N, K), [GROUP, GROUP]),
+        _desc(out, [64, GROUP]), s, s.stride(0), w_scale, w_scale.stride(0), w_scale.stride(1), out, out.stride(0), qs,
+        qs.stride(0), tile_expert, E, n_tiles, NT_N=nt_n, KB=K // GROUP, N_E=N, TILE_N=tile_n, SUB_STRIDE=sub,
+        STAGES=stages, SWIGLU=swiglu, OUT_CODE=_OUT_CODES[model_dtype], TMA_OUT=tma_out, HANDOFF=handoff,
+        CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], EPILOGUE_REGS=regs[2], CH=HANDOFF_ROWS, GATHER=gather,
         num_warps=4)
 
 
 def w13_swiglu_quant(q: torch.Tensor, s: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
-                     tile_expert: torch.Tensor, model_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The padded layout's rows q (rows, D) float8 with scales s (D/128, rows) through w13 (E, 2F, D), SwiGLU in
-    model_dtype and the quantiser: (q (rows, F) float8, s (F/128, rows) float32), the second GEMM's input (the
-    tiles past the last group are left unwritten; no GEMM reads them)."""
-    M, F = q.shape[0], w13.shape[1] // 2
+                     tile_expert: torch.Tensor, model_dtype: torch.dtype,
+                     a_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The padded layout's rows through w13 (E, 2F, D), SwiGLU in model_dtype and the quantiser: (q (rows, F) float8,
+    s (F/128, rows) float32), the second GEMM's input (the tiles past the last group are left unwritten; no GEMM reads
+    them). A is q (rows, D) float8 with scales s (D/128, rows), or with a_rows (each padded row's token, -1: a zero
+    row; 16-bit models) the tokens' q (T, D) and s (D/128, T), gathered in the kernel's loads."""
+    M, F = tile_expert.numel() * ROWS, w13.shape[1] // 2
     qo = torch.empty((M, F), dtype=FP8, device=q.device)
     so = torch.empty((F // GROUP, M), dtype=torch.float32, device=q.device)
     handoff = model_dtype != torch.float32 and HANDOFF
+    if a_rows is not None and not handoff:
+        raise ValueError("fp8_gluon: the gathered A needs the hand-off epilogue (a 16-bit model)")
     _launch(q, s, w13, w13_scale, tile_expert, qo, so, True, model_dtype, HANDOFF_STAGES if handoff else W13_STAGES,
-            True, handoff)
+            True, handoff, a_rows)
     return qo, so
 
 
