@@ -10,8 +10,9 @@ per token per 128 columns and multiply FP8 by FP8 with float32 accumulation. Thi
   Hopper or newer, elsewhere an exact emulation (dequantise both operands, float32 matmul, one rounding);
 - `Fp8Linear`: the module the loader puts where the checkpoint has an FP8 linear (`use_fp8_linears`), with the
   checkpoint's parameter names (`weight`, `weight_scale_inv`), so loading stays a name match;
-- `experts_w8a8`: the MoE experts, on CUDA two Triton kernels for all experts (the first with SwiGLU and the
-  re-quantisation in its epilogue, `fp8_triton.py`).
+- `experts_w8a8`: the MoE experts, on CUDA two GEMMs over all experts (the first with SwiGLU and the
+  re-quantisation in its epilogue): on Hopper the warp-specialised Gluon kernels of `fp8_gluon.py`, elsewhere (and
+  with POC_FP8_GLUON=0) the Triton kernels of `fp8_triton.py`, the same bits.
 
 The router, norms and embeddings are not quantised. `POC_FP8=dequant` (or `fp8="dequant"`) keeps the older forward:
 weights dequantised to the model dtype, bf16 activations; it is a different arithmetic, kept for diagnosis.
@@ -358,7 +359,7 @@ def scale_slice(name: str, dim: int, start: int, stop: int, full: int) -> tuple[
 
 
 GROUP_ROWS = 128  # the padded expert-group layout of experts_w8a8: each expert's rows start on a multiple of 128
-# (the Triton kernels' row tiles divide it)
+# (the CUDA kernels' row tiles divide it)
 
 
 def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13: Tensor, w2: Tensor, s2: Tensor,
@@ -372,10 +373,10 @@ def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
 
     act is the model's SwiGLU on the fused gate|up output (transformer._act: SiLU(gate) and its product with up each
     rounded to the model dtype). The rows are laid out with each expert's group padded to GROUP_ROWS (zero rows), so
-    a GEMM tile never spans two experts: on CUDA one Triton kernel per GEMM covers every expert (no host sync, no
-    per-expert launch), the first with act and the re-quantisation in its epilogue (fp8_triton.w13_swiglu_quant:
-    the same bits as act and quantize_act after it, tests/test_w8a8.py on CUDA); elsewhere one block-scaled GEMM per
-    expert, then act, then the quantiser."""
+    a GEMM tile never spans two experts: on CUDA one kernel per GEMM covers every expert (no host sync, no
+    per-expert launch), the first with act and the re-quantisation in its epilogue (the same bits as act and
+    quantize_act after it, tests/test_w8a8.py on CUDA): fp8_gluon's on Hopper, fp8_triton's elsewhere; on the CPU
+    one block-scaled GEMM per expert, then act, then the quantiser."""
     dest, tile_expert, a_rows = padded_layout(rows, k, ends)
     kern = _triton() if x.is_cuda and _RECIPE[0] == "fast" else None
     glu = _gluon(x.device) if kern is not None else None

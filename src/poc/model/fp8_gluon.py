@@ -33,6 +33,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from poc.model.fp8_triton import FP_FUSION  # the promotion's FMA contraction as the Triton kernels: the same bits,
+# whatever TRITON_DEFAULT_FP_FUSION the process runs with (compile.py sets it to 0 for inductor's kernels)
+
 GROUP = 128  # the K block, each weight block's rows and the activation group (fp8.GROUP, checked there)
 ROWS = 128  # a tile's rows (two warp groups of 64): the padded layout's group_rows must be a multiple
 FP8 = torch.float8_e4m3fn
@@ -356,7 +359,7 @@ def _launch(q, s, w, w_scale, tile_expert, out, qs, swiglu, model_dtype, stages,
         qs.stride(0), tile_expert, E, n_tiles, NT_N=nt_n, KB=K // GROUP, N_E=N, TILE_N=tile_n, SUB_STRIDE=sub,
         STAGES=stages, SWIGLU=swiglu, OUT_CODE=_OUT_CODES[model_dtype], TMA_OUT=tma_out, HANDOFF=handoff,
         CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], EPILOGUE_REGS=regs[2], CH=HANDOFF_ROWS, GATHER=gather,
-        num_warps=4)
+        num_warps=4, enable_fp_fusion=FP_FUSION)
 
 
 def w13_swiglu_quant(q: torch.Tensor, s: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,

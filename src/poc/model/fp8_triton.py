@@ -94,7 +94,7 @@ def quantize(x: torch.Tensor, width: int, *, ld_align: int) -> tuple[torch.Tenso
     s = torch.empty((G, triton.cdiv(M, ld_align) * ld_align), dtype=torch.float32, device=x.device)
     rows = 32
     fp8_act_quant[(triton.cdiv(M, rows), G)](x, q, s, M, K, width, x.stride(0), q.stride(0), s.stride(0), ROWS=rows,
-                                       BLOCK=GROUP)
+                                       BLOCK=GROUP, enable_fp_fusion=FP_FUSION)
     return q, s[:, :M].t()
 
 
@@ -150,7 +150,8 @@ def quantize_scatter(x: torch.Tensor, dest: torch.Tensor, a_rows: torch.Tensor) 
     rows, warps = SCATTER_CONFIG["ROWS"], SCATTER_CONFIG["num_warps"]
     if T:
         fp8_act_quant_scatter[(triton.cdiv(T, rows), G)](x, q, s, dest, T, K, x.stride(0), q.stride(0), s.stride(0),
-                                                         KSEL=dest.shape[1], ROWS=rows, BLOCK=GROUP, num_warps=warps)
+                                                         KSEL=dest.shape[1], ROWS=rows, BLOCK=GROUP, num_warps=warps,
+                                                         enable_fp_fusion=FP_FUSION)
     if M:
         fp8_zero_rows[(triton.cdiv(M, 64), )](q, s, a_rows, M, q.stride(0), s.stride(0), G=G, ROWS=64, BLOCK=GROUP)
     return q, s
