@@ -5,8 +5,9 @@
 
 The Qwen3-30B-A3B-FP8 expert shapes (128 experts, top 8, w13 2 x 768 x 2048, w2 2048 x 768), routed seq-1024 tokens
 laid out as `fp8.padded_layout` does, each variant timed (median of 10, CUDA events) and compared with the served
-kernel's output (relative Frobenius difference: only accumulation order may differ). The served kernels are
-`poc.model.fp8_triton` (`grouped_gemm` for w2, `w13_swiglu_quant` for w13). Variants:
+kernel's output (relative Frobenius difference: only accumulation order may differ). The kernels compared against
+are `poc.model.fp8_triton`'s (`grouped_gemm` for w2, `w13_swiglu_quant` for w13), served on GPUs other than Hopper
+(Hopper runs `poc.model.fp8_gluon`, measured by `w8a8.py kernels`). Variants:
 - `tma_weights`: the weights (and a contiguous A) through TMA descriptors instead of pointer loads;
 - `persistent`: one program per SM looping over tiles (TMA loads), with the tile loop flattened into the K loop
   and with Triton's warp specialisation (`tl.range(..., flatten=, warp_specialize=)`);
