@@ -108,6 +108,25 @@ def test_cuda_quantiser_division_is_exact_on_every_16bit_pair(dtype):
         assert not bad.any(), (int(bad.sum()), x[bad.any(1)][:1], q[bad][:4], want_q[bad][:4])
 
 
+def _cuda_expert_case(dtype, seed):
+    """A small MoE block on the GPU: (x, k, rows, ends, (w13, s13), (w2, s2)) with uneven groups, an expert with no
+    rows (E-1), a crowded one (0) and groups that are not multiples of the row tile; FP8 weights with block scales."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    E, F, D, k, T = 6, 256, 512, 2, 701
+
+    def weight(n, kk):
+        w = (torch.randn(E, n, kk, device="cuda", generator=g) * 64).clamp(-448, 448).to(E4M3)
+        return w, torch.rand(E, n // 128, kk // 128, device="cuda", generator=g) * 2e-5 + 1e-5
+
+    w13, w2 = weight(2 * F, D), weight(D, F)
+    x = torch.randn(T, D, device="cuda", generator=g).to(dtype)
+    experts = torch.randint(0, E - 1, (T * k,), device="cuda", generator=g)
+    experts[: T // 2] = 0
+    rows = experts.argsort(stable=True)
+    ends = torch.searchsorted(experts[rows], torch.arange(1, E + 1, device="cuda"))
+    return x, k, rows, ends, w13, w2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton expert kernels)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -118,19 +137,7 @@ def test_cuda_expert_kernels_match_the_unfused_recipe(dtype):
     from poc.model import fp8_triton
     from poc.model.transformer import _act
 
-    g = torch.Generator(device="cuda").manual_seed(5)
-    E, F, D, k, T = 6, 256, 512, 2, 701
-
-    def weight(n, kk):
-        w = (torch.randn(E, n, kk, device="cuda", generator=g) * 64).clamp(-448, 448).to(E4M3)
-        return w, torch.rand(E, n // 128, kk // 128, device="cuda", generator=g) * 2e-5 + 1e-5
-
-    (w13, s13), (w2, s2) = weight(2 * F, D), weight(D, F)
-    x = torch.randn(T, D, device="cuda", generator=g).to(dtype)
-    experts = torch.randint(0, E - 1, (T * k,), device="cuda", generator=g)  # expert E-1 gets no row
-    experts[: T // 2] = 0  # a crowded expert
-    rows = experts.argsort(stable=True)
-    ends = torch.searchsorted(experts[rows], torch.arange(1, E + 1, device="cuda"))
+    x, k, rows, ends, (w13, s13), (w2, s2) = _cuda_expert_case(dtype, seed=5)
     dest, tile_e, a_rows = fp8.padded_layout(rows, k, ends)
     qt, st = fp8.quantize_act(x)
     live = a_rows >= 0
@@ -161,19 +168,8 @@ def test_cuda_hopper_expert_kernels_give_the_triton_bits(dtype):
     from poc.model import fp8_gluon, fp8_triton
     from poc.model.transformer import _act
 
-    g = torch.Generator(device="cuda").manual_seed(7)
-    E, F, D, k, T = 6, 256, 512, 2, 701
-
-    def weight(n, kk):
-        w = (torch.randn(E, n, kk, device="cuda", generator=g) * 64).clamp(-448, 448).to(E4M3)
-        return w, torch.rand(E, n // 128, kk // 128, device="cuda", generator=g) * 2e-5 + 1e-5
-
-    (w13, s13), (w2, s2) = weight(2 * F, D), weight(D, F)
-    x = torch.randn(T, D, device="cuda", generator=g).to(dtype)
-    experts = torch.randint(0, E - 1, (T * k,), device="cuda", generator=g)  # expert E-1 gets no row
-    experts[: T // 2] = 0  # a crowded expert
-    rows = experts.argsort(stable=True)
-    ends = torch.searchsorted(experts[rows], torch.arange(1, E + 1, device="cuda"))
+    x, k, rows, ends, (w13, s13), (w2, s2) = _cuda_expert_case(dtype, seed=7)
+    T = x.shape[0]
     dest, tile_e, a_rows = fp8.padded_layout(rows, k, ends)
     live = a_rows >= 0
     slots = torch.full((T * k,), -1, dtype=torch.int32, device="cuda")

@@ -289,6 +289,8 @@ def fp8_ws_grouped_gemm(a_desc, a_ptr, s_am, a_rows_ptr, b_desc, c_desc, as_ptr,
         mbarrier.init(hready.index(i), count=1)
         mbarrier.init(hfree.index(i), count=1)
     fence_async_shared()
+    # the consumers' argument lists are written out in each form: a tuple built here would turn the constexprs in it
+    # into tensors (Triton 3.6), and the partitions need them as constants
     if HANDOFF and GATHER:
         gl.warp_specialize([
             (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
