@@ -4,8 +4,10 @@ calls them on sm_90; `fp8_triton` holds the portable Triton kernels, which compu
 One program per SM loops over 128-row x 256-column tiles of the padded row layout (`fp8.padded_layout`: each
 expert's rows start on a multiple of 128, so a tile never spans two experts; the tiles past the last group are
 skipped). The partitions share a ring of shared-memory stages:
-- a producer warp issues the TMA loads of each 128-deep K block (the tile's A rows, two 128-row blocks of the
-  expert's weight) and runs ahead across tile boundaries, so the next tile's loads overlap this tile's epilogue;
+- a producer fills each 128-deep K block (the tile's A rows, two 128-row blocks of the expert's weight) and runs
+  ahead across tile boundaries, so the next tile's loads overlap this tile's epilogue: one warp issuing TMA loads,
+  or, where w13 gathers its A rows from the tokens' quantised rows (16-bit models, as experts_w8a8 runs them), four
+  warps copying those rows with cp.async and the weight blocks by TMA;
 - two consumer warp groups take 64 rows each. Per K block and weight block: a zero-initialised wgmma (FP8 x FP8,
   float32), then the recipe's promotion `acc += p * s_a * s_b` (the activation group's scale per row, the weight
   block's scale), the arithmetic of `fp8_triton` (and of the fork's Triton kernel) in the same order. While one
@@ -17,8 +19,9 @@ skipped). The partitions share a ring of shared-memory stages:
 - w2: the consumers store the rows in the model dtype through shared memory with TMA.
 
 w13's two weight blocks are the gate rows [n*128, n*128+128) and the up rows F + the same (one activation group of
-the SwiGLU output per tile, quantised whole); w2's are two adjacent 128-column blocks. A must be contiguous rows in
-the padded layout (`fp8_triton.quantize_scatter` writes it), its scales (K/128, rows) row-major.
+the SwiGLU output per tile, quantised whole); w2's are two adjacent 128-column blocks. A is either contiguous rows
+in the padded layout (w2's input; a float32 model's w13 input, which `fp8_triton.quantize_scatter` writes) or, for
+w13, the tokens' quantised rows with each padded row's token (`a_rows`); scales are (K/128, rows) row-major.
 
 Measured on the H100: benchmarks/h100/w8a8_kernels.json (`benchmarks/diagnostics/w8a8.py kernels`).
 """
