@@ -12,8 +12,7 @@ per token per 128 columns and multiply FP8 by FP8 with float32 accumulation. Thi
   checkpoint's parameter names (`weight`, `weight_scale_inv`), so loading stays a name match;
 - `experts_w8a8`: the MoE experts, on CUDA two GEMMs over all experts (the first with SwiGLU and the
   re-quantisation in its epilogue): on Hopper the warp-specialised Gluon kernels of `fp8_gluon.py`, elsewhere (and
-  with POC_FP8_GLUON=0) the Triton kernels of `fp8_triton.py`, the same bits; `experts_padded` is the same on a
-  layout given per (token, choice) slot (`route.slot_layout`, which the MoE block builds on CUDA without a sort).
+  with POC_FP8_GLUON=0) the Triton kernels of `fp8_triton.py`, the same bits.
 
 The router, norms and embeddings are not quantised. `POC_FP8=dequant` (or `fp8="dequant"`) keeps the older forward:
 weights dequantised to the model dtype, bf16 activations; it is a different arithmetic, kept for diagnosis.
@@ -370,19 +369,7 @@ def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
     FP8 GEMM, SwiGLU in the model dtype, quantised again, the w2 FP8 GEMM. rows: the (token, choice) pairs in expert
     order (N of them); ends: the expert groups' ends in that order (device tensor). Returns (y, dest): the outputs in
     a padded layout and where each of the N rows sits in it (y[dest] is the (N, D) result; a caller that gathers
-    anyway composes dest into its own index instead). The layout is padded_layout's; experts_padded computes."""
-    dest, tile_expert, a_rows = padded_layout(rows, k, ends)
-    slot = torch.full((x.shape[0] * k,), a_rows.numel(), dtype=torch.int64, device=x.device)
-    slot[rows] = dest
-    return experts_padded(x, k, slot, tile_expert, a_rows, w13, s13, w2, s2, act), dest
-
-
-def experts_padded(x: Tensor, k: int, slot: Tensor, tile_expert: Tensor, a_rows: Tensor, w13: Tensor, s13: Tensor,
-                   w2: Tensor, s2: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:
-    """experts_w8a8 on a given padded layout (padded_layout's, or route.slot_layout's: the same rows): slot (T*k,)
-    int64, each (token, choice) slot's row (n_rows = a_rows.numel() for a slot another rank serves); tile_expert and
-    a_rows as padded_layout returns them. Returns the outputs (n_rows, D) in the model dtype; padding rows hold no
-    result.
+    anyway composes dest into its own index instead).
 
     act is the model's SwiGLU on the fused gate|up output (transformer._act: SiLU(gate) and its product with up each
     rounded to the model dtype). The rows are laid out with each expert's group padded to GROUP_ROWS (zero rows), so
@@ -390,52 +377,52 @@ def experts_padded(x: Tensor, k: int, slot: Tensor, tile_expert: Tensor, a_rows:
     per-expert launch), the first with act and the re-quantisation in its epilogue (the same bits as act and
     quantize_act after it, tests/test_w8a8.py on CUDA): fp8_gluon's on Hopper, fp8_triton's elsewhere; on the CPU
     one block-scaled GEMM per expert, then act, then the quantiser."""
+    dest, tile_expert, a_rows = padded_layout(rows, k, ends)
     kern = _triton() if x.is_cuda and _RECIPE[0] == "fast" else None
     glu = _gluon(x.device) if kern is not None else None
     if glu is not None and glu.fits(w13, w2):
         # Hopper: the warp-specialised kernels (the Triton kernels' bits). A 16-bit model's w13 gathers each token's
         # quantised row in its loads; a float32 model's tokens are quantised into their routed rows first
         if x.dtype == torch.float32:
-            slots = torch.where(slot < a_rows.numel(), slot, -1).to(torch.int32)
+            slots = torch.full((x.shape[0] * k,), -1, dtype=torch.int32, device=x.device)
+            slots[rows] = dest.to(torch.int32)
             q, s = kern.quantize_scatter(x, slots.view(-1, k), a_rows)
             aq, as_ = glu.w13_swiglu_quant(q, s, w13, s13, tile_expert, x.dtype)
         else:
             qt, st = quantize_act(x)
             aq, as_ = glu.w13_swiglu_quant(qt, st.t(), w13, s13, tile_expert, x.dtype, a_rows)
-        return glu.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype)
+        return glu.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype), dest
     # each token quantised once (the quantisation is per row); its routed copies are rows of that
     qt, st = quantize_act(x)
     if kern is not None and w13.shape[2] % GROUP == 0 and w2.shape[2] % GROUP == 0:
         # w13, SwiGLU (act's arithmetic) and the re-quantisation in one kernel; the gather is in its loads
         aq, as_ = kern.w13_swiglu_quant(qt, col_major(st), w13, s13, tile_expert, x.dtype, a_rows,
                                         group_rows=GROUP_ROWS)
-        return kern.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype, group_rows=GROUP_ROWS)
-    live = (a_rows >= 0).nonzero().squeeze(1)
-    tok = a_rows[live].long()
+        return kern.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype, group_rows=GROUP_ROWS), dest
+    tok = rows // k
     q = torch.zeros((a_rows.numel(), x.shape[1]), dtype=FP8, device=x.device)
-    q[live] = qt[tok]
+    q[dest] = qt[tok]
     s = torch.zeros((a_rows.numel(), st.shape[1]), dtype=torch.float32, device=x.device)
-    s[live] = st[tok]
+    s[dest] = st[tok]
     # one host sync per layer: each expert's GEMM takes its own row count (group j: the tiles of expert j)
     bounds = (torch.searchsorted(tile_expert, torch.arange(1, w13.shape[0] + 1, device=x.device,
                                                            dtype=torch.int32)) * GROUP_ROWS).tolist()
     n = bounds[-1] if bounds else 0
     h = fp8_grouped_mm(q[:n], s[:n], w13, s13, bounds, x.dtype)
     aq, as_ = quantize_act(act(h))
-    return fp8_grouped_mm(aq, as_, w2, s2, bounds, x.dtype)
+    return fp8_grouped_mm(aq, as_, w2, s2, bounds, x.dtype), dest
 
 
-def padded_layout(rows: Tensor, k: int, ends: Tensor, n_slots: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def padded_layout(rows: Tensor, k: int, ends: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The routed rows laid out with each expert's group padded to GROUP_ROWS: (dest, tile_expert, a_rows). dest
     (N,): where each of the N routed rows (in expert order) lands; tile_expert (n_alloc / GROUP_ROWS,) int32: each
     row tile's expert (E for the tiles past the last group); a_rows (n_alloc,) int32: each padded row's token
-    (rows // k), -1 for a padding row. n_alloc is a bound on the padded rows known without a host sync, from
-    n_slots rows (default N). route.slot_layout gives the same layout per (token, choice) slot."""
+    (rows // k), -1 for a padding row. n_alloc is a bound on the padded rows known without a host sync."""
     E, N = ends.numel(), rows.numel()
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     padded = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
     pends = padded.cumsum(0)
-    n_alloc = cdiv(N if n_slots is None else n_slots, GROUP_ROWS) * GROUP_ROWS + E * GROUP_ROWS
+    n_alloc = cdiv(N, GROUP_ROWS) * GROUP_ROWS + E * GROUP_ROWS
     # each routed row: its expert's padded start + its place in the expert's group
     grp = torch.repeat_interleave(torch.arange(E, device=rows.device), counts, output_size=N)
     dest = torch.arange(N, device=rows.device) - (ends - counts)[grp] + (pends - padded)[grp]

@@ -328,42 +328,33 @@ def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Te
     experts come first, in expert order, and one grouped GEMM per projection (torch._grouped_mm on CUDA; elsewhere
     one GEMM chain per expert) covers exactly those rows. With every expert here all shapes are static (no host
     sync: rows past the last group get weight zero); under expert parallel one host sync per layer sizes the
-    gather to this rank's rows. FP8 weights run W8A8 (`moe.w8a8`) or are dequantised for the duration of this call;
-    W8A8 on CUDA with every expert here skips the sort: route.slot_layout places the pairs in the experts' padded
-    layout directly (the same rows).
+    gather to this rank's rows. FP8 weights run W8A8 (`moe.w8a8`) or are dequantised for the duration of this call.
     With `moe.fast` (the engine compiles) the elementwise steps run as compiled kernels."""
     T, k = index.shape
     E, n_local = moe.gate.out_features, moe.stop - moe.first
-    partial = n_local < E
-    # this rank's experts -> 0 .. n_local-1, first
-    key = torch.remainder(index.reshape(-1) - moe.first, E) if partial else index.reshape(-1)
-    fast = moe.fast and x.is_cuda
-    act = _fast(_act, partial) if fast else _act
-    combine = _fast(_combine, partial) if fast else _combine
-    # the sum leaves the kernel in fp32 only where fp32 partials are all-reduced; otherwise rounded there (fused)
-    out_dtype = torch.float32 if moe.group is not None and not moe.reduce_in_model_dtype else x.dtype
-    w8a8 = moe.w8a8 and moe.w13_scale is not None and fp8.current_recipe() != "dequant"  # the validators' recipe
-    if w8a8 and not partial and x.is_cuda:
-        # every expert here: the padded layout straight from the routing (route.slot_layout: no sort, no host sync)
-        slot, tile_expert, a_rows = route.slot_layout(key, n_local, k, fp8.GROUP_ROWS)
-        y = fp8.experts_padded(x, k, slot, tile_expert, a_rows, moe.w13, moe.w13_scale, moe.w2, moe.w2_scale, act)
-        return combine(y, weights.reshape(-1), slot, y.shape[0], T, k, out_dtype)
+    key = torch.remainder(index.reshape(-1) - moe.first, E)  # this rank's experts -> 0 .. n_local-1, first
     rows = key.argsort(stable=True)  # (T*k,) into (token, choice) order
     pos = _positions(rows)  # (T*k,): where each (token, choice) pair sits in that order
     ends = torch.searchsorted(key[rows], torch.arange(1, n_local + 1, device=x.device))  # group j: [ends[j-1], ends[j])
+    partial = n_local < E
     if partial:  # expert parallel: one host sync per layer, then only this rank's rows are gathered and computed
         n = int(ends[-1])
         if n == 0:
             return x.new_zeros(T, x.shape[1], dtype=torch.float32)
         rows = rows[:n]
+    fast = moe.fast and x.is_cuda
+    act = _fast(_act, partial) if fast else _act
+    combine = _fast(_combine, partial) if fast else _combine
     n_valid = ends[-1]
-    if w8a8:
+    if moe.w8a8 and moe.w13_scale is not None and fp8.current_recipe() != "dequant":  # the validators' recipe
         y, dest = fp8.experts_w8a8(x, rows, k, ends, moe.w13, moe.w13_scale, moe.w2, moe.w2_scale, act)
         # outputs in a padded layout: route each (token, choice) slot through dest; another rank's slots stay out
         pos = torch.where(pos < n_valid, dest[pos.clamp(max=dest.numel() - 1)], y.shape[0])
         n_valid = y.shape[0]
     else:
         y = _experts(moe, x[rows // k], ends, act)
+    # the sum leaves the kernel in fp32 only where fp32 partials are all-reduced; otherwise rounded there (fused)
+    out_dtype = torch.float32 if moe.group is not None and not moe.reduce_in_model_dtype else x.dtype
     return combine(y, weights.reshape(-1), pos, n_valid, T, k, out_dtype)
 
 
