@@ -1,7 +1,9 @@
 """Random weights of a real model shape, made on the device: for benchmarks and GPU tests (nothing is downloaded).
 
 N(0, 0.02) matrices and norms near 1, as transformers initialises a fresh model. The model is built on the meta
-device and filled in place, so a 30B-parameter bf16 model needs its own size on the GPU and nothing more.
+device and filled in place, so a 30B-parameter bf16 model needs its own size on the GPU and room for its largest
+tensor. Each tensor comes from its own stream and is drawn whole before a rank keeps its slice, so a model is the
+same on one device and split in any tensor/pipeline-parallel layout.
 MoE experts are made stacked (the layout `fuse()` produces). With `fp8_experts` (random:<preset>:fp8) the model is an
 FP8 checkpoint's, computed W8A8 (fp8.fp8_mode, the default): attention, dense-MLP and expert weights float8_e4m3fn
 with per-128x128-block scales. With fp8="dequant" the experts are FP8 dequantised per layer and the other linears
@@ -11,7 +13,8 @@ plain model-dtype weights (what the dequantise forward computes with; a tensor-p
 
 from __future__ import annotations
 
-from typing import Callable
+import zlib
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -25,42 +28,67 @@ FP8_SPREAD = 64.0  # the fp8 payload is N(0, 64) (max 448), its scale 0.02 / 64:
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_experts: bool = False, seed: int = 0,
-                 shard: Callable[[Transformer], None] | None = None, fp8: str | None = None) -> Transformer:
+                 shard: Callable[[Transformer], Mapping[str, tuple[int, int, int]] | None] | None = None,
+                 fp8: str | None = None) -> Transformer:
     """A fused, eval-mode headless model of `cfg`'s shape. `shard(model)` runs on the meta model first (e.g. keep a
-    pipeline stage, apply tensor/expert parallel) so only this rank's part is ever allocated. fp8_experts: an FP8
-    checkpoint's model, run as fp8 says (fp8.fp8_mode: w8a8 or dequant)."""
+    pipeline stage, apply tensor/expert parallel) so only this rank's part is ever allocated; it returns the slices
+    it cut (parallel.tp.apply_tp's plan: name -> (dim, start, stop) of the full tensor), or None. fp8_experts: an
+    FP8 checkpoint's model, run as fp8 says (fp8.fp8_mode: w8a8 or dequant).
+
+    Every tensor is drawn whole from its own stream (seeded by `seed` and its name; each expert of a MoE layer its
+    own), then cut to this rank's slice: the same weights on one device and in any tp x pp layout."""
     device = torch.device(device)
     with torch.device("meta"):
         model = Transformer(cfg).to(dtype)
     w8a8 = fp8_experts and fp8_mode(fp8) == "w8a8"
     if w8a8:
         use_fp8_linears(model, lambda name: True)
-    if shard is not None:
-        shard(model)
-    moes = [b.mlp for b in model.layers.values() if b is not None and isinstance(b.mlp, MoE)]
-    for moe in moes:
-        moe.experts = nn.ModuleDict()  # made stacked below, one layer at a time
+    whole = {name: p.shape for name, p in model.named_parameters()}
+    plan = (shard(model) or {}) if shard is not None else {}
+    moes = {key: b.mlp for key, b in model.layers.items() if b is not None and isinstance(b.mlp, MoE)}
+    for moe in moes.values():
+        moe.experts = nn.ModuleDict()  # made stacked below, one expert at a time
     model = model.to_empty(device=device)
-    g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dtype == FP8:
-                p.copy_(_fp8_payload(p.shape, device, g))
-            elif name.endswith("weight_scale_inv"):
-                p.uniform_(0.9, 1.1, generator=g).mul_(0.02 / FP8_SPREAD)
-            elif name.endswith("norm.weight"):
-                p.normal_(1.0, 0.05, generator=g)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-        for moe in moes:
-            n, f, d = moe.stop - moe.first, cfg.moe_ffn_dim, cfg.dim
+            t = _draw(name, whole[name], p.dtype, device, seed)
+            if name in plan:
+                dim, start, stop = plan[name]
+                t = t.narrow(dim, start, stop - start)
+            p.copy_(t)
+        for key, moe in moes.items():
+            f, d = cfg.moe_ffn_dim, cfg.dim
+            mine = range(moe.first, moe.stop)
             if fp8_experts:
-                moe.set_fp8(*_fp8(n, 2 * f, d, device, g), *_fp8(n, d, f, device, g), w8a8=w8a8)
+                w13, s13 = _fp8_experts(f"layers.{key}.mlp.w13", mine, 2 * f, d, device, seed)
+                w2, s2 = _fp8_experts(f"layers.{key}.mlp.w2", mine, d, f, device, seed)
+                moe.set_fp8(w13, s13, w2, s2, w8a8=w8a8)
             else:
-                moe.w13 = torch.empty(n, 2 * f, d, device=device, dtype=dtype).normal_(0.0, 0.02, generator=g)
-                moe.w2 = torch.empty(n, d, f, device=device, dtype=dtype).normal_(0.0, 0.02, generator=g)
+                moe.w13 = torch.empty(len(mine), 2 * f, d, device=device, dtype=dtype)
+                moe.w2 = torch.empty(len(mine), d, f, device=device, dtype=dtype)
+                for i, j in enumerate(mine):
+                    moe.w13[i].normal_(0.0, 0.02, generator=_stream(device, seed, f"layers.{key}.mlp.w13.{j}"))
+                    moe.w2[i].normal_(0.0, 0.02, generator=_stream(device, seed, f"layers.{key}.mlp.w2.{j}"))
     model.init_rope(device)
     return model.fuse().requires_grad_(False).eval()
+
+
+def _stream(device: torch.device, seed: int, name: str) -> torch.Generator:
+    """The generator of one tensor: seeded by the model's seed and the tensor's name."""
+    return torch.Generator(device=device).manual_seed((seed << 32) | zlib.crc32(name.encode()))
+
+
+def _draw(name: str, shape, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
+    """Tensor `name` of the whole model: FP8 payloads N(0, FP8_SPREAD), block scales 0.02 / FP8_SPREAD within 10%,
+    norms N(1, 0.05), everything else N(0, 0.02)."""
+    g = _stream(device, seed, name)
+    if dtype == FP8:
+        return _fp8_payload(shape, device, g)
+    if name.endswith("weight_scale_inv"):
+        return torch.empty(shape, device=device, dtype=dtype).uniform_(0.9, 1.1, generator=g).mul_(0.02 / FP8_SPREAD)
+    if name.endswith("norm.weight"):
+        return torch.empty(shape, device=device, dtype=dtype).normal_(1.0, 0.05, generator=g)
+    return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, 0.02, generator=g)
 
 
 def _fp8_payload(shape, device, g) -> torch.Tensor:
@@ -68,12 +96,16 @@ def _fp8_payload(shape, device, g) -> torch.Tensor:
     return torch.empty(shape, device=device).normal_(0.0, FP8_SPREAD, generator=g).clamp_(-448, 448).to(FP8)
 
 
-def _fp8(n: int, rows: int, cols: int, device, g) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, rows, cols) float8_e4m3fn and its (n, ceil(rows/128), ceil(cols/128)) fp32 weight_scale_inv."""
-    w = torch.empty(n, rows, cols, device=device, dtype=FP8)
-    for j in range(n):  # one expert at a time: the fp32 draw stays small
-        w[j] = _fp8_payload((rows, cols), device, g)
-    s = torch.empty(n, -(-rows // 128), -(-cols // 128), device=device).uniform_(0.9, 1.1, generator=g)
+def _fp8_experts(name: str, experts: range, rows: int, cols: int, device,
+                 seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts `experts` of a stacked FP8 weight: (n, rows, cols) float8_e4m3fn and its (n, ceil(rows/128),
+    ceil(cols/128)) fp32 weight_scale_inv, each expert from its own stream."""
+    w = torch.empty(len(experts), rows, cols, device=device, dtype=FP8)
+    s = torch.empty(len(experts), -(-rows // 128), -(-cols // 128), device=device)
+    for i, j in enumerate(experts):  # one expert at a time: the fp32 draw stays small
+        g = _stream(device, seed, f"{name}.{j}")
+        w[i] = _fp8_payload((rows, cols), device, g)
+        s[i].uniform_(0.9, 1.1, generator=g)
     return w, s * (0.02 / FP8_SPREAD)
 
 

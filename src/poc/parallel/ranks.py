@@ -191,7 +191,7 @@ class Rank:
 
             def shard(m):
                 keep_stage(m, self.stage, L.pp)
-                apply_tp(m, self.tp_rank, L.tp, self.tp_group)
+                return apply_tp(m, self.tp_rank, L.tp, self.tp_group)  # the slices, cut from the whole tensors
 
             model = random_model(mcfg, resolve_dtype(dtype, mcfg), self.device, fp8_experts=fp8, shard=shard)
         mdtype = next(model.parameters()).dtype
