@@ -164,16 +164,26 @@ async def error_middleware(request: web.Request, handler):
     except InputError as e:
         metrics.error(_ERROR_KIND.get(e.status, "bad_input"))
         log.info("%s %s -> %d: %s", request.method, request.path, e.status, e.message)
-        return web.json_response(e.to_json(), status=e.status)
+        return _closing_if_unread(request, web.json_response(e.to_json(), status=e.status))
     except web.HTTPException as e:
         if e.status < 400:
             raise
         metrics.error(_ERROR_KIND.get(e.status, "http"))
         headers = {k: v for k, v in e.headers.items() if k.lower() == "allow"}
-        return web.json_response({"error": e.reason, "field": None}, status=e.status, headers=headers)
+        return _closing_if_unread(request, web.json_response({"error": e.reason, "field": None}, status=e.status,
+                                                             headers=headers))
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception as e:
         metrics.error("internal")
         log.warning("%s %s failed %s", request.method, request.path, describe(e))
         return web.json_response({"error": str(e), "error_type": type(e).__name__, "field": None}, status=500)
+
+
+def _closing_if_unread(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+    """An error answered before the request body was read (a 413 over the size limit, a 408): the rest of the body
+    is still on the socket, so the server will not keep this connection. Say so (Connection: close), or a client
+    that reuses it for its next request meets a reset."""
+    if request.body_exists and not request.content.is_eof():
+        resp.force_close()
+    return resp
