@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,27 +61,42 @@ def v1_params(w: dict) -> dict:
     return w.get("v1_params") or PARAMS_V2.to_json()
 
 
-def one_run(w: dict, mode: str, cache: Path, device: str, log: Path, timeout: float) -> dict:
+@contextmanager
+def started_server(args: list[str], log: Path, timeout: float, env: dict | None = None) -> Iterator[tuple[int, float]]:
+    """model_server.py with args (plus --port) on a free loopback port, its output in log: yields (port, start-up
+    seconds) once its readiness line is out, and stops it (SIGTERM, then kill) on exit."""
     port = free_port()
-    v1 = w["model"] is None
-    shape = (json.dumps([{"batch_size": w["batch"], "params": v1_params(w), "dtype": w["dtype"]}]) if v1 else
-             f"v2:{w['batch']}:{w['seq_len']}")
-    args = [sys.executable, "-u", str(ROOT / "model_server.py"), "--port", str(port), "--device", device,
-            "--spool-dir", str(cache.parent / "spool"),
-            "--compile-at-start", shape if mode in ("compile_at_start", "warm_cache_cas") else ""]
-    if not v1:
-        args += ["--model", w["model"], "--dtype", w["dtype"]]
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
-           "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-u", str(ROOT / "model_server.py"), "--port", str(port), *args]
     t0 = time.monotonic()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=ROOT)
     try:
         while READY not in log.read_text(errors="replace"):
             if proc.poll() is not None or time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"server did not start ({mode}):\n{log.read_text(errors='replace')[-3000:]}")
+                raise RuntimeError(f"server did not start ({shlex.join(args)}):\n"
+                                   f"{log.read_text(errors='replace')[-3000:]}")
             time.sleep(0.05)
-        startup = time.monotonic() - t0
+        yield port, time.monotonic() - t0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def one_run(w: dict, mode: str, cache: Path, device: str, log: Path, timeout: float) -> dict:
+    v1 = w["model"] is None
+    shape = (json.dumps([{"batch_size": w["batch"], "params": v1_params(w), "dtype": w["dtype"]}]) if v1 else
+             f"v2:{w['batch']}:{w['seq_len']}")
+    args = ["--device", device, "--spool-dir", str(cache.parent / "spool"),
+            "--compile-at-start", shape if mode in ("compile_at_start", "warm_cache_cas") else ""]
+    if not v1:
+        args += ["--model", w["model"], "--dtype", w["dtype"]]
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
+    with started_server(args, log, timeout, env) as (port, startup):
         body = {"block_hash": f"first-result-{mode}", "block_height": 1, "public_key": "bench",
                 "batch_size": w["batch"], "max_nonces": 3 * w["batch"]}
         if v1:  # r_target 2.0: every nonce is reported, so every batch has its line
@@ -103,13 +120,6 @@ def one_run(w: dict, mode: str, cache: Path, device: str, log: Path, timeout: fl
         return {"mode": mode, "startup_s": round(startup, 2), "first_result_s": round(first, 3),
                 "job_s": round(total, 3), "nonces": done["computed"], "compile_at_start": mode.endswith(("start", "cas")),
                 "warm_log": [x for x in log.read_text(errors="replace").splitlines() if "compile at start:" in x]}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from first_result import READY, WORKLOADS, free_port  # noqa: E402
+from first_result import WORKLOADS, started_server  # noqa: E402
 
 from poc.protocol import v2  # noqa: E402
 
@@ -46,20 +43,7 @@ LAYOUTS = {"one": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "rep2": ["--re
 def run_server(args: list[str], body: dict, log: Path, timeout: float, keep_below: int) -> dict:
     """Start model_server.py with args, run one /generate job, stop the server: start-up seconds, the batch lines'
     arrival times and sizes, and the v2 vectors of nonces below keep_below."""
-    port = free_port()
-    cmd = [sys.executable, "-u", str(ROOT / "model_server.py"), "--port", str(port),
-           "--spool-dir", str(log.parent / f"spool-{port}"), *args]
-    t0 = time.monotonic()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                cwd=ROOT)
-    try:
-        while READY not in log.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"server did not start ({shlex.join(args)}):\n"
-                                   f"{log.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.1)
-        startup = time.monotonic() - t0
+    with started_server([*args, "--spool-dir", str(log.parent / f"spool-{log.stem}")], log, timeout) as (port, t_up):
         req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         times, sizes, vectors, done = [], [], {}, {}
@@ -79,15 +63,8 @@ def run_server(args: list[str], body: dict, log: Path, timeout: float, keep_belo
                     done = line
         if done.get("reason") != "max_nonces":
             raise RuntimeError(f"job ended {done} ({shlex.join(args)}):\n{log.read_text(errors='replace')[-3000:]}")
-        return {"startup_s": round(startup, 2), "job_s": round(time.monotonic() - t_req, 2), "times": times,
+        return {"startup_s": round(t_up, 2), "job_s": round(time.monotonic() - t_req, 2), "times": times,
                 "sizes": sizes, "vectors": vectors, "computed": done.get("computed")}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def rate(run: dict, warm: int) -> float:
@@ -185,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
             for name, extra in (("v1_one", []), ("v1_rep2", ["--replicas", "2"])):
                 groups = 2 if extra else 1
                 body = {"block_hash": "serve-layouts", "block_height": 1, "public_key": "bench", "r_target": 2.0,
-                        "start_nonce": 0, "batch_size": v1_batch, "dtype": "float16" if a.v1 == "mainnet" else "float32",
+                        "start_nonce": 0, "batch_size": v1_batch,
+                        "dtype": "float16" if a.v1 == "mainnet" else "float32",
                         "params": params, "max_nonces": (a.warm + a.timed * groups) * v1_batch}
                 r = run_server(["--device", a.device, *extra], body, Path(tmp) / f"{name}.log", a.timeout, 0)
                 r.pop("vectors")
