@@ -66,6 +66,8 @@ async def test_faulty_orchestrator_every_batch_acknowledged_exactly_once(aiohttp
         client, lines = await start_session(aiohttp_client, tmp_path, orch, {"batch_size": 10})
         await lines.wait(status("range_complete"), 30)
         await wait_until(lambda: len(orch.accepted) >= 30 and orch.restarts == 1, 30, "all 30 results accepted")
+        # a heartbeat got through (each 0.3 s; a fast run can finish while the faults and the restart eat every one)
+        await wait_until(lambda: orch.heartbeats, 30, "a heartbeat accepted")
         orch.commands.append({"type": "shutdown"})
         await lines.wait(status("shutdown"), 30)
         out = await lines.finish()
