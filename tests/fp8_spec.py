@@ -45,8 +45,9 @@ def _deq(w, s):
     return w.float() * s.float().repeat_interleave(128, 0)[:R].repeat_interleave(128, 1)[:, :C]
 
 
-def emu_experts(x, rows, k, ends, w13, s13, w2, s2, act):
-    """The spec's MoE experts: each routed token quantised, w13, SwiGLU, quantised again, w2; rows in expert order."""
+def emu_experts(x, rows, k, ends, w13, s13, w2, s2, act, xq=None):
+    """The spec's MoE experts: each routed token quantised, w13, SwiGLU, quantised again, w2; rows in expert order.
+    (xq, the served path's quantised copy of x, is not read: the emulation quantises x itself.)"""
     out = torch.zeros(rows.numel(), x.shape[1], dtype=x.dtype)
     start = 0
     for j, stop in enumerate(ends.tolist()):

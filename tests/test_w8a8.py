@@ -257,6 +257,113 @@ def test_w8a8_forward_equals_the_spec_emulation(name, ckpts, monkeypatch):
     assert 1e-4 < rel < 0.5, rel
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_norm_quant_hands_the_fp8_readers_their_input_quantised(name, ckpts, monkeypatch):
+    """fp8.norm_quant gives q|k|v, gate|up and the W8A8 experts their input already quantised: on CUDA the residual
+    add, the RMSNorm and the quantiser run as one kernel (the CUDA test below checks its bits). On the CPU its
+    stand-in composes the unfused ops, so this checks the plumbing: a bf16 model computes the same bits with it on
+    as off (all positions or the last, with and without reflections, compiled too), the residual and the router's
+    16-bit input included, and with it on the readers' own quantiser runs two times fewer per layer."""
+    from poc.model.compile import maybe_compile
+    from poc.model.transformer import Transformer
+
+    model, cfg = load_model(ckpts[name], dtype=torch.bfloat16, progress=False)
+    model.fuse()
+    x, vs = X.bfloat16(), VS[:cfg.n_layers].bfloat16()
+    calls = []
+    quantize_act = fp8.quantize_act
+    monkeypatch.setattr(fp8, "quantize_act", lambda *a, **kw: calls.append(1) or quantize_act(*a, **kw))
+
+    def run(step=None):
+        n = len(calls)
+        outs = [model(x, reflections=vs, last_only=False, step=step), model(x, reflections=vs, step=step),
+                model(x, last_only=False, step=step)]
+        return outs, len(calls) - n
+
+    off, n_off = run()
+    monkeypatch.setattr(fp8, "FUSED_NORM_ON_CPU", True)
+    on, n_on = run()
+    assert n_off - n_on == 3 * 2 * cfg.n_layers
+    for a, b in zip(off, on):
+        assert torch.equal(a, b)
+    assert not torch.equal(off[0], off[2])  # the reflections count
+    torch._dynamo.reset()
+    compiled, _ = run(maybe_compile(Transformer.layer_step, True))
+    for a, b in zip(off, compiled):
+        assert torch.equal(a, b)
+    # not quantised where the norm has a 16-bit reader only, or under another recipe
+    with fp8.recipe("dequant"):
+        r, h = fp8.norm_quant(model.norm, x)
+    assert r is None and torch.equal(h, model.norm(x))
+    r, h = fp8.norm_quant(model.norm, x, residual=x, keep=True)
+    assert torch.equal(r, x + x) and torch.equal(h.x, model.norm(x + x)) and h.shape == x.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernel)")
+@pytest.mark.parametrize("dtype,D,M", [(torch.bfloat16, 2048, 3000), (torch.bfloat16, 640, 37),
+                                       (torch.float16, 2048, 999)])
+def test_cuda_norm_quant_kernel_gives_the_unfused_bits(dtype, D, M):
+    """fp8_triton.rmsnorm_quant (residual add, RMSNorm, quantiser in one pass) against the unfused ops on CUDA: the
+    residual add, the model's RMSNorm and quantize_act in eager torch. r, y, q and s bit for bit, in every tile
+    config and as autotuned, on rows the norm or the quantiser can get wrong: a zero row, tiny and huge rows, a
+    row whose normed values sit on FP8 rounding ties, a width that is not a power of two."""
+    from poc.model import fp8_triton
+    from poc.model.transformer import RMSNorm
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    norm = RMSNorm(D, 1e-6).cuda().to(dtype)
+    norm.weight.data = (torch.randn(D, device="cuda", generator=g) * 0.3 + 1).to(dtype)
+    x = (torch.randn(M, D, device="cuda", generator=g) * 2).to(dtype)
+    x[0] = 0
+    x[1] *= 1e-3
+    x[2] = x[2] * 100
+    x[3, :] = 1  # (without the residual) every value normalises to 1 times the weight: FP8 ties are likely
+    x[4, 7] = 2000  # an outlier in the first group
+    res = (torch.randn(M, D, device="cuda", generator=g) * 4).to(dtype)
+    res[0] = 0
+    for residual, keep in ((None, False), (res, True), (res, False)):
+        rr = x if residual is None else residual + x
+        yy = norm(rr)
+        wq, ws = fp8.quantize_act(yy)
+        for cfg in [None, *fp8_triton.NORM_CONFIGS]:
+            r, y, q, s = fp8_triton.rmsnorm_quant(x, residual, norm.weight, norm.eps, keep, ld_align=fp8.LD_ALIGN,
+                                                  config=cfg)
+            s = s[:, :M].t()
+            what = (D, residual is not None, keep, cfg)
+            assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)), what
+            assert torch.equal(s, ws), what
+            assert torch.equal(r, rr) if residual is not None else r.numel() == 0, what
+            assert torch.equal(y, yy) if keep else y.numel() == 0, what
+    assert wq.float().abs().amax() == 448 and not wq[0].float().any() and (wq[3].float() != 0).float().mean() > 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels)")
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_cuda_models_compute_the_same_bits_with_the_fused_norm(name, ckpts, monkeypatch):
+    """A bf16 W8A8 model on CUDA, eager and compiled: the same bits with the norm and the quantiser fused
+    (the default) as with POC_FP8_FUSED_NORM=0."""
+    from poc.model.compile import maybe_compile
+    from poc.model.transformer import Transformer
+
+    model, cfg = load_model(ckpts[name], dtype=torch.bfloat16, device="cuda", progress=False)
+    model.fuse()
+    x, vs = X.bfloat16().cuda(), VS[:cfg.n_layers].bfloat16().cuda()
+    step = maybe_compile(Transformer.layer_step, True)
+    torch._dynamo.reset()
+    outs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(fp8, "FUSED_NORM", fused)
+        outs[fused] = [model(x, reflections=vs, last_only=False), model(x, reflections=vs),
+                       model(x, reflections=vs, last_only=False, step=step)]
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.equal(a, b)
+    assert outs[True][0].abs().amax() > 0
+
+
 def test_fp8_mode_and_recipe_errors(monkeypatch):
     assert fp8.fp8_mode() == "w8a8" and fp8.fp8_mode("dequant") == "dequant"
     monkeypatch.setenv("POC_FP8", "dequant")

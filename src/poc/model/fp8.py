@@ -24,6 +24,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -170,6 +171,61 @@ def _dequantize_blocks(w: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tens
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# a norm and the quantiser of the FP8 linear that reads it, in one pass
+
+
+class Quantized(NamedTuple):
+    """An activation handed to its FP8 consumers already quantised (norm_quant): q (M, K) float8 and s (M, K/128)
+    float32, quantize_act's layout and bits; the activation's shape (..., K) and dtype; and the 16-bit activation
+    itself where a caller still reads it (the MoE router), else None. Fp8Linear and experts_w8a8 take it for x."""
+    q: Tensor
+    s: Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    x: Tensor | None
+
+
+FUSED_NORM = os.environ.get("POC_FP8_FUSED_NORM", "1") != "0"  # 0: the norm and the quantiser as two passes
+FUSED_NORM_ON_CPU = False  # tests run the fused path's plumbing on the CPU (the composition stands in)
+
+
+@torch.compiler.disable  # a Triton kernel, and a recipe read at run time: outside any compiled graph
+def norm_quant(norm: nn.Module, x: Tensor, residual: Tensor | None = None,
+               keep: bool = False) -> tuple[Tensor | None, Tensor | Quantized]:
+    """(r, h) for a norm whose output only FP8 linears read (keep: and a 16-bit reader too): r = residual + x
+    rounded to x's dtype (None without a residual), h = norm(r). Where the fused kernel applies (CUDA, the fast
+    recipe, 16-bit rows of whole 128-groups) h is Quantized: one pass reads x (and the residual) and writes r, the
+    quantised norm and with keep the norm itself; its q and s are bit for bit quantize_act(norm(r))
+    (tests/test_w8a8.py on CUDA). Elsewhere h is the norm, a tensor its readers quantise themselves.
+    `norm` is the model's RMSNorm (its weight, eps and formula: transformer.rms_norm)."""
+    if not _fused_norm_ok(x, residual):
+        if residual is None:
+            return None, norm(x)
+        r = residual + x if residual.dtype == x.dtype else (residual.float() + x.float()).to(residual.dtype)
+        return r, norm(r)
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    if x.is_cuda:
+        r, y, q, s = _triton().rmsnorm_quant(x2, None if residual is None else residual.reshape(-1, D), norm.weight,
+                                             norm.eps, keep, ld_align=LD_ALIGN)
+        s = s[:, :x2.shape[0]].t()
+    else:  # the CPU stand-in of the tests: the same numbers by the unfused ops
+        r = x2 if residual is None else residual.reshape(-1, D) + x2
+        y = norm(r)
+        q, s = quantize_act_torch(y)
+    h = Quantized(q, s, x.shape, x.dtype, y.view(x.shape) if keep else None)
+    return (None if residual is None else r.view(x.shape)), h
+
+
+def _fused_norm_ok(x: Tensor, residual: Tensor | None) -> bool:
+    if not FUSED_NORM or _RECIPE[0] != "fast" or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if x.shape[-1] % GROUP or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape)):
+        return False
+    return _triton() is not None if x.is_cuda else FUSED_NORM_ON_CPU
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # block-scaled GEMMs
 
 
@@ -257,16 +313,19 @@ def fp8_grouped_mm(q: Tensor, s: Tensor, w: Tensor, w_scale: Tensor, ends: Seque
     return out
 
 
-def linear(x: Tensor, weight: Tensor, scale_inv: Tensor, bias: Tensor | None = None,
+def linear(x: Tensor | Quantized, weight: Tensor, scale_inv: Tensor, bias: Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> Tensor:
-    """The W8A8 linear: x (..., K) quantised per token group, times the FP8 weight (N, K); out_dtype defaults to
-    x's. A bias is added in float32 before the one rounding."""
+    """The W8A8 linear: x (..., K) quantised per token group (or given Quantized), times the FP8 weight (N, K);
+    out_dtype defaults to x's. A bias is added in float32 before the one rounding."""
     out_dtype = out_dtype or x.dtype
-    if _RECIPE[0] == "dequant":
+    lead = x.shape[:-1]
+    if isinstance(x, Quantized):  # quantised by norm_quant already
+        q, s = x.q, x.s
+    elif _RECIPE[0] == "dequant":
         y = F.linear(x, dequantize_blocks(weight, scale_inv, x.dtype), bias)
         return y if y.dtype == out_dtype else y.to(out_dtype)
-    lead, K = x.shape[:-1], x.shape[-1]
-    q, s = quantize_act(x.reshape(-1, K))
+    else:
+        q, s = quantize_act(x.reshape(-1, x.shape[-1]))
     if bias is None:
         y = fp8_mm(q, s, weight, scale_inv, out_dtype)
     else:
@@ -299,7 +358,7 @@ class Fp8Linear(nn.Module):
         return cls(lin.in_features, lin.out_features, b is not None, None if b is None else b.dtype, lin.weight.device)
 
     @torch.compiler.disable  # a Triton kernel and a cuBLAS call: a compiled graph around them must not re-lower them
-    def forward(self, x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+    def forward(self, x: Tensor | Quantized, out_dtype: torch.dtype | None = None) -> Tensor:
         return linear(x, self.weight, self.weight_scale_inv, self.bias, out_dtype)
 
     @staticmethod
@@ -363,7 +422,7 @@ GROUP_ROWS = 128  # the padded expert-group layout of experts_w8a8: each expert'
 
 
 def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13: Tensor, w2: Tensor, s2: Tensor,
-                 act: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+                 act: Callable[[Tensor], Tensor], xq: Quantized | None = None) -> tuple[Tensor, Tensor]:
     """The routed expert outputs (N, D) in the model dtype, as the fork's fused MoE computes them: each routed copy
     of a token's hidden state quantised per group (per row: the same numbers as quantising the token once), the w13
     FP8 GEMM, SwiGLU in the model dtype, quantised again, the w2 FP8 GEMM. rows: the (token, choice) pairs in expert
@@ -376,7 +435,7 @@ def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
     a GEMM tile never spans two experts: on CUDA one kernel per GEMM covers every expert (no host sync, no
     per-expert launch), the first with act and the re-quantisation in its epilogue (the same bits as act and
     quantize_act after it, tests/test_w8a8.py on CUDA): fp8_gluon's on Hopper, fp8_triton's elsewhere; on the CPU
-    one block-scaled GEMM per expert, then act, then the quantiser."""
+    one block-scaled GEMM per expert, then act, then the quantiser. xq: x already quantised (norm_quant)."""
     dest, tile_expert, a_rows = padded_layout(rows, k, ends)
     kern = _triton() if x.is_cuda and _RECIPE[0] == "fast" else None
     glu = _gluon(x.device) if kern is not None else None
@@ -389,11 +448,11 @@ def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
             q, s = kern.quantize_scatter(x, slots.view(-1, k), a_rows)
             aq, as_ = glu.w13_swiglu_quant(q, s, w13, s13, tile_expert, x.dtype)
         else:
-            qt, st = quantize_act(x)
+            qt, st = (xq.q, xq.s) if xq is not None else quantize_act(x)
             aq, as_ = glu.w13_swiglu_quant(qt, st.t(), w13, s13, tile_expert, x.dtype, a_rows)
         return glu.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype), dest
     # each token quantised once (the quantisation is per row); its routed copies are rows of that
-    qt, st = quantize_act(x)
+    qt, st = (xq.q, xq.s) if xq is not None else quantize_act(x)
     if kern is not None and w13.shape[2] % GROUP == 0 and w2.shape[2] % GROUP == 0:
         # w13, SwiGLU (act's arithmetic) and the re-quantisation in one kernel; the gather is in its loads
         aq, as_ = kern.w13_swiglu_quant(qt, col_major(st), w13, s13, tile_expert, x.dtype, a_rows,

@@ -98,6 +98,75 @@ def quantize(x: torch.Tensor, width: int, *, ld_align: int) -> tuple[torch.Tenso
     return q, s[:, :M].t()
 
 
+NORM_CONFIGS = [triton.Config({"ROWS": r}, num_warps=w) for r, w in ((1, 4), (2, 8), (4, 8))]
+
+
+def _norm_configs_that_fit(configs, nargs, **kw):
+    """The configs that hold at most 64 values of the tile per thread (sm_90 builds of more spill registers)."""
+    block = kw.get("BLOCK_D") or nargs.get("BLOCK_D")
+    fit = [c for c in configs if block is None or c.kwargs["ROWS"] * block <= 64 * 32 * c.num_warps]
+    return fit or configs[:1]
+
+
+# rows are independent: every config computes the same bits
+@triton.autotune(configs=NORM_CONFIGS, key=["D", "RES", "KEEP"],
+                 prune_configs_by={"early_config_prune": _norm_configs_that_fit})
+@triton.jit
+def fp8_rmsnorm_quant(x_ptr, res_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, M, eps, stride_sg, D: tl.constexpr,
+                      RES: tl.constexpr, KEEP: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """ROWS whole rows: (with RES) r = res + x rounded to x's dtype and stored; y = RMSNorm(r) as
+    transformer.rms_norm rounds it (the squares summed exactly in float64, rounded to float32, IEEE division by D,
+    + eps, rsqrt, the product rounded to the model dtype, times the weight rounded again), stored only with KEEP;
+    then y quantised per BLOCK (128) columns as fp8_act_quant does (_quant_groups: the same bits)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    live = rows < M
+    mask = live[:, None] & (cols[None, :] < D)
+    off = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + off, mask=mask, other=0.0)
+    if RES:
+        x = (tl.load(res_ptr + off, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(r_ptr + off, x, mask=mask)
+    xf = x.to(tl.float32)
+    ss = tl.sum((xf * xf).to(tl.float64), axis=1).to(tl.float32)  # exact: squares of 16-bit values
+    rstd = libdevice.rsqrt(tl.math.div_rn(ss, tl.full(ss.shape, D, tl.float32)) + eps)  # torch's rsqrt: rsqrtf
+    y = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
+    y = (y.to(tl.float32) * w.to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
+    if KEEP:
+        tl.store(y_ptr + off, y, mask=mask)
+    q, s = _quant_groups(tl.reshape(y.to(tl.float32), (ROWS * (BLOCK_D // BLOCK), BLOCK)), True)
+    tl.store(q_ptr + off, tl.reshape(q, (ROWS, BLOCK_D)).to(q_ptr.dtype.element_ty), mask=mask)
+    g = tl.arange(0, BLOCK_D // BLOCK)
+    tl.store(s_ptr + g[None, :] * stride_sg + rows[:, None], tl.reshape(s, (ROWS, BLOCK_D // BLOCK)),
+             mask=live[:, None] & (g[None, :] * BLOCK < D))
+
+
+def rmsnorm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, keep: bool, *,
+                  ld_align: int, config: triton.Config | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, D) 16-bit, D a multiple of 128 -> (r, y, q, s): r = residual + x (empty without a residual), y its
+    RMSNorm (empty unless keep), q (M, D) float8 and s (D/128, M padded to ld_align) float32 row-major: y quantised
+    as `quantize` quantises it (s[:, :M].t() is its column-major scale operand). The tile config is autotuned per
+    (D, residual, keep); config: one of NORM_CONFIGS instead (the tests run each)."""
+    M, D = x.shape
+    if D % GROUP or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"rmsnorm_quant takes 16-bit rows of whole {GROUP}-column groups, got {x.dtype} {D}")
+    x = x.contiguous()
+    r = torch.empty_like(x) if residual is not None else x.new_empty(0)
+    y = torch.empty_like(x) if keep else x.new_empty(0)
+    q = torch.empty((M, D), dtype=FP8, device=x.device)
+    s = torch.empty((D // GROUP, triton.cdiv(M, ld_align) * ld_align), dtype=torch.float32, device=x.device)
+    if M:
+        kern, meta = (fp8_rmsnorm_quant, {}) if config is None else (fp8_rmsnorm_quant.fn, config.all_kwargs())
+        kern[lambda m: (triton.cdiv(M, m["ROWS"]), )](
+            x, x if residual is None else residual.contiguous(), weight, r, y, q, s, M, eps, s.stride(0), D=D,
+            RES=residual is not None, KEEP=keep, BLOCK_D=triton.next_power_of_2(D), BLOCK=GROUP,
+            enable_fp_fusion=False, **meta)  # no sum of products to contract here
+    return r, y, q, s
+
+
 @triton.jit
 def fp8_act_quant_scatter(x_ptr, q_ptr, s_ptr, dest_ptr, M, K, stride_xm, stride_qm, stride_sg, KSEL: tl.constexpr,
                           ROWS: tl.constexpr, BLOCK: tl.constexpr):

@@ -27,10 +27,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # normalise in fp32, round to the input dtype, then scale in the model dtype (HF and the v1 reference agree)
-        y = x.float()
-        y = y * torch.rsqrt(sum_exact(y.pow(2)) / y.shape[-1] + self.eps)
-        return _mul(y.to(x.dtype), self.weight)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Normalise in fp32, round to the input dtype, then scale in the model dtype (HF and the v1 reference agree)."""
+    y = x.float()
+    y = y * torch.rsqrt(sum_exact(y.pow(2)) / y.shape[-1] + eps)
+    return _mul(y.to(x.dtype), weight)
 
 
 def sum_exact(t: Tensor) -> Tensor:
@@ -133,22 +137,27 @@ class Attention(nn.Module):
                 qkv.bias.copy_(torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
         self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = qkv, None, None, None
 
-    def _project(self, x: Tensor, last_only: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def reads_fp8(self) -> bool:
+        """Whether only an FP8 linear reads this block's input (the fused q|k|v): it may come quantised."""
+        return isinstance(self.qkv_proj, Fp8Linear)
+
+    def _project(self, x: Tensor | fp8.Quantized, last_only: bool) -> tuple[Tensor, Tensor, Tensor]:
+        q_dim = self.n_heads * self.head_dim
+        if self.qkv_proj is not None and (not last_only or isinstance(self.qkv_proj, Fp8Linear)):
+            q, k, v = _split3(self.qkv_proj(x), q_dim)  # FP8: every row's q, the last one kept
+            return (q[:, -1:] if last_only else q), k, v
         xq = x[:, -1:] if last_only else x  # the last layer of a last-position pass needs one query
         if self.qkv_proj is None:
             return self.q_proj(xq), self.k_proj(x), self.v_proj(x)
-        q_dim = self.n_heads * self.head_dim
         w, b = self.qkv_proj.weight, self.qkv_proj.bias
-        if not last_only or isinstance(self.qkv_proj, Fp8Linear):  # FP8: every row's q, the last one kept
-            q, k, v = _split3(self.qkv_proj(x), q_dim)
-            return (q[:, -1:] if last_only else q), k, v
         q = F.linear(xq, w[:q_dim], None if b is None else b[:q_dim])
         kv = F.linear(x, w[q_dim:], None if b is None else b[q_dim:])
         k, v = kv.chunk(2, dim=-1)
         return q, k, v
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, last_only: bool = False) -> Tensor:
-        """Causal self-attention; with last_only, only the last position's output (B, 1, D) is computed."""
+    def forward(self, x: Tensor | fp8.Quantized, cos: Tensor, sin: Tensor, last_only: bool = False) -> Tensor:
+        """Causal self-attention; with last_only, only the last position's output (B, 1, D) is computed. x may come
+        quantised when reads_fp8()."""
         B, S, _ = x.shape
         q, k, v = self._project(x, last_only)
         Sq = q.shape[1]
@@ -208,7 +217,11 @@ class MLP(nn.Module):
             gu.weight.copy_(torch.cat([g, u]))
         self.gate_up_proj, self.gate_proj, self.up_proj = gu, None, None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def reads_fp8(self) -> bool:
+        """Whether only an FP8 linear reads this block's input (the fused gate|up): it may come quantised."""
+        return isinstance(self.gate_up_proj, Fp8Linear)
+
+    def forward(self, x: Tensor | fp8.Quantized) -> Tensor:
         if self.gate_up_proj is not None:
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
@@ -264,7 +277,15 @@ class MoE(nn.Module):
         self.w8a8 = w8a8
         self.experts = nn.ModuleDict()
 
-    def forward(self, x: Tensor) -> Tensor:
+    def reads_fp8(self) -> bool:
+        """Whether FP8 GEMMs read this block's input (the W8A8 experts; the router reads it in 16 bits too): it
+        may come Quantized with the 16-bit activation kept."""
+        return self.w8a8 and self.w13_scale is not None
+
+    def forward(self, x: Tensor | fp8.Quantized) -> Tensor:
+        xq = None
+        if isinstance(x, fp8.Quantized):  # norm_quant's, keeping the 16-bit form for the router
+            xq, x = x, x.x
         B, S, D = x.shape
         x = x.reshape(B * S, D)  # (B, S, D) -> (T, D)
         # as transformers: softmax in fp32, top-k, renormalise in fp32, weights rounded to the model dtype
@@ -276,7 +297,7 @@ class MoE(nn.Module):
         if self.w13 is None:
             out = _dispatch_modules(self, x, weights, experts)
         else:
-            out = _dispatch_stacked(self, x, weights, experts)
+            out = _dispatch_stacked(self, x, weights, experts, xq)
         if self.group is not None:  # each rank summed its own experts' terms: add the fp32 partials, round once
             if self.reduce_in_model_dtype:  # or round each rank's partial and add those (half the bytes)
                 out = out.to(x.dtype)
@@ -323,13 +344,14 @@ def _dispatch_modules(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Te
 
 
 @torch.compiler.disable
-def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Tensor:
+def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor, xq: fp8.Quantized | None = None) -> Tensor:
     """As _dispatch_modules over the stacked experts: the (token, choice) pairs are sorted so that this rank's
     experts come first, in expert order, and one grouped GEMM per projection (torch._grouped_mm on CUDA; elsewhere
     one GEMM chain per expert) covers exactly those rows. With every expert here all shapes are static (no host
     sync: rows past the last group get weight zero); under expert parallel one host sync per layer sizes the
     gather to this rank's rows. FP8 weights run W8A8 (`moe.w8a8`) or are dequantised for the duration of this call.
-    With `moe.fast` (the engine compiles) the elementwise steps run as compiled kernels."""
+    With `moe.fast` (the engine compiles) the elementwise steps run as compiled kernels. xq: x quantised already
+    (norm_quant), for the W8A8 experts."""
     T, k = index.shape
     E, n_local = moe.gate.out_features, moe.stop - moe.first
     key = torch.remainder(index.reshape(-1) - moe.first, E)  # this rank's experts -> 0 .. n_local-1, first
@@ -347,7 +369,7 @@ def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Te
     combine = _fast(_combine, partial) if fast else _combine
     n_valid = ends[-1]
     if moe.w8a8 and moe.w13_scale is not None and fp8.current_recipe() != "dequant":  # the validators' recipe
-        y, dest = fp8.experts_w8a8(x, rows, k, ends, moe.w13, moe.w13_scale, moe.w2, moe.w2_scale, act)
+        y, dest = fp8.experts_w8a8(x, rows, k, ends, moe.w13, moe.w13_scale, moe.w2, moe.w2_scale, act, xq)
         # outputs in a padded layout: route each (token, choice) slot through dest; another rank's slots stay out
         pos = torch.where(pos < n_valid, dest[pos.clamp(max=dest.numel() - 1)], y.shape[0])
         n_valid = y.shape[0]
@@ -449,9 +471,17 @@ class Block(nn.Module):
 
         last_only: compute only the last position (B, 1, D) (keys and values still see every position)."""
         res = x[:, -1:] if last_only else x
-        r = _add(res, self.self_attn(self.input_layernorm(x), cos, sin, last_only))
-        a = self.mlp(self.post_attention_layernorm(r))
-        return a, r
+        if self.self_attn.reads_fp8():  # the norm and the projections' quantiser in one pass, where it applies
+            h = fp8.norm_quant(self.input_layernorm, x)[1]
+        else:
+            h = self.input_layernorm(x)
+        y = self.self_attn(h, cos, sin, last_only)
+        if self.mlp.reads_fp8():  # the residual add, the norm and the quantiser in one pass, where it applies
+            r, h = fp8.norm_quant(self.post_attention_layernorm, y, residual=res, keep=isinstance(self.mlp, MoE))
+        else:
+            r = _add(res, y)
+            h = self.post_attention_layernorm(r)
+        return self.mlp(h), r
 
 
 class Transformer(nn.Module):
