@@ -281,6 +281,7 @@ def test_norm_quant_hands_the_fp8_readers_their_input_quantised(name, ckpts, mon
                 model(x, last_only=False, step=step)]
         return outs, len(calls) - n
 
+    monkeypatch.setattr(fp8, "FUSED_NORM", True)
     off, n_off = run()
     monkeypatch.setattr(fp8, "FUSED_NORM_ON_CPU", True)
     on, n_on = run()
@@ -292,12 +293,14 @@ def test_norm_quant_hands_the_fp8_readers_their_input_quantised(name, ckpts, mon
     compiled, _ = run(maybe_compile(Transformer.layer_step, True))
     for a, b in zip(off, compiled):
         assert torch.equal(a, b)
-    # not quantised where the norm has a 16-bit reader only, or under another recipe
+    # not quantised under another recipe, or with the fused norm off
     with fp8.recipe("dequant"):
         r, h = fp8.norm_quant(model.norm, x)
     assert r is None and torch.equal(h, model.norm(x))
     r, h = fp8.norm_quant(model.norm, x, residual=x, keep=True)
     assert torch.equal(r, x + x) and torch.equal(h.x, model.norm(x + x)) and h.shape == x.shape
+    monkeypatch.setattr(fp8, "FUSED_NORM", False)
+    assert isinstance(fp8.norm_quant(model.norm, x)[1], torch.Tensor)
 
 
 @pytest.mark.gpu
@@ -345,7 +348,7 @@ def test_cuda_norm_quant_kernel_gives_the_unfused_bits(dtype, D, M):
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_cuda_models_compute_the_same_bits_with_the_fused_norm(name, ckpts, monkeypatch):
     """A bf16 W8A8 model on CUDA, eager and compiled: the same bits with the norm and the quantiser fused
-    (the default) as with POC_FP8_FUSED_NORM=0."""
+    (POC_FP8_FUSED_NORM=1) as without."""
     from poc.model.compile import maybe_compile
     from poc.model.transformer import Transformer
 

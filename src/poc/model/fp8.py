@@ -10,6 +10,8 @@ per token per 128 columns and multiply FP8 by FP8 with float32 accumulation. Thi
   Hopper or newer, elsewhere an exact emulation (dequantise both operands, float32 matmul, one rounding);
 - `Fp8Linear`: the module the loader puts where the checkpoint has an FP8 linear (`use_fp8_linears`), with the
   checkpoint's parameter names (`weight`, `weight_scale_inv`), so loading stays a name match;
+- `norm_quant`: a norm whose readers are FP8 linears hands them its output already quantised (`Quantized`); with
+  POC_FP8_FUSED_NORM=1 the residual add, the norm and the quantiser are one kernel on CUDA;
 - `experts_w8a8`: the MoE experts, on CUDA two GEMMs over all experts (the first with SwiGLU and the
   re-quantisation in its epilogue): on Hopper the warp-specialised Gluon kernels of `fp8_gluon.py`, elsewhere (and
   with POC_FP8_GLUON=0) the Triton kernels of `fp8_triton.py`, the same bits.
@@ -185,7 +187,9 @@ class Quantized(NamedTuple):
     x: Tensor | None
 
 
-FUSED_NORM = os.environ.get("POC_FP8_FUSED_NORM", "1") != "0"  # 0: the norm and the quantiser as two passes
+# 1: norm_quant runs the norm and its FP8 readers' quantiser as one kernel; off by default, as neither its CUDA test
+# (tests/test_w8a8.py) nor a benchmark has run on a GPU yet
+FUSED_NORM = os.environ.get("POC_FP8_FUSED_NORM", "0") == "1"
 FUSED_NORM_ON_CPU = False  # tests run the fused path's plumbing on the CPU (the composition stands in)
 
 
@@ -193,10 +197,11 @@ FUSED_NORM_ON_CPU = False  # tests run the fused path's plumbing on the CPU (the
 def norm_quant(norm: nn.Module, x: Tensor, residual: Tensor | None = None,
                keep: bool = False) -> tuple[Tensor | None, Tensor | Quantized]:
     """(r, h) for a norm whose output only FP8 linears read (keep: and a 16-bit reader too): r = residual + x
-    rounded to x's dtype (None without a residual), h = norm(r). Where the fused kernel applies (CUDA, the fast
-    recipe, 16-bit rows of whole 128-groups) h is Quantized: one pass reads x (and the residual) and writes r, the
-    quantised norm and with keep the norm itself; its q and s are bit for bit quantize_act(norm(r))
-    (tests/test_w8a8.py on CUDA). Elsewhere h is the norm, a tensor its readers quantise themselves.
+    rounded to x's dtype (None without a residual), h = norm(r). Where the fused kernel applies (POC_FP8_FUSED_NORM=1,
+    CUDA, the fast recipe, 16-bit rows of whole 128-groups) h is Quantized: one pass reads x (and the residual) and
+    writes r, the quantised norm and with keep the norm itself; its q and s are meant to be bit for bit
+    quantize_act(norm(r)) (tests/test_w8a8.py's CUDA test; in Triton's interpreter they are). Elsewhere h is the
+    norm, a tensor its readers quantise themselves.
     `norm` is the model's RMSNorm (its weight, eps and formula: transformer.rms_norm)."""
     if not _fused_norm_ok(x, residual):
         if residual is None:

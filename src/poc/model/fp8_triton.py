@@ -2,6 +2,8 @@
 
 - `quantize`: the per-token-group activation quantiser, bit for bit the spec's formula (IEEE division: Triton's
   plain `/` on float32 is an approximation that can move a value across an FP8 rounding boundary);
+- `rmsnorm_quant`: the residual add, the model's RMSNorm and the quantiser in one pass over whole rows (the
+  quantiser's code, so its bits), for `fp8.norm_quant`;
 - `grouped_gemm`: the experts' block-scaled FP8 GEMM, every expert in one launch over the padded row layout of
   `fp8.experts_w8a8` (each expert's rows start on a multiple of `group_rows`, so a tile never spans two experts);
 - `w13_swiglu_quant`: the first expert GEMM with SwiGLU and the re-quantisation in its epilogue: each tile computes
