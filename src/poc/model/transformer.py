@@ -471,12 +471,13 @@ class Block(nn.Module):
 
         last_only: compute only the last position (B, 1, D) (keys and values still see every position)."""
         res = x[:, -1:] if last_only else x
-        if self.self_attn.reads_fp8():  # the norm and the projections' quantiser in one pass, where it applies
+        fuse = fp8.FUSED_NORM  # else the norms stay in the compiled graph, their readers quantise
+        if fuse and self.self_attn.reads_fp8():  # the norm and the projections' quantiser in one pass
             h = fp8.norm_quant(self.input_layernorm, x)[1]
         else:
             h = self.input_layernorm(x)
         y = self.self_attn(h, cos, sin, last_only)
-        if self.mlp.reads_fp8():  # the residual add, the norm and the quantiser in one pass, where it applies
+        if fuse and self.mlp.reads_fp8():  # the residual add, the norm and the quantiser in one pass
             r, h = fp8.norm_quant(self.post_attention_layernorm, y, residual=res, keep=isinstance(self.mlp, MoE))
         else:
             r = _add(res, y)
