@@ -202,7 +202,7 @@ def norm_quant(norm: nn.Module, x: Tensor, residual: Tensor | None = None,
     writes r, the quantised norm and with keep the norm itself; its q and s are meant to be bit for bit
     quantize_act(norm(r)) (tests/test_w8a8.py's CUDA test; in Triton's interpreter they are). Elsewhere h is the
     norm, a tensor its readers quantise themselves.
-    `norm` is the model's RMSNorm (its weight, eps and formula: transformer.rms_norm)."""
+    `norm` is the model's RMSNorm (its weight, eps and formula: transformer.RMSNorm.forward)."""
     if not _fused_norm_ok(x, residual):
         if residual is None:
             return None, norm(x)

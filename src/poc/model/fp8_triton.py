@@ -118,7 +118,7 @@ def fp8_rmsnorm_quant(x_ptr, res_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, M, eps,
                       RES: tl.constexpr, KEEP: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK: tl.constexpr):
     """ROWS whole rows: (with RES) r = res + x rounded to x's dtype and stored; y = RMSNorm(r) as
-    transformer.rms_norm rounds it (the squares summed exactly in float64, rounded to float32, IEEE division by D,
+    transformer.RMSNorm rounds it (the squares summed exactly in float64, rounded to float32, IEEE division by D,
     + eps, rsqrt, the product rounded to the model dtype, times the weight rounded again), stored only with KEEP;
     then y quantised per BLOCK (128) columns as fp8_act_quant does (_quant_groups: the same bits)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

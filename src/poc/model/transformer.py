@@ -27,14 +27,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Normalise in fp32, round to the input dtype, then scale in the model dtype (HF and the v1 reference agree)."""
-    y = x.float()
-    y = y * torch.rsqrt(sum_exact(y.pow(2)) / y.shape[-1] + eps)
-    return _mul(y.to(x.dtype), weight)
+        # normalise in fp32, round to the input dtype, then scale in the model dtype (HF and the v1 reference agree)
+        y = x.float()
+        y = y * torch.rsqrt(sum_exact(y.pow(2)) / y.shape[-1] + self.eps)
+        return _mul(y.to(x.dtype), self.weight)
 
 
 def sum_exact(t: Tensor) -> Tensor:
