@@ -1,16 +1,18 @@
 """The fused norm + quantiser kernel (fp8_triton.rmsnorm_quant) in Triton's interpreter, on a CPU, against the
-unfused ops it replaces: the residual add, the model's RMSNorm, then the quantiser.
+unfused ops it replaces in eager torch: the residual add, the model's RMSNorm, then the quantiser (quantize_act's
+torch form, the spec's formula).
 
     pip install triton   # into an environment with this repo's requirements; no GPU needed
     python benchmarks/diagnostics/triton_interpret.py [--out benchmarks/cpu/triton_interpret.json] [--sm90]
 
-It checks the kernel's logic before a GPU sees it: masks, the residual and keep variants, every tile config, widths
-that are not a power of two. Float16 only: the interpreter rounds float32 to bf16 by truncation and to float8 its own
-way (the GPU rounds to nearest even), so r and y are compared with torch's and q/s with the interpreter's own run of
-fp8_triton.quantize on torch's y. The interpreter has no libdevice; the kernel's rsqrt runs as tl.math.rsqrt. The
-bits on the GPU are tests/test_w8a8.py's CUDA tests.
+It checks the kernel before a GPU sees it: masks, the residual and keep variants, every tile config, widths that
+are not a power of two, bf16 and fp16, r, y, q and s bit for bit. The interpreter's own float32 -> bf16 cast
+truncates and its float32 -> float8 cast rounds half up, where the GPU rounds both to nearest even; those two casts
+are replaced here by torch's (round to nearest even), as the GPU computes them. The interpreter has no libdevice:
+the kernel's rsqrt runs as tl.math.rsqrt (numpy's 1/sqrt, as torch's CPU rsqrt). The bits on the GPU are
+tests/test_w8a8.py's CUDA tests.
 
---sm90: also build the kernel for sm_90 (no GPU needed) in every config the autotuner keeps, at the model widths
+--sm90: instead build the kernel for sm_90 (no GPU needed) in every config the autotuner keeps, at the model widths
 2048, 4096 and 5120, and count the register spills (local loads/stores in its SASS, from the wheel's cuobjdump).
 """
 
@@ -33,7 +35,7 @@ import triton.language as tl  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "src")]
 
-from poc.model import fp8_triton  # noqa: E402
+from poc.model import fp8, fp8_triton  # noqa: E402
 from poc.model.transformer import RMSNorm  # noqa: E402
 
 
@@ -42,9 +44,33 @@ def _rsqrt(x):
     return tl.math.rsqrt(x)
 
 
-def case(D: int, M: int, seed: int) -> list[dict]:
+def round_as_the_gpu() -> None:
+    """The interpreter's float32 -> bf16 and float32 -> float8_e4m3fn casts replaced by torch's (nearest even)."""
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    cast, to_fp = interp.InterpreterBuilder.cast_impl, interp.InterpreterBuilder.create_fp_to_fp
+
+    def by_torch(src, dst_type, dtype, view):
+        t = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(dtype).view(view)
+        return interp.TensorHandle(t.numpy(), dst_type.scalar)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return by_torch(src, dst_type, torch.bfloat16, torch.int16)
+        return cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            return by_torch(src, dst_type, torch.float8_e4m3fn, torch.uint8)
+        return to_fp(self, src, dst_type, rounding_mode)
+
+    interp.InterpreterBuilder.cast_impl = cast_impl
+    interp.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+
+def case(dtype: torch.dtype, D: int, M: int, seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
-    dtype = torch.float16
     norm = RMSNorm(D, 1e-6).to(dtype)
     with torch.no_grad():
         norm.weight.copy_((torch.randn(D, generator=g) * 0.5 + 1).to(dtype))
@@ -52,6 +78,7 @@ def case(D: int, M: int, seed: int) -> list[dict]:
     res = (torch.randn(M, D, generator=g) * 10).to(dtype)
     x[0] = 0  # a zero row (without the residual)
     x[1, 5] = 300  # an outlier
+    x[2] = 1  # (without the residual) normalises to the weight itself: FP8 rounding ties are likely
     out = []
     variants = ((None, False), (res, True), (res, False), (None, True))
     for residual, keep in variants:
@@ -59,14 +86,15 @@ def case(D: int, M: int, seed: int) -> list[dict]:
             r, y, q, s = fp8_triton.rmsnorm_quant(x, residual, norm.weight, norm.eps, keep, ld_align=4, config=cfg)
             rr = x if residual is None else residual + x
             yy = norm(rr)
-            wq, ws = fp8_triton.quantize(yy, D, ld_align=4)
+            wq, ws = fp8.quantize_act_torch(yy)
             checks = {
                 "q": torch.equal(q.view(torch.uint8), wq.view(torch.uint8)),
                 "s": torch.equal(s[:, :M].t(), ws),
                 "r": torch.equal(r, rr) if residual is not None else r.numel() == 0,
                 "y": torch.equal(y, yy) if keep else y.numel() == 0,
             }
-            out.append({"D": D, "M": M, "residual": residual is not None, "keep": keep,
+            out.append({"dtype": str(dtype).removeprefix("torch."), "D": D, "M": M, "residual": residual is not None,
+                        "keep": keep,
                         "config": {"ROWS": cfg.kwargs["ROWS"], "num_warps": cfg.num_warps}, **checks,
                         "equal": all(checks.values())})
     return out
@@ -118,13 +146,15 @@ def main() -> int:
                                                   "triton": triton.__version__, "builds": builds}, indent=1) + "\n")
         return 1 if any(b["spill_instructions"] for b in builds) else 0
     fp8_triton.libdevice = types.SimpleNamespace(rsqrt=_rsqrt)  # the interpreter has no libdevice
+    round_as_the_gpu()
     rows = []
-    for i, (D, M) in enumerate(((256, 5), (384, 3), (640, 2), (2048, 4))):
-        rows += case(D, M, seed=i)
+    for dtype in (torch.bfloat16, torch.float16):
+        for i, (D, M) in enumerate(((256, 5), (384, 3), (640, 3), (2048, 4))):
+            rows += case(dtype, D, M, seed=i)
     bad = [r for r in rows if not r["equal"]]
     for r in rows:
-        print(f"D {r['D']:5d} M {r['M']} residual {r['residual']!s:5} keep {r['keep']!s:5} {r['config']}: "
-              f"{'equal' if r['equal'] else 'DIFFERENT'}")
+        print(f"{r['dtype']:8} D {r['D']:5d} M {r['M']} residual {r['residual']!s:5} keep {r['keep']!s:5} "
+              f"{r['config']}: {'equal' if r['equal'] else 'DIFFERENT ' + str({k: r[k] for k in 'qsry'})}")
     print(f"{len(rows) - len(bad)} of {len(rows)} cases equal")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
