@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from first_result import WORKLOADS, started_server  # noqa: E402
 
+from poc.bench import pyplot  # noqa: E402
 from poc.protocol import v2  # noqa: E402
 
 LAYOUTS = {"one": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "rep2": ["--replicas", "2"]}
@@ -80,12 +81,8 @@ def l2(a: dict, b: dict) -> dict:
 
 
 def plot(res: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     rows = [r for r in res["rows"] if r["protocol"] == "v2" and r["run"] != "one_half_batch"]

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
+from poc.bench import pyplot  # noqa: E402
 from poc.engine.engine import Engine  # noqa: E402
 from poc.parallel.engine import DistEngine  # noqa: E402
 
@@ -52,12 +53,8 @@ def other_attention():
 
 
 def plot(res: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     rows = [(k, v) for k, v in res["l2"].items()]
     fig, ax = plt.subplots(figsize=(7, 3.4))

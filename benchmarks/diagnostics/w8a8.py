@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from poc.bench import cuda_time
+from poc.bench import cuda_time, pyplot
 from poc.engine.compute import V2Compute
 from poc.model import fp8, fp8_triton
 from poc.model.config import PRESETS
@@ -308,11 +308,8 @@ class _both:
 
 
 def plot(res: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     if res["what"] == "accuracy":
         keys = ["ours_vs_emulation", "emulation_vs_emulation_other_attention", "dequant_vs_emulation"]

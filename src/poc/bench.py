@@ -418,13 +418,22 @@ def command(argv: list[str] | None) -> str:
     return " ".join([*env, "python -m poc.bench", shlex.join(argv if argv is not None else sys.argv[1:])])
 
 
-def plot(results: dict, path: Path) -> None:
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files, no display), or None (said once) where matplotlib is missing:
+    the benchmarks' and diagnostics' plots are optional."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib not installed: no plot")
+        return None
+    return plt
+
+
+def plot(results: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
         return
     names = sorted({r["workload"] for r in results["rows"]})
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
