@@ -1,9 +1,11 @@
 """FP8 checkpoints computed as the network's validators compute them: W8A8 (../shared/spec/fp8-w8a8.md).
 
-The quantiser against a transcription of the spec's formula written here (numpy float32 arithmetic, torch's
-round-to-nearest-even cast to float8_e4m3fn) on adversarial groups; tiny FP8 Qwen3 and Qwen3-MoE checkpoints made
-here, our W8A8 forward against a float32 emulation of the spec's arithmetic written here (the model's own linears and
-experts replaced by it), in one process and over tp=2 / ep=2 on gloo; the dequantise forward kept behind POC_FP8.
+The quantiser in both scale formats (float32 and UE8M0) and UE8M0's load-time weight re-quantisation against a
+transcription of the spec's formulas (tests/fp8_spec.py: numpy float32 arithmetic, float64 log2 for the powers of
+two, torch's round-to-nearest-even cast to float8_e4m3fn) on adversarial groups and blocks; tiny FP8 Qwen3 and
+Qwen3-MoE checkpoints made here, our W8A8 forward in each format against a float32 emulation of the spec's
+arithmetic (the model's own linears and experts replaced by it, on the checkpoint's weights), in one process and
+over tp=2 / ep=2 on gloo; the dequantise forward kept behind POC_FP8.
 """
 
 import pytest
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from poc.errors import InputError
 from poc.model import fp8
 from poc.model.weights import load_model
-from tests.fp8_spec import E4M3, emu_experts, emu_linear, spec_quantize
+from tests.fp8_spec import E4M3, emulation, spec_quantize, spec_requant
 from tests.test_fp8 import write_fp8_and_twin
 from tests.test_model_parity import make_hf, unit_rows
 from tests.test_moe import make_hf_moe
@@ -64,15 +66,111 @@ def test_quantiser_is_the_spec_formula_bit_for_bit(dtype):
     assert not qw[:, 300:].float().any() and torch.equal(sw[:, :3], s)
 
 
+def ue8m0_rows() -> torch.Tensor:
+    """adversarial() and rows whose amax sits on or one float32 ulp beside 448 x a power of two (the UE8M0 scale's
+    boundaries: 2^-5, 2^-4 and 2^-5 again), and one of bf16 values."""
+    base = 448.0 * 2.0 ** -5
+    up, down = torch.nextafter(torch.tensor(base), torch.tensor(1e9)), torch.nextafter(torch.tensor(base), torch.tensor(0.0))
+    g = torch.Generator().manual_seed(9)
+    rows = [adversarial()]
+    for amax in (torch.tensor(base), up, down):
+        r = torch.randn(256, generator=g) * (base / 4)
+        r[3], r[130] = amax, -amax
+        rows.append(r[None])
+    rows.append((torch.randn(1, 256, generator=g) * 3).bfloat16().float())
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ue8m0_quantiser_is_the_formula_bit_for_bit(dtype):
+    """UE8M0: scale = 2^ceil(log2(max(amax, 1e-10) / 448)) (vLLM with DeepGEMM's E8M0 on Hopper), q = x / scale
+    rounded to e4m3: against the test's transcription (float64 log2) on zero, denormal, tie, clamp and outlier groups
+    and amaxes on and one ulp beside 448 x a power of two."""
+    x = ue8m0_rows().to(dtype)
+    q, s = fp8.quantize_act(x, ue8m0=True)
+    want_q, want_s = spec_quantize(x, ue8m0=True)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    mant, _ = torch.frexp(s)
+    assert (mant == 0.5).all()  # every scale a power of two
+    assert s[3, 0] == 1.0 and s[4, 0] == 0.5  # amax 448 and 224: the float32 scales' values too
+    if dtype == torch.float32:
+        assert s[5, 0] == 2.0  # amax 448.00003: one step up
+        assert s[-4, 0] == 2.0 ** -5 and s[-3, 0] == 2.0 ** -4 and s[-2, 0] == 2.0 ** -5  # on, above, below
+        assert q[-4, 3].float() == 448 and q[-3, 3].float() == 224
+    # the two formats quantise differently (the UE8M0 grid is coarser or equal, never finer)
+    qf, sf = fp8.quantize_act(x)
+    assert (s >= sf).all() and not torch.equal(q.view(torch.uint8), qf.view(torch.uint8))
+    ys = torch.tensor([1.0, 1.5, 2.0 ** -100, 2.0 ** 100])
+    ys = torch.cat([ys, torch.nextafter(ys, ys * 2)])  # one ulp above each
+    assert fp8.pow2_ceil(ys).tolist() == [1.0, 2.0, 2.0 ** -100, 2.0 ** 100, 2.0, 2.0, 2.0 ** -99, 2.0 ** 101]
+
+
+def adversarial_weight() -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 weight (300, 260) (edge blocks in both dims) with block scales: random blocks, one whose amax is
+    below 1e-4 (the floor), one whose largest |w8| is 100, one whose amax is exactly 448 x 2^-9 (the scale kept), one
+    with scale 1.5 x 2^-9 (w8 x 0.75: FP8 ties), one of zeros."""
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(300, 260, generator=g) * 100).clamp(-448, 448)
+    w[0, 0] = 448.0
+    w[:128, 128:256] = w[:128, 128:256].clamp(-100, 100)
+    w[128:256, 128:256] = torch.arange(-448, 448, 7.0).repeat(128 * 128 // 128)[: 128 * 128].view(128, 128)
+    w[128, 128] = 448.0
+    w[256:, 256:] = 0
+    s = torch.rand(3, 3, generator=g) * 1e-3 + 1e-4
+    s[0, 0] = 1e-8  # amax 4.5e-6 < 1e-4
+    s[1, 0] = 2.0 ** -9
+    w[128:256, :128] = w[128:256, :128].clamp(-200, 200)
+    w[130, 5] = 448.0  # amax exactly 448 * 2^-9
+    s[1, 1] = 1.5 * 2.0 ** -9
+    return w.to(E4M3), s
+
+
+def test_ue8m0_weight_requant_is_the_formula_bit_for_bit():
+    """fp8.requant_ue8m0 (vLLM's load-time re-quantisation of a dense FP8 weight for DeepGEMM) against the test's
+    transcription, bit for bit, on adversarial blocks; Fp8Linear.to_ue8m0 applies it once; the re-quantised weight
+    is near the checkpoint's (each value moves at most half an FP8 step of its new scale)."""
+    w, s = adversarial_weight()
+    q, qs = fp8.requant_ue8m0(w, s)
+    want_q, want_s = spec_requant(w, s)
+    assert q.shape == w.shape and qs.shape == s.shape and q.dtype == E4M3
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(qs, want_s)
+    mant, _ = torch.frexp(qs)
+    assert (mant == 0.5).all()
+    assert qs[0, 0] == 2.0 ** -22  # the 1e-4 floor: 2^ceil(log2(1e-4 / 448))
+    assert qs[1, 0] == 2.0 ** -9 and torch.equal(q[128:256, :128].view(torch.uint8), w[128:256, :128].view(torch.uint8))
+    assert not torch.equal(q[128:256, 128:256].view(torch.uint8), w[128:256, 128:256].view(torch.uint8))  # x 0.75
+    old, new = fp8.dequantize_blocks(w, s), fp8.dequantize_blocks(q, qs)
+    assert ((new - old).abs() <= new.abs() * 2.0 ** -4 + qs.max() * 2.0 ** -10).all()
+    lin = fp8.Fp8Linear(260, 300)
+    lin.weight.data, lin.weight_scale_inv.data = w.clone(), s.clone()
+    lin.to_ue8m0()
+    lin.to_ue8m0()  # once only
+    assert lin.ue8m0 and torch.equal(lin.weight.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(lin.weight_scale_inv, qs) and "ue8m0" in repr(lin)
+
+
+def test_scale_format_setting(monkeypatch):
+    assert fp8.scale_format() == "ue8m0" and fp8.scale_format("float32") == "float32"
+    monkeypatch.setenv("POC_FP8_SCALES", "float32")
+    assert fp8.scale_format() == "float32"
+    with pytest.raises(InputError, match="ue8m0 or float32"):
+        fp8.scale_format("e8m0")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton quantiser and the FP8 tensor cores)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_kernels_match_the_spec(dtype):
-    """The Triton quantiser bit for bit, and the block-scaled GEMMs (torch._scaled_mm; the Triton grouped kernel)
-    within 2e-3 relative of the float32 emulation, scales in the layout the tensor cores read."""
+    """The Triton quantiser bit for bit in both scale formats, and the block-scaled GEMMs (torch._scaled_mm; the
+    Triton grouped kernel) within 2e-3 relative of the float32 emulation, scales in the layout the tensor cores
+    read."""
     x = adversarial().to(dtype)
     q, s = fp8.quantize_act(x.cuda())
     want_q, want_s = spec_quantize(x)
+    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s.cpu(), want_s)
+    x = ue8m0_rows().to(dtype)
+    q, s = fp8.quantize_act(x.cuda(), ue8m0=True)
+    want_q, want_s = spec_quantize(x, ue8m0=True)
     assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s.cpu(), want_s)
     g = torch.Generator(device="cuda").manual_seed(0)
     for M, N, K in ((1, 512, 256), (17, 384, 512), (1000, 256, 1024), (4096, 1536, 2048)):
@@ -129,8 +227,9 @@ def _cuda_expert_case(dtype, seed):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton expert kernels)")
+@pytest.mark.parametrize("ue8m0", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_expert_kernels_match_the_unfused_recipe(dtype):
+def test_cuda_expert_kernels_match_the_unfused_recipe(dtype, ue8m0):
     """The w13 kernel with SwiGLU and the quantiser in its epilogue gives the bits of the three steps run apart (the
     grouped GEMM, the model's _act, the quantiser); the whole expert block is near the float32 emulation. Uneven
     groups, an expert with no rows, groups that are not multiples of the row tile."""
@@ -139,17 +238,18 @@ def test_cuda_expert_kernels_match_the_unfused_recipe(dtype):
 
     x, k, rows, ends, (w13, s13), (w2, s2) = _cuda_expert_case(dtype, seed=5)
     dest, tile_e, a_rows = fp8.padded_layout(rows, k, ends)
-    qt, st = fp8.quantize_act(x)
+    qt, st = fp8.quantize_act(x, ue8m0=ue8m0)
     live = a_rows >= 0
     h = fp8_triton.grouped_gemm(qt, st, w13, s13, tile_e, dtype, a_rows, group_rows=fp8.GROUP_ROWS)
-    want_q, want_s = fp8.quantize_act(_act(h))
-    q, s = fp8_triton.w13_swiglu_quant(qt, st, w13, s13, tile_e, dtype, a_rows, group_rows=fp8.GROUP_ROWS)
+    want_q, want_s = fp8.quantize_act(_act(h), ue8m0=ue8m0)
+    q, s = fp8_triton.w13_swiglu_quant(qt, st, w13, s13, tile_e, dtype, a_rows, group_rows=fp8.GROUP_ROWS,
+                                       ue8m0=ue8m0)
     assert torch.equal(q[live].view(torch.uint8), want_q[live].view(torch.uint8))
     assert torch.equal(s[live], want_s[live])
     assert q.view(torch.uint8)[live].float().std() > 10  # not a degenerate (all-zero or saturated) activation
-    y, dest = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, _act)
+    y, dest = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, _act, ue8m0=ue8m0)
     with fp8.recipe("emulate"):
-        ref, dest_ref = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, _act)
+        ref, dest_ref = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, _act, ue8m0=ue8m0)
     got, ref = y[dest].float(), ref[dest_ref].float()
     # each GEMM is within 2e-3 (test_cuda_kernels_match_the_spec); SwiGLU's output is quantised again, so a bf16 ulp
     # of difference in h moves a few FP8 values a step: 4.8e-3 here, 5.1e-3 on the Qwen3-30B-A3B shapes
@@ -160,8 +260,9 @@ def test_cuda_expert_kernels_match_the_unfused_recipe(dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="needs a Hopper GPU (the Gluon wgmma expert kernels are sm_90a)")
+@pytest.mark.parametrize("ue8m0", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_hopper_expert_kernels_give_the_triton_bits(dtype):
+def test_cuda_hopper_expert_kernels_give_the_triton_bits(dtype, ue8m0):
     """On Hopper the experts run fp8_gluon's warp-specialised kernels on rows the scattering quantiser lays out: the
     same bits as the Triton kernels (quantised rows, w13 with SwiGLU and the quantiser, w2), and experts_w8a8 takes
     that path. A slot routed elsewhere (-1, expert parallel) is not written; padding rows are zeros."""
@@ -174,30 +275,30 @@ def test_cuda_hopper_expert_kernels_give_the_triton_bits(dtype):
     live = a_rows >= 0
     slots = torch.full((T * k,), -1, dtype=torch.int32, device="cuda")
     slots[rows] = dest.to(torch.int32)
-    q, s = fp8_triton.quantize_scatter(x, slots.view(T, k), a_rows)
-    qt, st = fp8.quantize_act(x)
+    q, s = fp8_triton.quantize_scatter(x, slots.view(T, k), a_rows, ue8m0=ue8m0)
+    qt, st = fp8.quantize_act(x, ue8m0=ue8m0)
     assert torch.equal(q[dest].view(torch.uint8), qt[rows // k].view(torch.uint8))
     assert torch.equal(s.t()[dest], st[rows // k])
     assert not q[~live].view(torch.uint8).any() and not s.t()[~live].any()
     kw = dict(group_rows=fp8.GROUP_ROWS)
-    want_q, want_s = fp8_triton.w13_swiglu_quant(qt, st, w13, s13, tile_e, dtype, a_rows, **kw)
-    aq, as_ = fp8_gluon.w13_swiglu_quant(q, s, w13, s13, tile_e, dtype)
+    want_q, want_s = fp8_triton.w13_swiglu_quant(qt, st, w13, s13, tile_e, dtype, a_rows, ue8m0=ue8m0, **kw)
+    aq, as_ = fp8_gluon.w13_swiglu_quant(q, s, w13, s13, tile_e, dtype, ue8m0=ue8m0)
     assert torch.equal(aq[live].view(torch.uint8), want_q[live].view(torch.uint8))
     assert torch.equal(as_.t()[live], want_s[live])
     if dtype != torch.float32:  # 16-bit models gather the tokens' rows in w13's loads (what experts_w8a8 runs)
-        gq, gs = fp8_gluon.w13_swiglu_quant(qt, st.t(), w13, s13, tile_e, dtype, a_rows)
+        gq, gs = fp8_gluon.w13_swiglu_quant(qt, st.t(), w13, s13, tile_e, dtype, a_rows, ue8m0=ue8m0)
         assert torch.equal(gq[live].view(torch.uint8), want_q[live].view(torch.uint8))
         assert torch.equal(gs.t()[live], want_s[live])
     assert aq.view(torch.uint8)[live].float().std() > 10  # not a degenerate activation
     want_y = fp8_triton.grouped_gemm(want_q, want_s, w2, s2, tile_e, dtype, **kw)
     y = fp8_gluon.grouped_gemm(aq, as_, w2, s2, tile_e, dtype)
     assert torch.equal(y[live], want_y[live]) and y[live].abs().amax() > 0
-    y2, dest2 = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, _act)
+    y2, dest2 = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, _act, ue8m0=ue8m0)
     assert torch.equal(y2[dest2], want_y[dest])
     # a rank's share of the slots (expert parallel): the others stay -1 and are not written
     half = torch.full_like(slots, -1)
     half[rows[: T // 2]] = dest[: T // 2].to(torch.int32)
-    q2, s2_ = fp8_triton.quantize_scatter(x, half.view(T, k), a_rows)
+    q2, s2_ = fp8_triton.quantize_scatter(x, half.view(T, k), a_rows, ue8m0=ue8m0)
     assert torch.equal(q2[dest[: T // 2]].view(torch.uint8), q[dest[: T // 2]].view(torch.uint8))
 
 
@@ -226,27 +327,40 @@ VS = unit_rows(3, 256)
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("fmt", fp8.SCALE_FORMATS)
 @pytest.mark.parametrize("name", ["dense", "moe"])
-def test_w8a8_forward_equals_the_spec_emulation(name, ckpts, monkeypatch):
-    ours, cfg = load_model(ckpts[name], dtype=torch.float32, progress=False)
+def test_w8a8_forward_equals_the_spec_emulation(name, fmt, ckpts, monkeypatch):
+    """Our W8A8 forward in scale format fmt against the spec's arithmetic emulated in float32 on the checkpoint's
+    weights (tests/fp8_spec.emulation: for UE8M0 it re-quantises the dense weights itself and quantises every
+    activation with power-of-two scales); the two formats give different outputs."""
+    ours, cfg = load_model(ckpts[name], dtype=torch.float32, progress=False, fp8_scales=fmt)
+    assert fp8.scales_of(ours) == fmt
     lins = [m for m in ours.modules() if isinstance(m, fp8.Fp8Linear)]
     dense_layers = sum(not cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     assert len(lins) == 4 * cfg.n_layers + 3 * dense_layers  # q, k, v, o everywhere; gate, up, down where dense
+    assert all(m.ue8m0 == (fmt == "ue8m0") for m in lins)
     if name == "moe":
         moes = [b.mlp for b in ours.layers.values() if hasattr(b.mlp, "w8a8")]
-        assert len(moes) == 2 and all(m.w8a8 and m.w13.dtype == E4M3 for m in moes)
+        assert len(moes) == 2 and all(m.w8a8 and m.w13.dtype == E4M3 and m.ue8m0 == (fmt == "ue8m0") for m in moes)
     got = ours(X, reflections=VS[:cfg.n_layers], last_only=False)
     ours.fuse()
     fused = ours(X, reflections=VS[:cfg.n_layers], last_only=False)
     last = ours(X, reflections=VS[:cfg.n_layers])
-    monkeypatch.setattr(fp8, "linear", emu_linear)
-    monkeypatch.setattr(fp8, "experts_w8a8", emu_experts)
-    want = ours(X, reflections=VS[:cfg.n_layers], last_only=False)
+    ref, _ = load_model(ckpts[name], dtype=torch.float32, progress=False, fp8_scales="float32")  # as the file holds
+    linear, experts = emulation(fmt)
+    monkeypatch.setattr(fp8, "linear", linear)
+    monkeypatch.setattr(fp8, "experts_w8a8", experts)
+    want = ref(X, reflections=VS[:cfg.n_layers], last_only=False)
     scale = want.abs().max().item()
     assert scale > 0.5
     for out in (got, fused):
         assert (out - want).abs().max().item() < 1e-5 * scale
     assert (last - want[:, -1]).abs().max().item() < 1e-5 * scale
+    other, _ = emulation("float32" if fmt == "ue8m0" else "ue8m0")
+    monkeypatch.setattr(fp8, "linear", other)
+    monkeypatch.setattr(fp8, "experts_w8a8", _)
+    rel = ((ref(X, reflections=VS[:cfg.n_layers], last_only=False) - want).norm() / want.norm()).item()
+    assert rel > 1e-3, rel  # the other scale format is another arithmetic
     # the dequantise forward is another arithmetic on the same weights: not equal (the activations really are
     # quantised), and near (these sharp random weights amplify it; in the MoE a few top-k choices flip too)
     monkeypatch.undo()
@@ -305,9 +419,10 @@ def test_norm_quant_hands_the_fp8_readers_their_input_quantised(name, ckpts, mon
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernel)")
+@pytest.mark.parametrize("ue8m0", [True, False])
 @pytest.mark.parametrize("dtype,D,M", [(torch.bfloat16, 2048, 3000), (torch.bfloat16, 640, 37),
                                        (torch.float16, 2048, 999)])
-def test_cuda_norm_quant_kernel_gives_the_unfused_bits(dtype, D, M):
+def test_cuda_norm_quant_kernel_gives_the_unfused_bits(dtype, D, M, ue8m0):
     """fp8_triton.rmsnorm_quant (residual add, RMSNorm, quantiser in one pass) against the unfused ops on CUDA: the
     residual add, the model's RMSNorm and quantize_act in eager torch. r, y, q and s bit for bit, in every tile
     config and as autotuned, on rows the norm or the quantiser can get wrong: a zero row, tiny and huge rows, a
@@ -329,10 +444,10 @@ def test_cuda_norm_quant_kernel_gives_the_unfused_bits(dtype, D, M):
     for residual, keep in ((None, False), (res, True), (res, False)):
         rr = x if residual is None else residual + x
         yy = norm(rr)
-        wq, ws = fp8.quantize_act(yy)
+        wq, ws = fp8.quantize_act(yy, ue8m0=ue8m0)
         for cfg in [None, *fp8_triton.NORM_CONFIGS]:
             r, y, q, s = fp8_triton.rmsnorm_quant(x, residual, norm.weight, norm.eps, keep, ld_align=fp8.LD_ALIGN,
-                                                  config=cfg)
+                                                  config=cfg, ue8m0=ue8m0)
             s = s[:, :M].t()
             what = (D, residual is not None, keep, cfg)
             assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)), what
@@ -345,14 +460,15 @@ def test_cuda_norm_quant_kernel_gives_the_unfused_bits(dtype, D, M):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels)")
 @torch.no_grad()
+@pytest.mark.parametrize("fmt", fp8.SCALE_FORMATS)
 @pytest.mark.parametrize("name", ["dense", "moe"])
-def test_cuda_models_compute_the_same_bits_with_the_fused_norm(name, ckpts, monkeypatch):
+def test_cuda_models_compute_the_same_bits_with_the_fused_norm(name, fmt, ckpts, monkeypatch):
     """A bf16 W8A8 model on CUDA, eager and compiled: the same bits with the norm and the quantiser fused
-    (POC_FP8_FUSED_NORM=1) as without."""
+    (POC_FP8_FUSED_NORM=1) as without, in both scale formats."""
     from poc.model.compile import maybe_compile
     from poc.model.transformer import Transformer
 
-    model, cfg = load_model(ckpts[name], dtype=torch.bfloat16, device="cuda", progress=False)
+    model, cfg = load_model(ckpts[name], dtype=torch.bfloat16, device="cuda", progress=False, fp8_scales=fmt)
     model.fuse()
     x, vs = X.bfloat16().cuda(), VS[:cfg.n_layers].bfloat16().cuda()
     step = maybe_compile(Transformer.layer_step, True)
@@ -398,7 +514,7 @@ import os, sys
 import torch, torch.distributed as dist
 from poc.model import fp8
 from poc.parallel.shard import load_shard
-from tests.fp8_spec import emu_experts, emu_linear
+from tests.fp8_spec import emulation
 
 rank, world, io, ckpts = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 torch.set_num_threads(1)
@@ -406,8 +522,11 @@ dist.init_process_group("gloo", init_method="file://" + io + "/store", rank=rank
 x, vs = torch.load(io + "/in.pt")
 ours = fp8.linear, fp8.experts_w8a8
 out = {}
-for ckpt in ckpts:
-    model, cfg = load_shard(ckpt, torch.float32, "cpu", tp_rank=rank, tp_size=world, tp_group=dist.group.WORLD)
+for arg in ckpts:
+    ckpt, fmt = arg.split("|")
+    kw = dict(tp_rank=rank, tp_size=world, tp_group=dist.group.WORLD)
+    model, cfg = load_shard(ckpt, torch.float32, "cpu", fp8_scales=fmt, **kw)
+    ref, _ = load_shard(ckpt, torch.float32, "cpu", fp8_scales="float32", **kw)  # the checkpoint's shard as held
     held = {k: (tuple(t.shape), str(t.dtype)) for k, t in model.state_dict().items()}
     held.update({f"layers.{k}.mlp.w13": (tuple(b.mlp.w13.shape), str(b.mlp.w13.dtype))
                  for k, b in model.layers.items() if getattr(b.mlp, "w13", None) is not None})
@@ -415,10 +534,10 @@ for ckpt in ckpts:
         refl = model(x, reflections=vs[:cfg.n_layers], last_only=False)
         model.fuse()
         fused = model(x, reflections=vs[:cfg.n_layers], last_only=False)
-        fp8.linear, fp8.experts_w8a8 = emu_linear, emu_experts  # the spec's arithmetic on this rank's shards
-        emulated = model(x, reflections=vs[:cfg.n_layers], last_only=False)
+        fp8.linear, fp8.experts_w8a8 = emulation(fmt)  # the spec's arithmetic on this rank's checkpoint shards
+        emulated = ref(x, reflections=vs[:cfg.n_layers], last_only=False)
         fp8.linear, fp8.experts_w8a8 = ours
-    out[ckpt] = {"held": held, "refl": refl, "fused": fused, "emulated": emulated}
+    out[arg] = {"held": held, "refl": refl, "fused": fused, "emulated": emulated, "scales": fp8.scales_of(model)}
 torch.save(out, f"{io}/rank{rank}.pt")
 dist.barrier()
 dist.destroy_process_group()
@@ -432,18 +551,21 @@ def test_tensor_and_expert_parallel_on_gloo(ckpts, tmp_path):
     row-parallel inputs) and ep=2 (4 of 8 experts a rank): every rank's output equals the spec's emulation run on
     the same shards within 1e-5 relative, and the single-process model closely (the row-parallel partial sums add
     in another order, and a value that lands on an FP8 rounding boundary may round the other way downstream, as
-    it may between any two validators' layouts); each rank holds FP8 slices with their block scales."""
+    it may between any two validators' layouts); each rank holds FP8 slices with their block scales. Both scale
+    formats: under UE8M0 each rank re-quantises its own slices (per 128x128 block, so as the whole would be)."""
     from tests.gloo import run_ranks
 
     torch.save((X, VS), tmp_path / "in.pt")
-    names = [str(ckpts["dense"]), str(ckpts["moe"])]
-    res = run_ranks(_RANK, tmp_path, names, timeout=180, env={"POC_FP8": "w8a8"})
+    names = [f"{ckpts[n]}|{fmt}" for n in ("dense", "moe") for fmt in fp8.SCALE_FORMATS]
+    res = run_ranks(_RANK, tmp_path, names, timeout=240, env={"POC_FP8": "w8a8"})
     for name in names:
-        ours, cfg = load_model(name, dtype=torch.float32, progress=False)
+        path, fmt = name.split("|")
+        ours, cfg = load_model(path, dtype=torch.float32, progress=False, fp8_scales=fmt)
         want = ours(X, reflections=VS[:cfg.n_layers], last_only=False)
         scale = want.abs().max().item()
         for r in range(2):
             got = res[r][name]
+            assert got["scales"] == fmt
             assert (got["refl"] - got["emulated"]).abs().max().item() < 1e-5 * scale, (name, r)
             assert (got["fused"] - got["emulated"]).abs().max().item() < 1e-5 * scale, (name, r)
             rel = ((got["refl"] - want).norm() / want.norm()).item()
@@ -454,3 +576,28 @@ def test_tensor_and_expert_parallel_on_gloo(ckpts, tmp_path):
             assert held["layers.0.self_attn.o_proj.weight_scale_inv"][0] == (2, 2)  # columns split: 2 of 4 blocks
             if "moe" in name:  # ep=2: this rank's 4 of 8 experts, stacked FP8
                 assert held["layers.0.mlp.w13"] == ((4, 256, 256), "torch.float8_e4m3fn")
+
+
+@pytest.mark.parametrize("fmt", [None, "float32"])
+async def test_the_server_serves_the_configured_scale_format(fmt, ckpts, aiohttp_client):
+    """--fp8-scales / POC_FP8_SCALES reaches the served model (default ue8m0) and /health says it; a bad value is a
+    start-up error naming the setting."""
+    from poc.server.app import create_app
+    from poc.server.config import parse_args
+    from poc.server.context import engine_key
+    from tests.servers import server_config, wait_status
+
+    want = fmt or "ue8m0"
+    kw = {"fp8_scales": fmt} if fmt else {}
+    c = await aiohttp_client(create_app(server_config(model=str(ckpts["moe"]), **kw)))
+    h = await wait_status(c)
+    assert h["fp8"] == {"forward": "w8a8", "scales": want}
+    model = c.server.app[engine_key].v2.model
+    assert fp8.scales_of(model) == want
+    lin = next(m for m in model.modules() if isinstance(m, fp8.Fp8Linear))
+    assert lin.ue8m0 == (want == "ue8m0") and (torch.frexp(lin.weight_scale_inv)[0] == 0.5).all() == (want == "ue8m0")
+    assert parse_args(["--model", "m"], env={"POC_FP8_SCALES": "float32"}).fp8_scales == "float32"
+    assert parse_args(["--model", "m", "--fp8-scales", "ue8m0"], env={"POC_FP8_SCALES": "float32"}).fp8_scales == "ue8m0"
+    with pytest.raises(InputError, match="fp8-scales must be ue8m0 or float32") as e:
+        parse_args(["--model", "m"], env={"POC_FP8_SCALES": "e8m0"})
+    assert e.value.field == "fp8_scales"

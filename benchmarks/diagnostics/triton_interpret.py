@@ -69,7 +69,7 @@ def round_as_the_gpu() -> None:
     interp.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
 
 
-def case(dtype: torch.dtype, D: int, M: int, seed: int) -> list[dict]:
+def case(dtype: torch.dtype, D: int, M: int, seed: int, ue8m0: bool) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     norm = RMSNorm(D, 1e-6).to(dtype)
     with torch.no_grad():
@@ -83,10 +83,11 @@ def case(dtype: torch.dtype, D: int, M: int, seed: int) -> list[dict]:
     variants = ((None, False), (res, True), (res, False), (None, True))
     for residual, keep in variants:
         for cfg in fp8_triton.NORM_CONFIGS:
-            r, y, q, s = fp8_triton.rmsnorm_quant(x, residual, norm.weight, norm.eps, keep, ld_align=4, config=cfg)
+            r, y, q, s = fp8_triton.rmsnorm_quant(x, residual, norm.weight, norm.eps, keep, ld_align=4, config=cfg,
+                                                  ue8m0=ue8m0)
             rr = x if residual is None else residual + x
             yy = norm(rr)
-            wq, ws = fp8.quantize_act_torch(yy)
+            wq, ws = fp8.quantize_act_torch(yy, ue8m0)
             checks = {
                 "q": torch.equal(q.view(torch.uint8), wq.view(torch.uint8)),
                 "s": torch.equal(s[:, :M].t(), ws),
@@ -94,8 +95,33 @@ def case(dtype: torch.dtype, D: int, M: int, seed: int) -> list[dict]:
                 "y": torch.equal(y, yy) if keep else y.numel() == 0,
             }
             out.append({"dtype": str(dtype).removeprefix("torch."), "D": D, "M": M, "residual": residual is not None,
-                        "keep": keep,
+                        "keep": keep, "scales": "ue8m0" if ue8m0 else "float32",
                         "config": {"ROWS": cfg.kwargs["ROWS"], "num_warps": cfg.num_warps}, **checks,
+                        "equal": all(checks.values())})
+    return out
+
+
+def quantiser_cases() -> list[dict]:
+    """fp8_triton.quantize (fp8_act_quant) on adversarial rows against the torch formula, both scale formats: zero
+    and tiny groups, amaxes on and one ulp beside 448 x 2^-5, FP8 ties, a partial last group, float32 and bf16."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.tensor(448.0 * 2.0 ** -5)
+    rows = [torch.zeros(300), torch.full((300,), 1e-30)]
+    for amax in (base, torch.nextafter(base, base * 2), torch.nextafter(base, base * 0), torch.tensor(448.0)):
+        r = torch.randn(300, generator=g) * float(amax) / 4
+        r[3], r[200] = amax, -amax
+        rows.append(r)
+    rows.append(torch.arange(300) * 0.75 - 100)  # halves and quarters: ties under a scale of 1 or 2
+    x = torch.stack(rows)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for ue8m0 in (False, True):
+            xd = x.to(dtype)
+            q, s = fp8_triton.quantize(xd, 300, ld_align=4, ue8m0=ue8m0)
+            wq, ws = fp8.quantize_act_torch(xd, ue8m0)
+            checks = {"q": torch.equal(q.view(torch.uint8), wq.view(torch.uint8)), "s": torch.equal(s, ws)}
+            out.append({"dtype": str(dtype).removeprefix("torch."), "D": 300, "M": x.shape[0], "residual": False,
+                        "keep": False, "scales": "ue8m0" if ue8m0 else "float32", "config": "quantize", **checks,
                         "equal": all(checks.values())})
     return out
 
@@ -148,13 +174,16 @@ def main() -> int:
     fp8_triton.libdevice = types.SimpleNamespace(rsqrt=_rsqrt)  # the interpreter has no libdevice
     round_as_the_gpu()
     rows = []
-    for dtype in (torch.bfloat16, torch.float16):
-        for i, (D, M) in enumerate(((256, 5), (384, 3), (640, 3), (2048, 4))):
-            rows += case(dtype, D, M, seed=i)
+    for ue8m0 in (False, True):
+        for dtype in (torch.bfloat16, torch.float16):
+            for i, (D, M) in enumerate(((256, 5), (384, 3), (640, 3), (2048, 4))):
+                rows += case(dtype, D, M, seed=i, ue8m0=ue8m0)
+    rows += quantiser_cases()
     bad = [r for r in rows if not r["equal"]]
     for r in rows:
-        print(f"{r['dtype']:8} D {r['D']:5d} M {r['M']} residual {r['residual']!s:5} keep {r['keep']!s:5} "
-              f"{r['config']}: {'equal' if r['equal'] else 'DIFFERENT ' + str({k: r[k] for k in 'qsry'})}")
+        print(f"{r['scales']:7} {r['dtype']:8} D {r['D']:5d} M {r['M']} residual {r['residual']!s:5} "
+              f"keep {r['keep']!s:5} {r['config']}: "
+              f"{'equal' if r['equal'] else 'DIFFERENT ' + str({k: r.get(k) for k in 'qsry'})}")
     print(f"{len(rows) - len(bad)} of {len(rows)} cases equal")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -2,17 +2,26 @@
 
     bash benchmarks/run.sh --tag kernels h100 w8a8 -- kernels            # -> benchmarks/h100/w8a8_kernels.json
     bash benchmarks/run.sh --tag accuracy h100 w8a8 -- accuracy --compile --nonces 512 --deep-nonces 256
+    bash benchmarks/run.sh --tag ue8m0 h100 w8a8 -- ue8m0                  # -> benchmarks/h100/w8a8_ue8m0.json
     python benchmarks/diagnostics/w8a8.py kernels --out FILE               # the same, by hand
-    speed: the poc.bench workloads W6F (dequantise forward) and W6Q (W8A8), e.g. bash benchmarks/run.sh h100 W6Q
+    speed: the poc.bench workloads W6F (dequantise forward), W6Q (W8A8, UE8M0 scales) and W6Q32 (W8A8, float32
+    scales), e.g. bash benchmarks/run.sh h100 W6Q
 
+ue8m0: the UE8M0 activation quantiser (the CUDA kernel, both 16-bit and float32 inputs) and the load-time
+re-quantisation of the dense weights against the formulas transcribed here in float64 (2^ceil(log2(.)) with torch's
+float64 log2, independent of fp8.pow2_ceil's bit reading), on the activation widths and the q|k|v and o weights of
+Qwen3-30B-A3B and Qwen3-235B-A22B, random and adversarial.
 kernels: on Qwen3-30B-A3B-FP8 layer sizes (`--shape qwen3-235b-a22b`: that model's), seq 1024 batches, the activation
 quantiser against the spec's formula written in plain torch ops (bit-identical or not, plus adversarial groups), the
 dense and grouped block-scaled GEMMs against the float32 emulation (relative Frobenius error) with a sweep of the
 expert kernels' tiles (the fused w13 kernel against its three steps run apart, bit for bit), the whole expert block,
 and the FP8 / bf16 matmul ceilings at 8192^3.
-accuracy: v2 artifacts (seq 1024) of a random-weight Qwen3-30B-A3B-FP8 shape, first 4 layers and all 48: ours (the
-served W8A8 path) vs the float32 emulation, the emulation against itself with another attention kernel, and the
-dequantise forward vs the emulation: L2 of the decoded fp16 artifacts (mean, p98, max), as the validators measure.
+accuracy: v2 artifacts (seq 1024) of a random-weight Qwen3-30B-A3B-FP8 shape, first 4 layers and all 48
+(--deep-nonces 0: 4 only), the model in the UE8M0 scale format (what the Hopper validators compute): ours (the served
+W8A8 path) vs the float32 emulation of the UE8M0 recipe, the emulation against itself with another attention kernel,
+the dequantise forward vs the emulation; beside them the same weights in the float32 scale format (served, and its
+own emulation) against the UE8M0 emulation: L2 of the decoded fp16 artifacts (mean, p98, max), as the validators
+measure.
 Writes JSON (the command inside) and a PNG beside it.
 """
 
@@ -270,27 +279,108 @@ def accuracy(args) -> dict:
 
     res = {}
     for layers, n in ((4, args.nonces), (48, args.deep_nonces)):
+        if not n:
+            continue
         cfg = replace(PRESETS[SHAPE], n_layers=layers)
-        model = random_model(cfg, torch.bfloat16, "cuda", fp8_experts=True, fp8="w8a8", seed=0)
-        comp = V2Compute(model, cfg, torch.bfloat16, torch.device("cuda"), SHAPE, compile=args.compile)
         nonces = list(range(n))
-        t0 = time.perf_counter()
-        ours = artifacts(comp, nonces, args.batch)
-        t_ours = time.perf_counter() - t0
-        emu = artifacts(comp, nonces, args.batch, lambda: fp8.recipe("emulate"))
-        emu_other = artifacts(comp, nonces, args.batch,
-                              lambda: _both(fp8.recipe("emulate"),
-                                                     sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])))
-        deq = artifacts(comp, nonces, args.batch, lambda: fp8.recipe("dequant"))
-        row = {"layers": layers, "nonces": n, "batch": args.batch, "compile": args.compile,
-               "ours_vs_emulation": dist(ours, emu),
-               "emulation_vs_emulation_other_attention": dist(emu_other, emu),
-               "dequant_vs_emulation": dist(deq, emu),
+        ours, emu = {}, {}
+        for fmt in ("ue8m0", "float32"):  # the same checkpoint-like weights (seed 0), each scale format
+            model = random_model(cfg, torch.bfloat16, "cuda", fp8_experts=True, fp8="w8a8", seed=0, fp8_scales=fmt)
+            comp = V2Compute(model, cfg, torch.bfloat16, torch.device("cuda"), SHAPE, compile=args.compile)
+            t0 = time.perf_counter()
+            ours[fmt] = artifacts(comp, nonces, args.batch)
+            t_ours = t_ours if fmt == "float32" else time.perf_counter() - t0
+            emu[fmt] = artifacts(comp, nonces, args.batch, lambda: fp8.recipe("emulate"))
+            if fmt == "ue8m0":
+                emu_other = artifacts(comp, nonces, args.batch, lambda: _both(
+                    fp8.recipe("emulate"), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])))
+                deq = artifacts(comp, nonces, args.batch, lambda: fp8.recipe("dequant"))
+            del model, comp
+            torch.cuda.empty_cache()
+        row = {"layers": layers, "nonces": n, "batch": args.batch, "compile": args.compile, "scales": "ue8m0",
+               "ours_vs_emulation": dist(ours["ue8m0"], emu["ue8m0"]),
+               "emulation_vs_emulation_other_attention": dist(emu_other, emu["ue8m0"]),
+               "dequant_vs_emulation": dist(deq, emu["ue8m0"]),
+               "float32_scales_vs_emulation": dist(ours["float32"], emu["ue8m0"]),
+               "float32_emulation_vs_emulation": dist(emu["float32"], emu["ue8m0"]),
+               "float32_scales_vs_float32_emulation": dist(ours["float32"], emu["float32"]),
                "ours_seconds": t_ours}
         res[f"layers_{layers}"] = row
         print(json.dumps(row), flush=True)
-        del model, comp
-        torch.cuda.empty_cache()
+    return res
+
+
+def requant_formula(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """UE8M0 re-quantisation transcribed in float64: per 128x128 block w = fp32(w8) * s, amax = max(|w|, 1e-4),
+    scale 2^ceil(log2(amax / 448)), w8' = RNE_e4m3(w / scale)."""
+    R, C = w.shape
+    wf = w.float() * s.repeat_interleave(128, 0)[:R].repeat_interleave(128, 1)[:, :C]
+    Rb, Cb = s.shape
+    pad = torch.zeros(Rb * 128, Cb * 128, device=w.device)
+    pad[:R, :C] = wf
+    amax = pad.view(Rb, 128, Cb, 128).abs().amax(dim=(1, 3)).clamp(min=1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax.double() / 448.0)))
+    q = (pad.view(Rb, 128, Cb, 128).double() / scale[:, None, :, None]).float().to(fp8.FP8)
+    return q.view(Rb * 128, Cb * 128)[:R, :C], scale.float()
+
+
+def quant_formula(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """UE8M0 activation quantiser transcribed in float64: per row and 128 columns amax = max(|x|, 1e-10),
+    scale 2^ceil(log2(amax / 448)), q = RNE_e4m3(clamp(x / scale))."""
+    M, K = x.shape
+    xf = torch.nn.functional.pad(x.float(), (0, -K % 128)).view(M, -1, 128)
+    amax = xf.abs().amax(-1).clamp(min=1e-10)
+    scale = torch.exp2(torch.ceil(torch.log2(amax.double() / 448.0)))
+    q = (xf.double() / scale[..., None]).clamp(-448, 448).float().to(fp8.FP8).view(M, -1)[:, :K]
+    return q, scale.float()
+
+
+@torch.no_grad()
+def ue8m0(args) -> dict:
+    """The UE8M0 quantiser and weight re-quantisation against the float64 transcriptions, on the activation widths
+    and dense weights of the Qwen3-30B-A3B and Qwen3-235B-A22B shapes."""
+    from poc.model.random_weights import _fp8_payload
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    res: dict = {"quantiser": [], "requant": []}
+    for shape in ("qwen3-30b-a3b", "qwen3-235b-a22b"):
+        cfg = PRESETS[shape]
+        q_w, kv_w = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        for dtype in (torch.bfloat16, torch.float32):
+            cases = {"adversarial": adversarial(torch.Generator().manual_seed(1)).to(dtype)}
+            for K in (cfg.dim, q_w, cfg.moe_ffn_dim):
+                x = torch.randn(8 * 1024, K, device="cuda", generator=g) * 3
+                x[::97] *= 1e-4  # small rows
+                x[5, :128] = 448.0 * 2.0 ** -3  # a group whose amax is exactly 448 x a power of two
+                cases[f"8x1024x{K}"] = x.to(dtype)
+            for name, x in cases.items():
+                q1, s1 = fp8.quantize_act(x, ue8m0=True)
+                q2, s2 = quant_formula(x)
+                row = {"shape": shape, "input": name, "dtype": str(dtype),
+                       "bit_identical": torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2),
+                       "q_diff": int((q1.view(torch.uint8) != q2.view(torch.uint8)).sum()),
+                       "s_diff": int((s1 != s2).sum())}
+                res["quantiser"].append(row)
+                print(json.dumps(row), flush=True)
+        for name, (n, k) in {"qkv": (q_w + 2 * kv_w, cfg.dim), "o": (cfg.dim, q_w)}.items():
+            w = _fp8_payload((n, k), "cuda", g)
+            s = torch.empty(fp8.cdiv(n, 128), fp8.cdiv(k, 128), device="cuda").uniform_(0.9, 1.1, generator=g) * 3e-4
+            s[0, 0] = 1e-9  # a block under the 1e-4 amax floor
+            s[0, 1] = 2.0 ** -12  # a power of two: with |w8| 448 in the block its amax is exactly 448 x 2^-12
+            w[0, 128] = 448.0
+            w[128:256, :128] = w[128:256, :128].float().clamp(-60, 60).to(fp8.FP8)  # largest |w8| below 448
+            q1, s1 = fp8.requant_ue8m0(w, s)
+            q2, s2 = requant_formula(w, s)
+            row = {"shape": shape, "weight": name, "size": [n, k],
+                   "bit_identical": torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2),
+                   "q_diff": int((q1.view(torch.uint8) != q2.view(torch.uint8)).sum()), "s_diff": int((s1 != s2).sum()),
+                   "blocks": s.numel(), "scales_changed": int((s1 != s).sum())}
+            res["requant"].append(row)
+            print(json.dumps(row), flush=True)
+    x = torch.randn(64 * 1024, PRESETS[SHAPE].dim, device="cuda", dtype=torch.bfloat16)
+    res["quantiser_gbps"] = {fmt: x.numel() * (2 + 1) / cuda_time(lambda: fp8.quantize_act(x, ue8m0=fmt == "ue8m0"))
+                             / 1e9 for fmt in ("ue8m0", "float32")}
+    print(json.dumps(res["quantiser_gbps"]), flush=True)
     return res
 
 
@@ -311,15 +401,25 @@ def plot(res: dict, path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
-    if res["what"] == "accuracy":
-        keys = ["ours_vs_emulation", "emulation_vs_emulation_other_attention", "dequant_vs_emulation"]
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-        for ax, (name, row) in zip(axes, [(k, v) for k, v in res["result"].items()]):
+    if res["what"] == "ue8m0":
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        rows = res["result"]["quantiser"] + res["result"]["requant"]
+        labels = [f"{r['shape']} {r.get('input', r.get('weight'))} {r.get('dtype', '')}" for r in rows]
+        ax.barh(labels, [r["q_diff"] + r["s_diff"] for r in rows])
+        ax.set_xlabel("values or scales differing from the float64 formula")
+        ax.set_title(f"bit-identical: {sum(r['bit_identical'] for r in rows)} of {len(rows)}", fontsize=9)
+    elif res["what"] == "accuracy":
+        keys = [k for k in ("ours_vs_emulation", "emulation_vs_emulation_other_attention", "dequant_vs_emulation",
+                            "float32_scales_vs_emulation") if k in next(iter(res["result"].values()))]
+        rows = list(res["result"].items())
+        fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 3.8), squeeze=False)
+        width = 0.8 / len(keys)
+        for ax, (name, row) in zip(axes[0], rows):
             for i, k in enumerate(keys):
                 vals = [row[k]["mean"], row[k]["p98"], row[k]["max"]]
-                ax.bar([j + i * 0.27 for j in range(3)], vals, width=0.27, label=k.replace("_", " "))
+                ax.bar([j + i * width for j in range(3)], vals, width=width, label=k.replace("_", " "))
             ax.axhline(0.1737, color="r", ls="--", lw=1, label="network threshold 0.1737")
-            ax.set_xticks([j + 0.27 for j in range(3)], ["mean", "p98", "max"])
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(3)], ["mean", "p98", "max"])
             ax.set_title(f"{name}: {row['nonces']} nonces, seq 1024")
             ax.set_ylabel("artifact L2")
             ax.legend(fontsize=7)
@@ -341,7 +441,7 @@ def plot(res: dict, path: Path) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["kernels", "accuracy"])
+    ap.add_argument("what", choices=["kernels", "accuracy", "ue8m0"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--nonces", type=int, default=512, help="nonces of the 4-layer model")
     ap.add_argument("--deep-nonces", type=int, default=256, help="nonces of the 48-layer model")
@@ -355,7 +455,7 @@ def main(argv=None) -> None:
         raise SystemExit("needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.perf_counter()
-    result = kernels(args) if args.what == "kernels" else accuracy(args)
+    result = {"kernels": kernels, "accuracy": accuracy, "ue8m0": ue8m0}[args.what](args)
     res = {"what": args.what, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "command": "python benchmarks/diagnostics/w8a8.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.perf_counter() - t0, "result": result}

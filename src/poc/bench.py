@@ -64,7 +64,10 @@ WORKLOADS = {
     "W6F": {"protocol": "v2", "model": "qwen3-30b-a3b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32],
             "fp8": True, "fp8_forward": "dequant"},
     "W6Q": {"protocol": "v2", "model": "qwen3-30b-a3b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32, 64],
-            "fp8": True, "fp8_forward": "w8a8"},
+            "fp8": True, "fp8_forward": "w8a8", "fp8_scales": "ue8m0"},
+    # the same with the float32-scale recipe (vLLM without DeepGEMM): the same kernels, other scales
+    "W6Q32": {"protocol": "v2", "model": "qwen3-30b-a3b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32, 64],
+              "fp8": True, "fp8_forward": "w8a8", "fp8_scales": "float32"},
     # the network's PoC v2 model: 235B-A22B with FP8 experts over 4 GPUs (attention by heads, experts by expert)
     "W7": {"protocol": "v2", "model": "qwen3-235b-a22b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32],
            "fp8": True, "tp": 4},
@@ -144,10 +147,10 @@ def fp8_ceiling(n: int = 8192) -> float:
 
 
 def random_v2_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8: bool = False,
-                    fp8_forward: str | None = None) -> "Transformer":
+                    fp8_forward: str | None = None, fp8_scales: str | None = None) -> "Transformer":
     """A model of the real shape with N(0, 0.02) weights and norms near 1, made on the device (FP8 weights with
-    fp8: computed as fp8_forward says, w8a8 or dequant)."""
-    return random_model(cfg, dtype, device, fp8_experts=fp8, fp8=fp8_forward)
+    fp8: computed as fp8_forward says, w8a8 or dequant, W8A8 in scale format fp8_scales)."""
+    return random_model(cfg, dtype, device, fp8_experts=fp8, fp8=fp8_forward, fp8_scales=fp8_scales)
 
 
 def run_engine(engine: Engine, job, warm_batches: int, timed_batches: int) -> dict:
@@ -208,7 +211,7 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
         cfg, seq_len, head = v1_config(p), p.seq_len, True
     else:
         cfg = replace(PRESETS[w["model"]])
-        model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w.get("fp8_forward"))
+        model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w.get("fp8_forward"), w.get("fp8_scales"))
         engine.v2 = V2Compute(model, cfg, dtype,
                               torch.device("cuda"), w["model"], compile=compile, compile_inputs=COMPILE_INPUTS)
         torch.cuda.synchronize()
@@ -228,7 +231,8 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
             torch.cuda.empty_cache()
             continue
         row = {"workload": name, "batch": b, "dtype": w["dtype"], "fp8_experts": w.get("fp8", False),
-               "fp8_forward": w.get("fp8_forward"), "seq_len": seq_len, "compile": compile,
+               "fp8_forward": w.get("fp8_forward"), "fp8_scales": w.get("fp8_scales"), "seq_len": seq_len,
+               "compile": compile,
                "compile_inputs": compile and COMPILE_INPUTS and w["protocol"] == "v2",
                "flops_per_nonce": fl, **r, "tflops": r["nonces_per_s"] * fl / 1e12,
                "pct_of_ceiling": 100 * r["nonces_per_s"] * fl / 1e12 / ceiling,
@@ -381,7 +385,7 @@ def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4)
     dtype = DTYPES[w["dtype"]]
     cfg = replace(PRESETS[w["model"]])
     engine = Engine("cuda", compile=compile)
-    model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w.get("fp8_forward"))
+    model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w.get("fp8_forward"), w.get("fp8_scales"))
     engine.v2 = V2Compute(model, cfg, dtype, torch.device("cuda"), w["model"], compile=compile)
     job = V2Job(BH, PK, 1, w["seq_len"], 12, v1.worker_nonces(0, 0, 1), batch)
     job.limits = Limits(max_nonces=batch * warm, max_duration=None)

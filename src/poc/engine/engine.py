@@ -32,7 +32,8 @@ class Engine(EngineBase):
     """One device, in this process: the v1 model of the last job kept, the v2 checkpoint loaded at start."""
 
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto",
-                 compile: bool | str = False, v1_input_workers: int | None = None, fp8_experts: str | None = None):
+                 compile: bool | str = False, v1_input_workers: int | None = None, fp8_experts: str | None = None,
+                 fp8_scales: str | None = None):
         super().__init__(loading=bool(model_dir))
         self.device = resolve_device(device)
         memory.return_freed_memory()  # a freed v1 model's memory leaves the process (CPU peaks match the estimate)
@@ -45,6 +46,7 @@ class Engine(EngineBase):
         self._executor = None  # the v1 input processes, started by load()
         self.model_dir = model_dir
         self.fp8_experts = fp8_experts  # a Qwen3-MoE FP8 checkpoint's experts: keep (default) or dequant
+        self.fp8_scales = fp8_scales  # an FP8 checkpoint's W8A8 scale format: ue8m0 (default) or float32
         self.dtype_flag = dtype
         self.v2: V2Compute | None = None
         self._v1: V1Compute | None = None
@@ -69,10 +71,11 @@ class Engine(EngineBase):
         spec = random_spec(self.model_dir)
         if spec is None:
             model, cfg = load_model(self.model_dir, dtype=dtype, device=self.device, with_head=False, progress=True,
-                                    fp8_experts=self.fp8_experts)
+                                    fp8_experts=self.fp8_experts, fp8_scales=self.fp8_scales)
         else:  # random weights of a preset shape (random:<preset>[:fp8]): benchmarks and demos
             cfg, fp8 = spec
-            model = random_model(cfg, resolve_dtype(dtype, cfg), self.device, fp8_experts=fp8)
+            model = random_model(cfg, resolve_dtype(dtype, cfg), self.device, fp8_experts=fp8,
+                                 fp8_scales=self.fp8_scales)
         model.eval()
         name = Path(self.model_dir).name
         self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile_v2)

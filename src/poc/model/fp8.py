@@ -2,10 +2,15 @@
 
 A Qwen FP8 checkpoint holds float8_e4m3fn weights with one float32 `weight_scale_inv` per 128x128 block. The gonka
 vLLM fork does not dequantise them: every FP8 linear (q/k/v/o, dense MLPs) and both expert GEMMs quantise their input
-per token per 128 columns and multiply FP8 by FP8 with float32 accumulation. This module is that recipe:
+per token per 128 columns and multiply FP8 by FP8 with float32 accumulation. Two scale formats (`scale_format`,
+POC_FP8_SCALES): `ue8m0`, the default, what vLLM computes on Hopper and Blackwell with DeepGEMM (power-of-two
+activation scales everywhere, the dense linears' weights re-quantised once at load to power-of-two block scales:
+`use_ue8m0`); `float32`, the spec's float32-scale recipe (scale = amax * (1/448), the checkpoint's weights). This
+module is that recipe:
 
-- `quantize_act`: the per-token-group activation quantiser, bit for bit the spec's formula (a Triton kernel on CUDA,
-  `fp8_triton.py`, plain torch ops elsewhere);
+- `quantize_act`: the per-token-group activation quantiser, bit for bit the spec's formula in either scale format (a
+  Triton kernel on CUDA, `fp8_triton.py`, plain torch ops elsewhere);
+- `requant_ue8m0`: the load-time re-quantisation of a dense FP8 weight to power-of-two 128x128 block scales;
 - `fp8_mm` / `fp8_grouped_mm`: block-scaled FP8 x FP8 GEMMs, on the FP8 tensor cores through `torch._scaled_mm` on
   Hopper or newer, elsewhere an exact emulation (dequantise both operands, float32 matmul, one rounding);
 - `Fp8Linear`: the module the loader puts where the checkpoint has an FP8 linear (`use_fp8_linears`), with the
@@ -39,6 +44,8 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 EPS = 1e-10  # floor of a group's amax (an all-zero group gets scale eps/448, its values quantise to 0)
 FP8 = torch.float8_e4m3fn
 FP8_MODES = ("w8a8", "dequant")
+SCALE_FORMATS = ("ue8m0", "float32")
+WEIGHT_EPS = 1e-4  # floor of a weight block's amax in the UE8M0 re-quantisation
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +56,16 @@ def fp8_mode(value: str | None = None) -> str:
     v = value or os.environ.get("POC_FP8") or "w8a8"
     if v not in FP8_MODES:
         raise InputError(f"fp8 forward must be w8a8 or dequant, got {v!r}", "fp8")
+    return v
+
+
+def scale_format(value: str | None = None) -> str:
+    """`ue8m0` (default): power-of-two scales, what the network's Hopper validators compute (vLLM with DeepGEMM's
+    E8M0, on by default there); `float32`: the float32-scale recipe (vLLM without DeepGEMM: other GPUs, or a
+    validator image whose MoE runs FlashInfer). The value, else env POC_FP8_SCALES, else ue8m0."""
+    v = value or os.environ.get("POC_FP8_SCALES") or "ue8m0"
+    if v not in SCALE_FORMATS:
+        raise InputError(f"fp8 scales must be ue8m0 or float32, got {v!r}", "fp8_scales")
     return v
 
 
@@ -82,22 +99,23 @@ def current_recipe() -> str:
 # activation quantisation
 
 
-def quantize_act(x: Tensor, width: int | None = None) -> tuple[Tensor, Tensor]:
+def quantize_act(x: Tensor, width: int | None = None, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
     """x (M, K) in any float dtype -> (q (M, K) float8_e4m3fn, s (M, ceil(K/128)) float32), per row and 128-column
-    group: amax = max(max|x|, 1e-10); s = amax * (1/448); q = clamp(x / s, -448, 448) rounded to nearest even.
+    group: amax = max(max|x|, 1e-10); s = amax * (1/448), or with ue8m0 the smallest power of two >= amax / 448
+    (pow2_ceil: 2^ceil(log2(amax / 448)) exactly); q = clamp(x / s, -448, 448) rounded to nearest even.
     The last group of a width that is not a multiple of 128 is the columns left. On CUDA s comes column-major
     (s.t() contiguous), the layout the block-scaled GEMM takes. width: q is that wide, the columns past K zero (zero
     groups add nothing to a GEMM: an operand padded for the tensor cores' alignment)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_act takes (M, K), got {tuple(x.shape)}")
     if x.is_cuda and _RECIPE[0] == "fast" and _triton() is not None and x.shape[0] > 0:
-        return _triton().quantize(x, width or x.shape[1], ld_align=LD_ALIGN)
+        return _triton().quantize(x, width or x.shape[1], ld_align=LD_ALIGN, ue8m0=ue8m0)
     if width and width > x.shape[1]:
         x = F.pad(x, (0, width - x.shape[1]))
-    return quantize_act_torch(x)
+    return quantize_act_torch(x, ue8m0)
 
 
-def quantize_act_torch(x: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_act_torch(x: Tensor, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
     """The formula in plain torch ops (float32 throughout; IEEE division on every backend)."""
     M, K = x.shape
     G = cdiv(K, GROUP)
@@ -105,8 +123,43 @@ def quantize_act_torch(x: Tensor) -> tuple[Tensor, Tensor]:
     if G * GROUP != K:  # zero columns change no amax (amax >= eps > 0) and are cut from q
         xf = F.pad(xf, (0, G * GROUP - K))
     xg = xf.view(M, G, GROUP)
-    s = xg.abs().amax(-1).clamp(min=EPS) * (1.0 / FP8_MAX)  # (M, G)
+    amax = xg.abs().amax(-1).clamp(min=EPS)  # (M, G)
+    s = pow2_ceil(_div448(amax)) if ue8m0 else amax * (1.0 / FP8_MAX)
     q = (xg / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(M, G * GROUP)[:, :K]
+    return q.contiguous(), s
+
+
+def _div448(t: Tensor) -> Tensor:
+    """t / 448 as IEEE float32 division (a Python-scalar divisor may become a product with its reciprocal on CUDA,
+    which can round differently: the divisor is a tensor here)."""
+    return t / torch.full((), FP8_MAX, dtype=torch.float32, device=t.device)
+
+
+def pow2_ceil(y: Tensor) -> Tensor:
+    """The smallest power of two >= y, for positive normal float32 y: read off the bits (the exponent, plus one
+    where the mantissa is not zero), so exact where a float log2 rounds (log2 of a value a few ulps above a power of
+    two can round down to the integer). y = fl(amax / 448) is a power of two exactly when amax / 448 is (amax holds
+    24 significant bits and 448 = 7 * 64), so this is 2^ceil(log2(amax / 448)) of the exact quotient."""
+    bits = y.view(torch.int32)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (e << 23).view(torch.float32)
+
+
+def requant_ue8m0(w: Tensor, scale_inv: Tensor) -> tuple[Tensor, Tensor]:
+    """A dense FP8 weight (R, C) with its block scales (ceil(R/128), ceil(C/128)) re-quantised to power-of-two block
+    scales, as vLLM does once at load for its DeepGEMM linears: per 128x128 block, w = fp32(w8) * s,
+    amax = max(max|w|, 1e-4), e = ceil(log2(amax / 448)), w8' = RNE_e4m3(w * 2^-e), scale 2^e (exact: a power of two).
+    Edge blocks count only their own values. Blocks are independent, so re-quantising a tensor-parallel shard cut on
+    128-blocks gives that shard of the whole tensor's result."""
+    R, C = w.shape
+    Rb, Cb = cdiv(R, GROUP), cdiv(C, GROUP)
+    if tuple(scale_inv.shape) != (Rb, Cb):
+        raise ValueError(f"requant_ue8m0: scales {tuple(scale_inv.shape)} for a {R}x{C} weight")
+    wf = _dequantize_blocks(w, scale_inv, torch.float32)  # fp32(w8) * s, one rounding (as dequantize_blocks)
+    wf = F.pad(wf, (0, Cb * GROUP - C, 0, Rb * GROUP - R)).view(Rb, GROUP, Cb, GROUP)
+    amax = wf.abs().amax(dim=(1, 3)).clamp(min=WEIGHT_EPS)  # (Rb, Cb)
+    s = pow2_ceil(_div448(amax))
+    q = (wf / s[:, None, :, None]).to(FP8).view(Rb * GROUP, Cb * GROUP)[:R, :C]
     return q.contiguous(), s
 
 
@@ -194,14 +247,14 @@ FUSED_NORM_ON_CPU = False  # tests run the fused path's plumbing on the CPU (the
 
 
 @torch.compiler.disable  # a Triton kernel, and a recipe read at run time: outside any compiled graph
-def norm_quant(norm: nn.Module, x: Tensor, residual: Tensor | None = None,
-               keep: bool = False) -> tuple[Tensor | None, Tensor | Quantized]:
+def norm_quant(norm: nn.Module, x: Tensor, residual: Tensor | None = None, keep: bool = False,
+               ue8m0: bool = False) -> tuple[Tensor | None, Tensor | Quantized]:
     """(r, h) for a norm whose output only FP8 linears read (keep: and a 16-bit reader too): r = residual + x
     rounded to x's dtype (None without a residual), h = norm(r). Where the fused kernel applies (POC_FP8_FUSED_NORM=1,
     CUDA, the fast recipe, 16-bit rows of whole 128-groups) h is Quantized: one pass reads x (and the residual) and
-    writes r, the quantised norm and with keep the norm itself; its q and s are meant to be bit for bit
-    quantize_act(norm(r)) (tests/test_w8a8.py's CUDA test; in Triton's interpreter they are). Elsewhere h is the
-    norm, a tensor its readers quantise themselves.
+    writes r, the quantised norm and with keep the norm itself; its q and s are bit for bit
+    quantize_act(norm(r), ue8m0=ue8m0) (tests/test_w8a8.py's CUDA test). Elsewhere h is the norm, a tensor its
+    readers quantise themselves. ue8m0: the readers' scale format.
     `norm` is the model's RMSNorm (its weight, eps and formula: transformer.RMSNorm.forward)."""
     if not _fused_norm_ok(x, residual):
         if residual is None:
@@ -212,12 +265,12 @@ def norm_quant(norm: nn.Module, x: Tensor, residual: Tensor | None = None,
     x2 = x.reshape(-1, D)
     if x.is_cuda:
         r, y, q, s = _triton().rmsnorm_quant(x2, None if residual is None else residual.reshape(-1, D), norm.weight,
-                                             norm.eps, keep, ld_align=LD_ALIGN)
+                                             norm.eps, keep, ld_align=LD_ALIGN, ue8m0=ue8m0)
         s = s[:, :x2.shape[0]].t()
     else:  # the CPU stand-in of the tests: the same numbers by the unfused ops
         r = x2 if residual is None else residual.reshape(-1, D) + x2
         y = norm(r)
-        q, s = quantize_act_torch(y)
+        q, s = quantize_act_torch(y, ue8m0)
     h = Quantized(q, s, x.shape, x.dtype, y.view(x.shape) if keep else None)
     return (None if residual is None else r.view(x.shape)), h
 
@@ -319,9 +372,9 @@ def fp8_grouped_mm(q: Tensor, s: Tensor, w: Tensor, w_scale: Tensor, ends: Seque
 
 
 def linear(x: Tensor | Quantized, weight: Tensor, scale_inv: Tensor, bias: Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> Tensor:
-    """The W8A8 linear: x (..., K) quantised per token group (or given Quantized), times the FP8 weight (N, K);
-    out_dtype defaults to x's. A bias is added in float32 before the one rounding."""
+           out_dtype: torch.dtype | None = None, ue8m0: bool = False) -> Tensor:
+    """The W8A8 linear: x (..., K) quantised per token group (power-of-two scales with ue8m0; or given Quantized),
+    times the FP8 weight (N, K); out_dtype defaults to x's. A bias is added in float32 before the one rounding."""
     out_dtype = out_dtype or x.dtype
     lead = x.shape[:-1]
     if isinstance(x, Quantized):  # quantised by norm_quant already
@@ -330,7 +383,7 @@ def linear(x: Tensor | Quantized, weight: Tensor, scale_inv: Tensor, bias: Tenso
         y = F.linear(x, dequantize_blocks(weight, scale_inv, x.dtype), bias)
         return y if y.dtype == out_dtype else y.to(out_dtype)
     else:
-        q, s = quantize_act(x.reshape(-1, x.shape[-1]))
+        q, s = quantize_act(x.reshape(-1, x.shape[-1]), ue8m0=ue8m0)
     if bias is None:
         y = fp8_mm(q, s, weight, scale_inv, out_dtype)
     else:
@@ -344,7 +397,9 @@ def linear(x: Tensor | Quantized, weight: Tensor, scale_inv: Tensor, bias: Tenso
 
 class Fp8Linear(nn.Module):
     """A linear layer holding a float8_e4m3fn `weight` (out, in) and its float32 `weight_scale_inv`
-    (ceil(out/128), ceil(in/128)), computed W8A8. Parameter names are the checkpoint's."""
+    (ceil(out/128), ceil(in/128)), computed W8A8. Parameter names are the checkpoint's. `ue8m0` (set by
+    to_ue8m0, after loading): the weight re-quantised to power-of-two block scales, the input quantised with
+    power-of-two scales."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, bias_dtype=None, device=None):
         super().__init__()
@@ -356,6 +411,7 @@ class Fp8Linear(nn.Module):
             requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype, device=device),
                                  requires_grad=False) if bias else None
+        self.ue8m0 = False
 
     @classmethod
     def like(cls, lin: nn.Linear) -> "Fp8Linear":
@@ -364,13 +420,22 @@ class Fp8Linear(nn.Module):
 
     @torch.compiler.disable  # a Triton kernel and a cuBLAS call: a compiled graph around them must not re-lower them
     def forward(self, x: Tensor | Quantized, out_dtype: torch.dtype | None = None) -> Tensor:
-        return linear(x, self.weight, self.weight_scale_inv, self.bias, out_dtype)
+        return linear(x, self.weight, self.weight_scale_inv, self.bias, out_dtype, self.ue8m0)
+
+    @torch.no_grad()
+    def to_ue8m0(self) -> None:
+        """Re-quantise the loaded weight to power-of-two block scales (requant_ue8m0) and quantise inputs so; once."""
+        if not self.ue8m0:
+            w, s = requant_ue8m0(self.weight, self.weight_scale_inv)
+            self.weight.copy_(w)
+            self.weight_scale_inv.copy_(s)
+            self.ue8m0 = True
 
     @staticmethod
     def cat(parts: Sequence["Fp8Linear"]) -> "Fp8Linear | None":
         """One linear of the parts' rows stacked (q|k|v, gate|up), or None when a part's rows do not end on a
         128-row block (its scale block would cover two parts)."""
-        if any(p.out_features % GROUP for p in parts[:-1]) or len({p.in_features for p in parts}) != 1:
+        if any(p.out_features % GROUP for p in parts[:-1]) or len({(p.in_features, p.ue8m0) for p in parts}) != 1:
             return None
         has_bias = parts[0].bias is not None
         out = Fp8Linear(parts[0].in_features, sum(p.out_features for p in parts), has_bias,
@@ -379,10 +444,12 @@ class Fp8Linear(nn.Module):
         out.weight_scale_inv = nn.Parameter(torch.cat([p.weight_scale_inv for p in parts]), requires_grad=False)
         if has_bias:
             out.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+        out.ue8m0 = parts[0].ue8m0
         return out
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, w8a8"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"w8a8, {'ue8m0' if self.ue8m0 else 'float32'} scales")
 
 
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -409,6 +476,30 @@ def use_fp8_linears(model: nn.Module, is_fp8: Callable[[str], bool]) -> list[str
     return done
 
 
+def use_scales(model: nn.Module, fmt: str | None = None) -> str:
+    """Put a loaded (and sharded) W8A8 model in scale format `fmt` (scale_format: the value, env POC_FP8_SCALES, or
+    ue8m0) and return it. ue8m0, as vLLM with DeepGEMM on Hopper: every Fp8Linear's weight re-quantised to
+    power-of-two block scales and its input quantised with power-of-two scales; the W8A8 experts quantise both
+    GEMMs' inputs with power-of-two scales and keep the checkpoint's weights and float32 block scales. float32: as
+    loaded. Blocks are independent, so this may run on a rank's shard."""
+    fmt = scale_format(fmt)
+    if fmt == "ue8m0":
+        for m in model.modules():
+            if isinstance(m, Fp8Linear):
+                m.to_ue8m0()
+            elif getattr(m, "w8a8", False):  # transformer.MoE with W8A8 experts
+                m.ue8m0 = True
+    return fmt
+
+
+def scales_of(model: nn.Module) -> str | None:
+    """The scale format a model computes in (ue8m0 or float32), or None when it has no W8A8 layer."""
+    for m in model.modules():
+        if isinstance(m, Fp8Linear) or getattr(m, "w8a8", False):
+            return "ue8m0" if m.ue8m0 else "float32"
+    return None
+
+
 def scale_slice(name: str, dim: int, start: int, stop: int, full: int) -> tuple[int, int, int]:
     """The block-scale rows/columns of a tensor-parallel slice [start, stop) of an FP8 weight along dim: a split
     must fall on 128-blocks, or one scale would serve two ranks (and the activation groups would move)."""
@@ -427,7 +518,8 @@ GROUP_ROWS = 128  # the padded expert-group layout of experts_w8a8: each expert'
 
 
 def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13: Tensor, w2: Tensor, s2: Tensor,
-                 act: Callable[[Tensor], Tensor], xq: Quantized | None = None) -> tuple[Tensor, Tensor]:
+                 act: Callable[[Tensor], Tensor], xq: Quantized | None = None,
+                 ue8m0: bool = False) -> tuple[Tensor, Tensor]:
     """The routed expert outputs (N, D) in the model dtype, as the fork's fused MoE computes them: each routed copy
     of a token's hidden state quantised per group (per row: the same numbers as quantising the token once), the w13
     FP8 GEMM, SwiGLU in the model dtype, quantised again, the w2 FP8 GEMM. rows: the (token, choice) pairs in expert
@@ -440,7 +532,8 @@ def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
     a GEMM tile never spans two experts: on CUDA one kernel per GEMM covers every expert (no host sync, no
     per-expert launch), the first with act and the re-quantisation in its epilogue (the same bits as act and
     quantize_act after it, tests/test_w8a8.py on CUDA): fp8_gluon's on Hopper, fp8_triton's elsewhere; on the CPU
-    one block-scaled GEMM per expert, then act, then the quantiser. xq: x already quantised (norm_quant)."""
+    one block-scaled GEMM per expert, then act, then the quantiser. xq: x already quantised (norm_quant). ue8m0:
+    both quantisers with power-of-two scales (the weights and their float32 block scales as the checkpoint's)."""
     dest, tile_expert, a_rows = padded_layout(rows, k, ends)
     kern = _triton() if x.is_cuda and _RECIPE[0] == "fast" else None
     glu = _gluon(x.device) if kern is not None else None
@@ -450,18 +543,18 @@ def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
         if x.dtype == torch.float32:
             slots = torch.full((x.shape[0] * k,), -1, dtype=torch.int32, device=x.device)
             slots[rows] = dest.to(torch.int32)
-            q, s = kern.quantize_scatter(x, slots.view(-1, k), a_rows)
-            aq, as_ = glu.w13_swiglu_quant(q, s, w13, s13, tile_expert, x.dtype)
+            q, s = kern.quantize_scatter(x, slots.view(-1, k), a_rows, ue8m0=ue8m0)
+            aq, as_ = glu.w13_swiglu_quant(q, s, w13, s13, tile_expert, x.dtype, ue8m0=ue8m0)
         else:
-            qt, st = (xq.q, xq.s) if xq is not None else quantize_act(x)
-            aq, as_ = glu.w13_swiglu_quant(qt, st.t(), w13, s13, tile_expert, x.dtype, a_rows)
+            qt, st = (xq.q, xq.s) if xq is not None else quantize_act(x, ue8m0=ue8m0)
+            aq, as_ = glu.w13_swiglu_quant(qt, st.t(), w13, s13, tile_expert, x.dtype, a_rows, ue8m0=ue8m0)
         return glu.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype), dest
     # each token quantised once (the quantisation is per row); its routed copies are rows of that
-    qt, st = (xq.q, xq.s) if xq is not None else quantize_act(x)
+    qt, st = (xq.q, xq.s) if xq is not None else quantize_act(x, ue8m0=ue8m0)
     if kern is not None and w13.shape[2] % GROUP == 0 and w2.shape[2] % GROUP == 0:
         # w13, SwiGLU (act's arithmetic) and the re-quantisation in one kernel; the gather is in its loads
         aq, as_ = kern.w13_swiglu_quant(qt, col_major(st), w13, s13, tile_expert, x.dtype, a_rows,
-                                        group_rows=GROUP_ROWS)
+                                        group_rows=GROUP_ROWS, ue8m0=ue8m0)
         return kern.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype, group_rows=GROUP_ROWS), dest
     tok = rows // k
     q = torch.zeros((a_rows.numel(), x.shape[1]), dtype=FP8, device=x.device)
@@ -473,7 +566,7 @@ def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
                                                            dtype=torch.int32)) * GROUP_ROWS).tolist()
     n = bounds[-1] if bounds else 0
     h = fp8_grouped_mm(q[:n], s[:n], w13, s13, bounds, x.dtype)
-    aq, as_ = quantize_act(act(h))
+    aq, as_ = quantize_act(act(h), ue8m0=ue8m0)
     return fp8_grouped_mm(aq, as_, w2, s2, bounds, x.dtype), dest
 
 

@@ -140,7 +140,7 @@ def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as
               out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N: gl.constexpr, KB: gl.constexpr,
               TILE_N: gl.constexpr, SUB_STRIDE: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr,
               OUT_CODE: gl.constexpr, TMA_OUT: gl.constexpr, HANDOFF: gl.constexpr, h_bufs, hready, hfree,
-              GATHER: gl.constexpr, a_rows_ptr):
+              GATHER: gl.constexpr, a_rows_ptr, UE8M0: gl.constexpr):
     """Rows [64 WG, 64 WG + 64) of each tile: the two weight blocks' block-scaled products, then the epilogue (or,
     HANDOFF, the products rounded to the model dtype into h_bufs for _swiglu_epilogue)."""
     OUT: gl.constexpr = _dtype(OUT_CODE)
@@ -197,7 +197,8 @@ def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as
                 mbarrier.arrive(hready.index(WG), count=1)
                 tc += 1
             elif SWIGLU:  # fp8_triton._swiglu_quant, term for term
-                q, sc = _swiglu_quant_rows(acc0.to(OUT).to(gl.float32), acc1.to(OUT).to(gl.float32), OUT, OUT_CODE)
+                q, sc = _swiglu_quant_rows(acc0.to(OUT).to(gl.float32), acc1.to(OUT).to(gl.float32), OUT, OUT_CODE,
+                                           UE8M0)
                 tma.store_wait(0)  # the previous tile's store has left c_bufs
                 c_bufs.index(WG).store(q)
                 fence_async_shared()
@@ -220,12 +221,19 @@ def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as
 
 
 @gluon.jit
-def _swiglu_quant_rows(g, u, OUT: gl.constexpr, OUT_CODE: gl.constexpr):
+def _swiglu_quant_rows(g, u, OUT: gl.constexpr, OUT_CODE: gl.constexpr, UE8M0: gl.constexpr):
     """fp8_triton._swiglu_quant on rows of g and u (float32 values of the model dtype): the FP8 values and the rows'
-    scales."""
+    scales (UE8M0: fp8_triton._pow2_scale's power-of-two scale and the exact product with its reciprocal)."""
     silu = gl.div_rn(g, 1.0 + libdevice.exp(-g)).to(OUT).to(gl.float32)
     h = (silu * u).to(OUT).to(gl.float32)
-    sc = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-10) * (1.0 / 448.0)
+    amax = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-10)
+    if UE8M0:
+        bits = gl.div_rn(amax, gl.full_like(amax, 448.0)).to(gl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(gl.int32)
+        sc = (e << 23).to(gl.float32, bitcast=True)
+        hs = h * ((254 - e) << 23).to(gl.float32, bitcast=True)[:, None]
+        return gl.minimum(gl.maximum(hs, -448.0), 448.0).to(gl.float8e4nv), sc
+    sc = amax * (1.0 / 448.0)
     if OUT_CODE == 2:  # float32 h: IEEE division
         hs = gl.div_rn(h, sc[:, None])
     else:  # 16-bit h: fp8_triton._div_by_row's exact division, a reciprocal per row and one FMA
@@ -237,7 +245,7 @@ def _swiglu_quant_rows(g, u, OUT: gl.constexpr, OUT_CODE: gl.constexpr):
 
 @gluon.jit
 def _swiglu_epilogue(h_bufs, hready, hfree, out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles,
-                     NT_N: gl.constexpr, OUT_CODE: gl.constexpr, CH: gl.constexpr):
+                     NT_N: gl.constexpr, OUT_CODE: gl.constexpr, CH: gl.constexpr, UE8M0: gl.constexpr):
     """w13's epilogue in warps of its own, overlapping the consumers' next tile: each half tile's g and u from
     h_bufs, CH rows at a time, through SwiGLU and the quantiser to q (rows, F) and its scales."""
     OUT: gl.constexpr = _dtype(OUT_CODE)
@@ -257,7 +265,7 @@ def _swiglu_epilogue(h_bufs, hready, hfree, out_ptr, s_om, qs_ptr, s_qsg, tile_e
                 for r0 in gl.static_range(0, 64, CH):
                     g = h_bufs.index(2 * wg).slice(r0, CH).load(blk).to(gl.float32)
                     u = h_bufs.index(2 * wg + 1).slice(r0, CH).load(blk).to(gl.float32)
-                    q, sc = _swiglu_quant_rows(g, u, OUT, OUT_CODE)
+                    q, sc = _swiglu_quant_rows(g, u, OUT, OUT_CODE, UE8M0)
                     rows = pid_m * 128 + wg * 64 + r0 + gl.arange(0, CH, rl)
                     gl.store(out_ptr + rows.to(gl.int64)[:, None] * s_om + (pid_n * 128 + cols)[None, :], q)
                     gl.store(qs_ptr + pid_n * s_qsg + rows, sc)
@@ -273,7 +281,7 @@ def fp8_ws_grouped_gemm(a_desc, a_ptr, s_am, a_rows_ptr, b_desc, c_desc, as_ptr,
                         TILE_N: gl.constexpr, SUB_STRIDE: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr,
                         OUT_CODE: gl.constexpr, TMA_OUT: gl.constexpr, HANDOFF: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, EPILOGUE_REGS: gl.constexpr,
-                        CH: gl.constexpr, GATHER: gl.constexpr):
+                        CH: gl.constexpr, GATHER: gl.constexpr, UE8M0: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 64, 128], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 128, 128], b_desc.layout)
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [1 if HANDOFF else (2 if SWIGLU else (4 if TMA_OUT else 1)), 64,
@@ -298,36 +306,36 @@ def fp8_ws_grouped_gemm(a_desc, a_ptr, s_am, a_rows_ptr, b_desc, c_desc, as_ptr,
         gl.warp_specialize([
             (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0)),
             (_consumer, (1, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0)),
             (_producer_gather, (a_ptr, s_am, a_rows_ptr, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E,
                                 n_tiles, NT_N, KB, N_E, TILE_N, SUB_STRIDE, STAGES)),
             (_swiglu_epilogue, (h_bufs, hready, hfree, out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N,
-                                OUT_CODE, CH)),
+                                OUT_CODE, CH, UE8M0)),
         ], [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, EPILOGUE_REGS])
     elif HANDOFF:
         gl.warp_specialize([
             (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0)),
             (_consumer, (1, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E, n_tiles, NT_N, KB, N_E,
                          TILE_N, SUB_STRIDE, STAGES)),
             (_swiglu_epilogue, (h_bufs, hready, hfree, out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N,
-                                OUT_CODE, CH)),
+                                OUT_CODE, CH, UE8M0)),
         ], [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, EPILOGUE_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0)),
             (_consumer, (1, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E, n_tiles, NT_N, KB, N_E,
                          TILE_N, SUB_STRIDE, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -345,7 +353,7 @@ def fits(w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 def _launch(q, s, w, w_scale, tile_expert, out, qs, swiglu, model_dtype, stages, tma_out, handoff=False,
-            a_rows=None):
+            a_rows=None, ue8m0=False):
     E, N, K = w.shape
     rows = tile_expert.numel() * ROWS
     gather = a_rows is not None
@@ -364,16 +372,17 @@ def _launch(q, s, w, w_scale, tile_expert, out, qs, swiglu, model_dtype, stages,
         qs.stride(0), tile_expert, E, n_tiles, NT_N=nt_n, KB=K // GROUP, N_E=N, TILE_N=tile_n, SUB_STRIDE=sub,
         STAGES=stages, SWIGLU=swiglu, OUT_CODE=_OUT_CODES[model_dtype], TMA_OUT=tma_out, HANDOFF=handoff,
         CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], EPILOGUE_REGS=regs[2], CH=HANDOFF_ROWS, GATHER=gather,
-        num_warps=4, enable_fp_fusion=FP_FUSION)
+        UE8M0=ue8m0, num_warps=4, enable_fp_fusion=FP_FUSION)
 
 
 def w13_swiglu_quant(q: torch.Tensor, s: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                      tile_expert: torch.Tensor, model_dtype: torch.dtype,
-                     a_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     a_rows: torch.Tensor | None = None, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The padded layout's rows through w13 (E, 2F, D), SwiGLU in model_dtype and the quantiser: (q (rows, F) float8,
     s (F/128, rows) float32), the second GEMM's input (the tiles past the last group are left unwritten; no GEMM reads
     them). A is q (rows, D) float8 with scales s (D/128, rows), or with a_rows (each padded row's token, -1: a zero
-    row; 16-bit models) the tokens' q (T, D) and s (D/128, T), gathered in the kernel's loads."""
+    row; 16-bit models) the tokens' q (T, D) and s (D/128, T), gathered in the kernel's loads. ue8m0: the
+    re-quantisation's power-of-two scales."""
     M, F = tile_expert.numel() * ROWS, w13.shape[1] // 2
     qo = torch.empty((M, F), dtype=FP8, device=q.device)
     so = torch.empty((F // GROUP, M), dtype=torch.float32, device=q.device)
@@ -381,7 +390,7 @@ def w13_swiglu_quant(q: torch.Tensor, s: torch.Tensor, w13: torch.Tensor, w13_sc
     if a_rows is not None and not handoff:
         raise ValueError("fp8_gluon: the gathered A needs the hand-off epilogue (a 16-bit model)")
     _launch(q, s, w13, w13_scale, tile_expert, qo, so, True, model_dtype, HANDOFF_STAGES if handoff else W13_STAGES,
-            True, handoff, a_rows)
+            True, handoff, a_rows, ue8m0)
     return qo, so
 
 

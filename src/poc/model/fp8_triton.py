@@ -1,7 +1,9 @@
 """The W8A8 recipe's CUDA kernels, in Triton (`model/fp8.py` calls them on CUDA; it holds the recipe and the CPU path).
 
-- `quantize`: the per-token-group activation quantiser, bit for bit the spec's formula (IEEE division: Triton's
-  plain `/` on float32 is an approximation that can move a value across an FP8 rounding boundary);
+- `quantize`: the per-token-group activation quantiser, bit for bit the spec's formula in both scale formats
+  (float32 `amax * (1/448)` with IEEE division: Triton's plain `/` on float32 is an approximation that can move a
+  value across an FP8 rounding boundary; UE8M0, the smallest power of two >= amax / 448, from the quotient's bits,
+  and an exact product with its reciprocal); every quantiser here takes the format as a constexpr `UE8M0`;
 - `rmsnorm_quant`: the residual add, the model's RMSNorm and the quantiser in one pass over whole rows (the
   quantiser's code, so its bits), for `fp8.norm_quant`;
 - `grouped_gemm`: the experts' block-scaled FP8 GEMM, every expert in one launch over the padded row layout of
@@ -60,34 +62,47 @@ def _div_by_row(x, s, FAST: tl.constexpr):
 
 
 @triton.jit
-def _quant_groups(x, FAST: tl.constexpr):
+def _pow2_scale(amax):
+    """(s, 1/s) for UE8M0: s the smallest power of two >= amax / 448 (IEEE quotient; its exponent, plus one where
+    its mantissa is not zero: fp8.pow2_ceil), 1/s exact. amax >= 1e-10, so both are normal float32 numbers."""
+    bits = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (e << 23).to(tl.float32, bitcast=True), ((254 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quant_groups(x, FAST: tl.constexpr, UE8M0: tl.constexpr):
     """(R, 128) float32, one activation group per row -> (q as float32 values on the FP8 grid, s (R,)): the spec's
-    amax, scale = amax * (1/448) and q = clamp(x / scale) with IEEE division (_div_by_row; FAST: x holds 16-bit
-    values)."""
+    amax, then scale = amax * (1/448) and q = clamp(x / scale) with IEEE division (_div_by_row; FAST: x holds
+    16-bit values), or with UE8M0 the power-of-two scale and q = x * (1/scale), exactly x / scale."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
-    s = amax * (1.0 / 448.0)
-    return tl.clamp(_div_by_row(x, s, FAST), -448.0, 448.0), s
+    if UE8M0:
+        s, inv = _pow2_scale(amax)
+        return tl.clamp(x * inv[:, None], -448.0, 448.0), s
+    else:
+        s = amax * (1.0 / 448.0)
+        return tl.clamp(_div_by_row(x, s, FAST), -448.0, 448.0), s
 
 
 @triton.jit
 def fp8_act_quant(x_ptr, q_ptr, s_ptr, M, K, W, stride_xm, stride_qm, stride_sg, ROWS: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    """A tile of ROWS rows x one 128-column group: amax, scale = amax * (1/448), q = clamp(x / scale)."""
+                  BLOCK: tl.constexpr, UE8M0: tl.constexpr):
+    """A tile of ROWS rows x one 128-column group: amax, the scale, q = clamp(x / scale) (_quant_groups)."""
     pid_m, g = tl.program_id(0), tl.program_id(1)
     rows = pid_m * ROWS + tl.arange(0, ROWS)
     cols = g * BLOCK + tl.arange(0, BLOCK)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     r64 = rows.to(tl.int64)[:, None]  # offsets past 2**31 elements at large batches
     x = tl.load(x_ptr + r64 * stride_xm + cols[None, :], mask=mask, other=0.0)
-    q, s = _quant_groups(x.to(tl.float32), x.dtype != tl.float32)
+    q, s = _quant_groups(x.to(tl.float32), x.dtype != tl.float32, UE8M0)
     out = (rows[:, None] < M) & (cols[None, :] < W)  # columns K..W-1: zero (loaded as 0, quantised to 0)
     tl.store(q_ptr + r64 * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=out)
     tl.store(s_ptr + g * stride_sg + rows, s, mask=rows < M)  # (G, >=M) row-major: s.t() column-major
 
 
-def quantize(x: torch.Tensor, width: int, *, ld_align: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, width: int, *, ld_align: int, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) -> q (M, width) float8 (columns past K zero), s (M, ceil(width/128)) float32, column-major in a
-    buffer whose row count is padded to ld_align (the block-scaled GEMM's alignment)."""
+    buffer whose row count is padded to ld_align (the block-scaled GEMM's alignment); ue8m0: power-of-two scales."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
@@ -96,7 +111,7 @@ def quantize(x: torch.Tensor, width: int, *, ld_align: int) -> tuple[torch.Tenso
     s = torch.empty((G, triton.cdiv(M, ld_align) * ld_align), dtype=torch.float32, device=x.device)
     rows = 32
     fp8_act_quant[(triton.cdiv(M, rows), G)](x, q, s, M, K, width, x.stride(0), q.stride(0), s.stride(0), ROWS=rows,
-                                       BLOCK=GROUP, enable_fp_fusion=FP_FUSION)
+                                             BLOCK=GROUP, UE8M0=ue8m0, enable_fp_fusion=FP_FUSION)
     return q, s[:, :M].t()
 
 
@@ -111,12 +126,12 @@ def _norm_configs_that_fit(configs, nargs, **kw):
 
 
 # rows are independent: every config computes the same bits
-@triton.autotune(configs=NORM_CONFIGS, key=["D", "RES", "KEEP"],
+@triton.autotune(configs=NORM_CONFIGS, key=["D", "RES", "KEEP", "UE8M0"],
                  prune_configs_by={"early_config_prune": _norm_configs_that_fit})
 @triton.jit
 def fp8_rmsnorm_quant(x_ptr, res_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, M, eps, stride_sg, D: tl.constexpr,
                       RES: tl.constexpr, KEEP: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, UE8M0: tl.constexpr):
     """ROWS whole rows: (with RES) r = res + x rounded to x's dtype and stored; y = RMSNorm(r) as
     transformer.RMSNorm rounds it (the squares summed exactly in float64, rounded to float32, IEEE division by D,
     + eps, rsqrt, the product rounded to the model dtype, times the weight rounded again), stored only with KEEP;
@@ -138,7 +153,7 @@ def fp8_rmsnorm_quant(x_ptr, res_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, M, eps,
     y = (y.to(tl.float32) * w.to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
     if KEEP:
         tl.store(y_ptr + off, y, mask=mask)
-    q, s = _quant_groups(tl.reshape(y.to(tl.float32), (ROWS * (BLOCK_D // BLOCK), BLOCK)), True)
+    q, s = _quant_groups(tl.reshape(y.to(tl.float32), (ROWS * (BLOCK_D // BLOCK), BLOCK)), True, UE8M0)
     tl.store(q_ptr + off, tl.reshape(q, (ROWS, BLOCK_D)).to(q_ptr.dtype.element_ty), mask=mask)
     g = tl.arange(0, BLOCK_D // BLOCK)
     tl.store(s_ptr + g[None, :] * stride_sg + rows[:, None], tl.reshape(s, (ROWS, BLOCK_D // BLOCK)),
@@ -146,12 +161,12 @@ def fp8_rmsnorm_quant(x_ptr, res_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, M, eps,
 
 
 def rmsnorm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, keep: bool, *,
-                  ld_align: int, config: triton.Config | None = None
+                  ld_align: int, config: triton.Config | None = None, ue8m0: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (M, D) 16-bit, D a multiple of 128 -> (r, y, q, s): r = residual + x (empty without a residual), y its
     RMSNorm (empty unless keep), q (M, D) float8 and s (D/128, M padded to ld_align) float32 row-major: y quantised
-    as `quantize` quantises it (s[:, :M].t() is its column-major scale operand). The tile config is autotuned per
-    (D, residual, keep); config: one of NORM_CONFIGS instead (the tests run each)."""
+    as `quantize` quantises it in the same scale format (s[:, :M].t() is its column-major scale operand). The tile
+    config is autotuned per (D, residual, keep, format); config: one of NORM_CONFIGS instead (the tests run each)."""
     M, D = x.shape
     if D % GROUP or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"rmsnorm_quant takes 16-bit rows of whole {GROUP}-column groups, got {x.dtype} {D}")
@@ -164,14 +179,14 @@ def rmsnorm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
         kern, meta = (fp8_rmsnorm_quant, {}) if config is None else (fp8_rmsnorm_quant.fn, config.all_kwargs())
         kern[lambda m: (triton.cdiv(M, m["ROWS"]), )](
             x, x if residual is None else residual.contiguous(), weight, r, y, q, s, M, eps, s.stride(0), D=D,
-            RES=residual is not None, KEEP=keep, BLOCK_D=triton.next_power_of_2(D), BLOCK=GROUP,
+            RES=residual is not None, KEEP=keep, BLOCK_D=triton.next_power_of_2(D), BLOCK=GROUP, UE8M0=ue8m0,
             enable_fp_fusion=False, **meta)  # no sum of products to contract here
     return r, y, q, s
 
 
 @triton.jit
 def fp8_act_quant_scatter(x_ptr, q_ptr, s_ptr, dest_ptr, M, K, stride_xm, stride_qm, stride_sg, KSEL: tl.constexpr,
-                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                          ROWS: tl.constexpr, BLOCK: tl.constexpr, UE8M0: tl.constexpr):
     """fp8_act_quant's tile, stored to each of its rows' KSEL destination rows (dest (M, KSEL); -1: none)."""
     pid_m, g = tl.program_id(0), tl.program_id(1)
     rows = pid_m * ROWS + tl.arange(0, ROWS)
@@ -179,7 +194,7 @@ def fp8_act_quant_scatter(x_ptr, q_ptr, s_ptr, dest_ptr, M, K, stride_xm, stride
     live = rows < M
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :],
                 mask=live[:, None] & (cols[None, :] < K), other=0.0)
-    q, s = _quant_groups(x.to(tl.float32), x.dtype != tl.float32)
+    q, s = _quant_groups(x.to(tl.float32), x.dtype != tl.float32, UE8M0)
     q = q.to(q_ptr.dtype.element_ty)
     for j in tl.static_range(KSEL):
         d = tl.load(dest_ptr + rows * KSEL + j, mask=live, other=-1).to(tl.int64)
@@ -205,7 +220,8 @@ def fp8_zero_rows(q_ptr, s_ptr, a_rows_ptr, M, stride_qm, stride_sg, G: tl.const
 SCATTER_CONFIG = {"ROWS": 32, "num_warps": 4}
 
 
-def quantize_scatter(x: torch.Tensor, dest: torch.Tensor, a_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_scatter(x: torch.Tensor, dest: torch.Tensor, a_rows: torch.Tensor,
+                     ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x (T, K) quantised per token per group, each token's row written to its routed rows of the padded layout:
     dest (T, k) int32 (-1: a slot routed elsewhere), a_rows (rows,) each padded row's token (-1: padding, written
     as zeros). Returns q (rows, K) float8 and s (K/128, rows) float32 (row-major), the layout the Hopper expert
@@ -221,8 +237,8 @@ def quantize_scatter(x: torch.Tensor, dest: torch.Tensor, a_rows: torch.Tensor) 
     rows, warps = SCATTER_CONFIG["ROWS"], SCATTER_CONFIG["num_warps"]
     if T:
         fp8_act_quant_scatter[(triton.cdiv(T, rows), G)](x, q, s, dest, T, K, x.stride(0), q.stride(0), s.stride(0),
-                                                         KSEL=dest.shape[1], ROWS=rows, BLOCK=GROUP, num_warps=warps,
-                                                         enable_fp_fusion=FP_FUSION)
+                                                         KSEL=dest.shape[1], ROWS=rows, BLOCK=GROUP, UE8M0=ue8m0,
+                                                         num_warps=warps, enable_fp_fusion=FP_FUSION)
     if M:
         fp8_zero_rows[(triton.cdiv(M, 64), )](q, s, a_rows, M, q.stride(0), s.stride(0), G=G, ROWS=64, BLOCK=GROUP)
     return q, s
@@ -294,7 +310,7 @@ def grouped_gemm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: tor
 
 
 @triton.jit
-def _swiglu_quant(acc_g, acc_u, OUT: tl.constexpr):
+def _swiglu_quant(acc_g, acc_u, OUT: tl.constexpr, UE8M0: tl.constexpr):
     """Float32 gate and up tiles -> the SwiGLU output's quantised values (float32, FP8-representable) and the rows'
     scales: g and u rounded to OUT, SiLU(g) = g / (1 + exp(-g)) in float32 (libdevice exp, IEEE division, as eager
     torch) rounded to OUT, times u rounded to OUT, then fp8_act_quant's formula over the tile's 128 columns."""
@@ -302,14 +318,14 @@ def _swiglu_quant(acc_g, acc_u, OUT: tl.constexpr):
     u = acc_u.to(OUT).to(tl.float32)
     silu = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)).to(OUT).to(tl.float32)
     h = (silu * u).to(OUT).to(tl.float32)
-    return _quant_groups(h, OUT != tl.float32)
+    return _quant_groups(h, OUT != tl.float32, UE8M0)
 
 
 @triton.jit
 def fp8_gemm_w13_swiglu_quant(a_ptr, as_ptr, b_ptr, bs_ptr, q_ptr, qs_ptr, tile_e_ptr, a_rows_ptr, K: tl.constexpr,
                               F: tl.constexpr, E, s_am, s_asm, s_asg, s_be, s_bn, s_bse, s_bsn, s_qm, s_qsg,
                               OUT: tl.constexpr, GATHER: tl.constexpr, TILES: tl.constexpr, BM: tl.constexpr,
-                              BK: tl.constexpr):
+                              BK: tl.constexpr, UE8M0: tl.constexpr):
     """Tile (m, n): gate columns [n*128, n*128+128) and up columns F + the same, accumulated as fp8_grouped_gemm
     does; then SwiGLU in OUT (the model dtype) and the quantiser (_swiglu_quant), written to q (rows, F) float8 and
     qs (F/128, rows) float32."""
@@ -336,14 +352,14 @@ def fp8_gemm_w13_swiglu_quant(a_ptr, as_ptr, b_ptr, bs_ptr, q_ptr, qs_ptr, tile_
             a_ptrs += BK
             bg_ptrs += BK
             bu_ptrs += BK
-        q, s = _swiglu_quant(acc_g, acc_u, OUT)
+        q, s = _swiglu_quant(acc_g, acc_u, OUT, UE8M0)
         tl.store(q_ptr + rows[:, None] * s_qm + cols[None, :], q.to(q_ptr.dtype.element_ty))
         tl.store(qs_ptr + pid_n * s_qsg + rows, s)
 
 
 def w13_swiglu_quant(q: torch.Tensor, s: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                      tile_expert: torch.Tensor, model_dtype: torch.dtype, a_rows: torch.Tensor | None = None, *,
-                     group_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     group_rows: int, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The padded layout's rows through w13 (E, 2F, K) (gate rows, then up rows), SwiGLU in model_dtype and the
     quantiser: (q (rows, F) float8, s (rows, F/128) float32 column-major), the second GEMM's input. Rows that read
     no token (padding) come out as zero groups."""
@@ -360,5 +376,5 @@ def w13_swiglu_quant(q: torch.Tensor, s: torch.Tensor, w13: torch.Tensor, w13_sc
         q, s, w13, w13_scale, qo, so, tile_expert, a_rows if gather else tile_expert, K, F, E, q.stride(0),
         s.stride(0), s.stride(1), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         qo.stride(0), so.stride(0), OUT=TL_DTYPES[model_dtype], GATHER=gather, TILES=group_rows // bm, BM=bm,
-        BK=GROUP, num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
+        BK=GROUP, UE8M0=ue8m0, num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
     return qo, so.t()

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from poc.model.config import ModelConfig
-from poc.model.fp8 import FP8, fp8_mode, use_fp8_linears
+from poc.model.fp8 import FP8, fp8_mode, use_fp8_linears, use_scales
 from poc.model.transformer import MoE, Transformer
 
 RANDOM_PREFIX = "random:"  # a model "directory" of the form random:<preset>[:fp8] (benchmarks, demos)
@@ -29,11 +29,12 @@ FP8_SPREAD = 64.0  # the fp8 payload is N(0, 64) (max 448), its scale 0.02 / 64:
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_experts: bool = False, seed: int = 0,
                  shard: Callable[[Transformer], Mapping[str, tuple[int, int, int]] | None] | None = None,
-                 fp8: str | None = None) -> Transformer:
+                 fp8: str | None = None, fp8_scales: str | None = None) -> Transformer:
     """A fused, eval-mode headless model of `cfg`'s shape. `shard(model)` runs on the meta model first (e.g. keep a
     pipeline stage, apply tensor/expert parallel) so only this rank's part is ever allocated; it returns the slices
     it cut (parallel.tp.apply_tp's plan: name -> (dim, start, stop) of the full tensor), or None. fp8_experts: an
-    FP8 checkpoint's model, run as fp8 says (fp8.fp8_mode: w8a8 or dequant).
+    FP8 checkpoint's model, run as fp8 says (fp8.fp8_mode: w8a8 or dequant), W8A8 in scale format fp8_scales
+    (fp8.scale_format: ue8m0 or float32; the checkpoint-like weights drawn here are then re-quantised, fp8.use_scales).
 
     Every tensor is drawn whole from its own stream (seeded by `seed` and its name; each expert of a MoE layer its
     own), then cut to this rank's slice: the same weights on one device and in any tp x pp layout."""
@@ -70,6 +71,8 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_experts: bool
                     moe.w13[i].normal_(0.0, 0.02, generator=_stream(device, seed, f"layers.{key}.mlp.w13.{j}"))
                     moe.w2[i].normal_(0.0, 0.02, generator=_stream(device, seed, f"layers.{key}.mlp.w2.{j}"))
     model.init_rope(device)
+    if w8a8:
+        use_scales(model, fp8_scales)
     return model.fuse().requires_grad_(False).eval()
 
 

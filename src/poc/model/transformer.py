@@ -137,6 +137,10 @@ class Attention(nn.Module):
         """Whether only an FP8 linear reads this block's input (the fused q|k|v): it may come quantised."""
         return isinstance(self.qkv_proj, Fp8Linear)
 
+    def reads_ue8m0(self) -> bool:
+        """Whether that FP8 reader quantises its input with power-of-two scales."""
+        return self.reads_fp8() and self.qkv_proj.ue8m0
+
     def _project(self, x: Tensor | fp8.Quantized, last_only: bool) -> tuple[Tensor, Tensor, Tensor]:
         q_dim = self.n_heads * self.head_dim
         if self.qkv_proj is not None and (not last_only or isinstance(self.qkv_proj, Fp8Linear)):
@@ -217,6 +221,10 @@ class MLP(nn.Module):
         """Whether only an FP8 linear reads this block's input (the fused gate|up): it may come quantised."""
         return isinstance(self.gate_up_proj, Fp8Linear)
 
+    def reads_ue8m0(self) -> bool:
+        """Whether that FP8 reader quantises its input with power-of-two scales."""
+        return self.reads_fp8() and self.gate_up_proj.ue8m0
+
     def forward(self, x: Tensor | fp8.Quantized) -> Tensor:
         if self.gate_up_proj is not None:
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -247,6 +255,7 @@ class MoE(nn.Module):
         self.w13_scale: Tensor | None = None  # FP8 kept in memory: per-128x128-block scales of w13 / w2
         self.w2_scale: Tensor | None = None
         self.w8a8 = False  # FP8 experts: W8A8 GEMMs (quantised activations) instead of dequantised weights
+        self.ue8m0 = False  # W8A8 experts: power-of-two activation scales (fp8.use_scales)
         self.group = None  # expert-parallel process group (all-reduce of the fp32 partial sums)
         self.fast = False  # compiled elementwise steps in the dispatch (set by the engine when it compiles)
         self.reduce_in_model_dtype = False  # all-reduce rounded partials (POC_TP_REDUCE=model) instead of fp32 ones
@@ -277,6 +286,10 @@ class MoE(nn.Module):
         """Whether FP8 GEMMs read this block's input (the W8A8 experts; the router reads it in 16 bits too): it
         may come Quantized with the 16-bit activation kept."""
         return self.w8a8 and self.w13_scale is not None
+
+    def reads_ue8m0(self) -> bool:
+        """Whether the FP8 GEMMs quantise this block's input with power-of-two scales."""
+        return self.reads_fp8() and self.ue8m0
 
     def forward(self, x: Tensor | fp8.Quantized) -> Tensor:
         xq = None
@@ -365,7 +378,8 @@ def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor, xq: f
     combine = _fast(_combine, partial) if fast else _combine
     n_valid = ends[-1]
     if moe.w8a8 and moe.w13_scale is not None and fp8.current_recipe() != "dequant":  # the validators' recipe
-        y, dest = fp8.experts_w8a8(x, rows, k, ends, moe.w13, moe.w13_scale, moe.w2, moe.w2_scale, act, xq)
+        y, dest = fp8.experts_w8a8(x, rows, k, ends, moe.w13, moe.w13_scale, moe.w2, moe.w2_scale, act, xq,
+                                   ue8m0=moe.ue8m0)
         # outputs in a padded layout: route each (token, choice) slot through dest; another rank's slots stay out
         pos = torch.where(pos < n_valid, dest[pos.clamp(max=dest.numel() - 1)], y.shape[0])
         n_valid = y.shape[0]
@@ -469,12 +483,13 @@ class Block(nn.Module):
         res = x[:, -1:] if last_only else x
         fuse = fp8.FUSED_NORM  # else the norms stay in the compiled graph, their readers quantise
         if fuse and self.self_attn.reads_fp8():  # the norm and the projections' quantiser in one pass
-            h = fp8.norm_quant(self.input_layernorm, x)[1]
+            h = fp8.norm_quant(self.input_layernorm, x, ue8m0=self.self_attn.reads_ue8m0())[1]
         else:
             h = self.input_layernorm(x)
         y = self.self_attn(h, cos, sin, last_only)
         if fuse and self.mlp.reads_fp8():  # the residual add, the norm and the quantiser in one pass
-            r, h = fp8.norm_quant(self.post_attention_layernorm, y, residual=res, keep=isinstance(self.mlp, MoE))
+            r, h = fp8.norm_quant(self.post_attention_layernorm, y, residual=res, keep=isinstance(self.mlp, MoE),
+                                  ue8m0=self.mlp.reads_ue8m0())
         else:
             r = _add(res, y)
             h = self.post_attention_layernorm(r)

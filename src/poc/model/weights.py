@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from poc.errors import InputError
 from poc.model.config import ModelConfig
-from poc.model.fp8 import fp8_mode, use_fp8_linears
+from poc.model.fp8 import fp8_mode, use_fp8_linears, use_scales
 from poc.model.transformer import Transformer
 
 FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -361,9 +361,10 @@ def keep_fp8_experts(model: Transformer, refs: dict[str, TensorRef], device: tor
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
                with_head: bool = False, progress: bool = True, fp8_experts: str | None = None,
-               fp8: str | None = None) -> tuple[Transformer, ModelConfig]:
+               fp8: str | None = None, fp8_scales: str | None = None) -> tuple[Transformer, ModelConfig]:
     """Build the model of a HF checkpoint directory on meta and fill it from its safetensors, in eval mode.
-    fp8: an FP8 checkpoint's forward, w8a8 (default) or dequant (fp8.fp8_mode)."""
+    fp8: an FP8 checkpoint's forward, w8a8 (default) or dequant (fp8.fp8_mode); fp8_scales: W8A8's scale format,
+    ue8m0 (default) or float32 (fp8.scale_format, applied by fp8.use_scales)."""
     path = Path(path)
     if not path.is_dir():
         raise InputError(f"model directory {path} does not exist", "model")
@@ -395,4 +396,11 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: torc
         raise InputError(f"checkpoint did not fill {', '.join(left)}", "model")
     model.init_rope(device)
     model.requires_grad_(False)
+    finish_fp8(model, fp8, fp8_scales)
     return model.eval(), cfg
+
+
+def finish_fp8(model: Transformer, fp8: str | None = None, fp8_scales: str | None = None) -> None:
+    """A loaded (and sharded) model of an FP8 checkpoint computed W8A8 takes its scale format (fp8.use_scales)."""
+    if model.cfg.fp8_block is not None and fp8_mode(fp8) == "w8a8":
+        use_scales(model, fp8_scales)

@@ -87,7 +87,8 @@ class DistEngine(EngineBase):
 
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto", tp: int = 1,
                  pp: int = 1, world: int | None = None, timeout: float = 300.0, start_timeout: float = 180.0,
-                 log_level: str | None = None, compile: bool | str = False, fp8_experts: str | None = None):
+                 log_level: str | None = None, compile: bool | str = False, fp8_experts: str | None = None,
+                 fp8_scales: str | None = None):
         super().__init__(loading=bool(model_dir))
         self.device = resolve_device(device)
         if self.device.type == "cuda":
@@ -106,6 +107,7 @@ class DistEngine(EngineBase):
         self.compile_v1, self.compile_v2 = compile_flags(compile, self.device)
         self.compile = self.compile_v2
         self.fp8_experts = fp8_experts
+        self.fp8_scales = fp8_scales
         self._ranks: _Ranks | None = None
         self._job_ids = itertools.count(1)
 
@@ -141,7 +143,8 @@ class DistEngine(EngineBase):
                 g.conns[msg[1]] = c
             cfg = RankConfig(layout=L, backend="nccl" if cuda else "gloo", device_type=self.device.type,
                              store_port=0, timeout_s=self.timeout, threads=threads, log_level=self.log_level,
-                             compile_v1=self.compile_v1, compile_v2=self.compile_v2, fp8_experts=self.fp8_experts)
+                             compile_v1=self.compile_v1, compile_v2=self.compile_v2, fp8_experts=self.fp8_experts,
+                             fp8_scales=self.fp8_scales)
             g.send(0, cfg)
             msg = self._recv(g.conns[0], g, deadline)
             if msg[0] != "store":
@@ -568,5 +571,5 @@ def make_engine(device: str | None = None, model_dir: str | None = None, dtype: 
     if world == 1:
         compile_ = kw.pop("compile", False)
         return Engine(device=device, model_dir=model_dir, dtype=dtype, compile=compile_,
-                      fp8_experts=kw.pop("fp8_experts", None))
+                      fp8_experts=kw.pop("fp8_experts", None), fp8_scales=kw.pop("fp8_scales", None))
     return DistEngine(device=device, model_dir=model_dir, dtype=dtype, tp=tp, pp=pp, world=world, **kw)

@@ -112,3 +112,4 @@ class RankConfig:
     compile_v1: bool = False  # torch.compile of the decoder layer (and v2's input generator) in the ranks
     compile_v2: bool = False
     fp8_experts: str | None = None  # FP8 checkpoint experts: keep (default) or dequant
+    fp8_scales: str | None = None  # FP8 checkpoint W8A8 scale format: ue8m0 (default) or float32

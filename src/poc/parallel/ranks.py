@@ -185,7 +185,7 @@ class Rank:
         spec = random_spec(model_dir)
         if spec is None:
             model, mcfg = load_shard(model_dir, dtype, self.device, self.stage, L.pp, self.tp_rank, L.tp, self.tp_group,
-                                     fp8_experts=self.cfg.fp8_experts)
+                                     fp8_experts=self.cfg.fp8_experts, fp8_scales=self.cfg.fp8_scales)
         else:  # random weights of a preset shape, made on this rank's device: only its own shard
             mcfg, fp8 = spec
 
@@ -193,7 +193,8 @@ class Rank:
                 keep_stage(m, self.stage, L.pp)
                 return apply_tp(m, self.tp_rank, L.tp, self.tp_group)  # the slices, cut from the whole tensors
 
-            model = random_model(mcfg, resolve_dtype(dtype, mcfg), self.device, fp8_experts=fp8, shard=shard)
+            model = random_model(mcfg, resolve_dtype(dtype, mcfg), self.device, fp8_experts=fp8, shard=shard,
+                                 fp8_scales=self.cfg.fp8_scales)
         mdtype = next(model.parameters()).dtype
         # compiled at fixed shapes like the single-device engine (a short last batch compiles its own shape)
         self.v2 = V2Compute(model, mcfg, mdtype, self.device, Path(model_dir).name, self.cfg.compile_v2, stage=self.io)

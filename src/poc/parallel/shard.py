@@ -18,8 +18,8 @@ from poc.model.config import ModelConfig
 from poc.model.random_init import hf_name, interleaved_to_half, pool_tensor, v1_config
 from poc.model.transformer import Transformer
 from poc.model.fp8 import fp8_mode
-from poc.model.weights import (check_checkpoint, expected_keys, index_checkpoint, iter_state_dict, keep_fp8_experts,
-                               resolve_dtype, use_fp8)
+from poc.model.weights import (check_checkpoint, expected_keys, finish_fp8, index_checkpoint, iter_state_dict,
+                               keep_fp8_experts, resolve_dtype, use_fp8)
 from poc.parallel.pp import keep_stage
 from poc.parallel.tp import apply_tp
 from poc.protocol import v1
@@ -27,9 +27,11 @@ from poc.protocol import v1
 
 def load_shard(path: str | Path, dtype, device, stage: int = 0, n_stages: int = 1, tp_rank: int = 0,
                tp_size: int = 1, tp_group=None, fp8_experts: str | None = None,
-               fp8: str | None = None) -> tuple[Transformer, ModelConfig]:
+               fp8: str | None = None, fp8_scales: str | None = None) -> tuple[Transformer, ModelConfig]:
     """A headless checkpoint model holding only this rank's stage layers and tensor-parallel slices, in eval mode.
-    An FP8 checkpoint's W8A8 linears are sliced on 128-blocks with their scales (fp8.scale_slice)."""
+    An FP8 checkpoint's W8A8 linears are sliced on 128-blocks with their scales (fp8.scale_slice), then take their
+    scale format on the slice (fp8.use_scales: UE8M0 re-quantises per 128x128 block, so a slice is re-quantised as
+    that part of the whole)."""
     path = Path(path)
     if not path.is_dir():
         raise InputError(f"model directory {path} does not exist", "model")
@@ -54,6 +56,7 @@ def load_shard(path: str | Path, dtype, device, stage: int = 0, n_stages: int = 
         raise InputError(f"checkpoint did not fill {', '.join(left)}", "model")
     model.init_rope(torch.device(device))
     model.requires_grad_(False)
+    finish_fp8(model, fp8, fp8_scales)
     return model.eval(), cfg
 
 

@@ -35,9 +35,9 @@ def _make_engine(config: ServerConfig) -> EngineBase:
 
         return make_engine(config.device, config.model, config.dtype, tp=config.tp, pp=config.pp,
                            replicas=config.replicas or None, compile=config.compile,
-                           fp8_experts=config.fp8_experts)
+                           fp8_experts=config.fp8_experts, fp8_scales=config.fp8_scales)
     return Engine(device=config.device, model_dir=config.model, dtype=config.dtype, compile=config.compile,
-                  fp8_experts=config.fp8_experts)
+                  fp8_experts=config.fp8_experts, fp8_scales=config.fp8_scales)
 
 
 def create_app(config: ServerConfig) -> web.Application:

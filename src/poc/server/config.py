@@ -4,9 +4,10 @@
                            [--dtype auto|float16|bfloat16|float32]
                            [--device cpu|cuda] [--log-level info] [--spool-dir spool]
                            [--tp 1] [--pp 1] [--replicas 1] [--compile auto|on|off] [--fp8-experts keep|dequant]
+                           [--fp8-scales ue8m0|float32]
 
 Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_SERVED_MODEL_NAME (comma-separated), POC_DTYPE,
-POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR, POC_TP, POC_PP, POC_REPLICAS, POC_COMPILE, POC_FP8_EXPERTS)
+POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR, POC_TP, POC_PP, POC_REPLICAS, POC_COMPILE, POC_FP8_EXPERTS, POC_FP8_SCALES)
 > default. Environment only: POC_API_TOKEN, SIGNER_PUBKEY, POC_ALLOWED_ORIGINS, POC_OUTBOUND_ALLOW (comma-separated).
 The other fields are limits and timings; tests override them directly.
 """
@@ -24,7 +25,7 @@ DTYPE_CHOICES = ("auto", *dtypes.NAMES)
 ENV = {"host": "POC_HOST", "port": "POC_PORT", "model": "POC_MODEL", "dtype": "POC_DTYPE", "device": "POC_DEVICE",
        "log_level": "POC_LOG_LEVEL", "spool_dir": "POC_SPOOL_DIR", "tp": "POC_TP", "pp": "POC_PP",
        "replicas": "POC_REPLICAS", "compile": "POC_COMPILE",
-       "fp8_experts": "POC_FP8_EXPERTS", "served_model_name": "POC_SERVED_MODEL_NAME",
+       "fp8_experts": "POC_FP8_EXPERTS", "fp8_scales": "POC_FP8_SCALES", "served_model_name": "POC_SERVED_MODEL_NAME",
        "compile_at_start": "POC_COMPILE_AT_START"}
 DEFAULT_SPOOL_DIR = "spool"  # relative to the working directory (start_server.sh: the checkout, beside ./logs)
 
@@ -44,6 +45,7 @@ class ServerConfig:
     replicas: int = 1  # on CUDA: 0 = as many as the visible GPUs allow
     compile: str = "auto"  # torch.compile on CUDA: auto = on (both protocols; compute.compile_flags), off
     fp8_experts: str = "keep"  # a Qwen3-MoE FP8 checkpoint's experts: keep (FP8 in memory) or dequant (at load)
+    fp8_scales: str = "ue8m0"  # an FP8 checkpoint's W8A8 scale format: ue8m0 (Hopper validators) or float32
     # limits: answered with 400/413/422/429 before any GPU work
     max_body_bytes: int = 16 << 20
     max_batch_size: int = 4096
@@ -109,6 +111,8 @@ class ServerConfig:
             raise InputError(f"--replicas must be >= 0, got {self.replicas}", "replicas")
         if self.fp8_experts not in ("keep", "dequant"):
             raise InputError(f"--fp8-experts must be keep or dequant, got {self.fp8_experts!r}", "fp8_experts")
+        if self.fp8_scales not in ("ue8m0", "float32"):
+            raise InputError(f"--fp8-scales must be ue8m0 or float32, got {self.fp8_scales!r}", "fp8_scales")
         if self.compile not in ("auto", "on", "off"):
             raise InputError(f"--compile must be auto, on or off, got {self.compile!r}", "compile")
         for k in ("header_timeout", "body_idle_timeout", "body_timeout", "stall_timeout"):
@@ -170,6 +174,9 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
                     help=f"torch.compile on CUDA (same bits as eager, ~2.7x faster v2): auto = on, off (env {ENV['compile']})")
     ap.add_argument("--fp8-experts", default=env.get(ENV["fp8_experts"], d.fp8_experts),
                     help=f"FP8 MoE experts: keep (FP8 in memory) or dequant (at load) (env {ENV['fp8_experts']})")
+    ap.add_argument("--fp8-scales", default=env.get(ENV["fp8_scales"]) or d.fp8_scales,
+                    help="an FP8 checkpoint's W8A8 scales: ue8m0 (power-of-two, what vLLM computes on Hopper: the "
+                         f"network's validators) or float32 (vLLM without DeepGEMM) (env {ENV['fp8_scales']})")
     ap.add_argument("--compile-at-start", default=env.get(ENV["compile_at_start"], ""), metavar="SPEC",
                     help="shapes to compile before the readiness line: v2:BATCH:SEQ_LEN, v1:BATCH (MainNet params) or "
                          f"a JSON list of {{batch_size, params}} (env {ENV['compile_at_start']}; warm_start.py)")
@@ -202,5 +209,5 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
                         host=a.host, port=port, model=a.model, served_model_name=tuple(a.served_model_name),
                         dtype=a.dtype, device=a.device, log_level=level,
                         spool_dir=a.spool_dir, compile=str(a.compile),
-                        fp8_experts=str(a.fp8_experts), fatal_keepalive=keepalive in ("1", "true"),
+                        fp8_experts=str(a.fp8_experts), fp8_scales=str(a.fp8_scales), fatal_keepalive=keepalive in ("1", "true"),
                         compile_at_start=shapes, **par)
