@@ -377,11 +377,10 @@ def test_norm_quant_hands_the_fp8_readers_their_input_quantised(name, ckpts, mon
     """fp8.norm_quant gives q|k|v, gate|up and the W8A8 experts their input already quantised: on CUDA the residual
     add, the RMSNorm and the quantiser run as one kernel (the CUDA test below checks its bits). On the CPU its
     stand-in composes the unfused ops, so this checks the plumbing: a bf16 model computes the same bits with it on
-    as off (all positions or the last, with and without reflections, compiled too), the residual and the router's
-    16-bit input included, and with it on the readers' own quantiser runs two times fewer per layer."""
-    from poc.model.compile import maybe_compile
-    from poc.model.transformer import Transformer
-
+    as off (all positions or the last, with and without reflections), the residual and the router's
+    16-bit input included, and with it on the readers' own quantiser runs two times fewer per layer. (The compiled
+    path's bits with the fused norm are the CUDA test's below: the engine compiles on CUDA only, and a CPU inductor
+    need not keep eager's bf16 bits, torch 2.11's does not.)"""
     model, cfg = load_model(ckpts[name], dtype=torch.bfloat16, progress=False)
     model.fuse()
     x, vs = X.bfloat16(), VS[:cfg.n_layers].bfloat16()
@@ -389,10 +388,9 @@ def test_norm_quant_hands_the_fp8_readers_their_input_quantised(name, ckpts, mon
     quantize_act = fp8.quantize_act
     monkeypatch.setattr(fp8, "quantize_act", lambda *a, **kw: calls.append(1) or quantize_act(*a, **kw))
 
-    def run(step=None):
+    def run():
         n = len(calls)
-        outs = [model(x, reflections=vs, last_only=False, step=step), model(x, reflections=vs, step=step),
-                model(x, last_only=False, step=step)]
+        outs = [model(x, reflections=vs, last_only=False), model(x, reflections=vs), model(x, last_only=False)]
         return outs, len(calls) - n
 
     monkeypatch.setattr(fp8, "FUSED_NORM", True)
@@ -403,10 +401,6 @@ def test_norm_quant_hands_the_fp8_readers_their_input_quantised(name, ckpts, mon
     for a, b in zip(off, on):
         assert torch.equal(a, b)
     assert not torch.equal(off[0], off[2])  # the reflections count
-    torch._dynamo.reset()
-    compiled, _ = run(maybe_compile(Transformer.layer_step, True))
-    for a, b in zip(off, compiled):
-        assert torch.equal(a, b)
     # not quantised under another recipe, or with the fused norm off
     with fp8.recipe("dequant"):
         r, h = fp8.norm_quant(model.norm, x)

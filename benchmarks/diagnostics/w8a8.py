@@ -8,9 +8,10 @@
     scales), e.g. bash benchmarks/run.sh h100 W6Q
 
 ue8m0: the UE8M0 activation quantiser (the CUDA kernel, both 16-bit and float32 inputs) and the load-time
-re-quantisation of the dense weights against the formulas transcribed here in float64 (2^ceil(log2(.)) with torch's
-float64 log2, independent of fp8.pow2_ceil's bit reading), on the activation widths and the q|k|v and o weights of
-Qwen3-30B-A3B and Qwen3-235B-A22B, random and adversarial.
+re-quantisation of the dense weights against the formulas transcribed here in float64 (2^ceil(log2(.)) as frexp's
+exponent, less one where the mantissa is exactly 1/2: exact, independent of fp8.pow2_ceil's reading of the float32
+bits; CUDA's float64 log2 is not exact at powers of two: log2(0.125) ceils to -2 there), on the activation widths
+and the q|k|v and o weights of Qwen3-30B-A3B and Qwen3-235B-A22B, random and adversarial.
 kernels: on Qwen3-30B-A3B-FP8 layer sizes (`--shape qwen3-235b-a22b`: that model's), seq 1024 batches, the activation
 quantiser against the spec's formula written in plain torch ops (bit-identical or not, plus adversarial groups), the
 dense and grouped block-scaled GEMMs against the float32 emulation (relative Frobenius error) with a sweep of the
@@ -310,6 +311,13 @@ def accuracy(args) -> dict:
     return res
 
 
+def pow2_ceil64(y: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(y)) for positive float64 y, exactly: y = m 2^e with m in [1/2, 1), so the answer is 2^(e-1)
+    when m is exactly 1/2 and 2^e otherwise."""
+    m, e = torch.frexp(y)
+    return torch.ldexp(torch.ones_like(y), torch.where(m == 0.5, e - 1, e))
+
+
 def requant_formula(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """UE8M0 re-quantisation transcribed in float64: per 128x128 block w = fp32(w8) * s, amax = max(|w|, 1e-4),
     scale 2^ceil(log2(amax / 448)), w8' = RNE_e4m3(w / scale)."""
@@ -319,7 +327,7 @@ def requant_formula(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, tor
     pad = torch.zeros(Rb * 128, Cb * 128, device=w.device)
     pad[:R, :C] = wf
     amax = pad.view(Rb, 128, Cb, 128).abs().amax(dim=(1, 3)).clamp(min=1e-4)
-    scale = torch.exp2(torch.ceil(torch.log2(amax.double() / 448.0)))
+    scale = pow2_ceil64(amax.double() / 448.0)
     q = (pad.view(Rb, 128, Cb, 128).double() / scale[:, None, :, None]).float().to(fp8.FP8)
     return q.view(Rb * 128, Cb * 128)[:R, :C], scale.float()
 
@@ -330,7 +338,7 @@ def quant_formula(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
     xf = torch.nn.functional.pad(x.float(), (0, -K % 128)).view(M, -1, 128)
     amax = xf.abs().amax(-1).clamp(min=1e-10)
-    scale = torch.exp2(torch.ceil(torch.log2(amax.double() / 448.0)))
+    scale = pow2_ceil64(amax.double() / 448.0)
     q = (xf.double() / scale[..., None]).clamp(-448, 448).float().to(fp8.FP8).view(M, -1)[:, :K]
     return q, scale.float()
 

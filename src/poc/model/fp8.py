@@ -240,9 +240,9 @@ class Quantized(NamedTuple):
     x: Tensor | None
 
 
-# 1: norm_quant runs the norm and its FP8 readers' quantiser as one kernel; off by default, as neither its CUDA test
-# (tests/test_w8a8.py) nor a benchmark has run on a GPU yet
-FUSED_NORM = os.environ.get("POC_FP8_FUSED_NORM", "0") == "1"
+# 1 (default): norm_quant runs the norm and its FP8 readers' quantiser as one kernel on CUDA (the same bits in both
+# scale formats, eager and compiled: tests/test_w8a8.py's CUDA tests); 0: two passes (benchmarks/h100/W6Q_fused_norm.json)
+FUSED_NORM = os.environ.get("POC_FP8_FUSED_NORM", "1") == "1"
 FUSED_NORM_ON_CPU = False  # tests run the fused path's plumbing on the CPU (the composition stands in)
 
 
