@@ -9,6 +9,7 @@ callbacks get a few seconds to go out, and the engine closes.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 
 from aiohttp import web
@@ -121,6 +122,7 @@ async def _load(app: web.Application) -> None:
         return
     finally:
         claim.release()
+        gc.freeze()  # what start-up made lives as long as the process: full collections no longer walk it (bigjson.py)
     if engine.v2 is not None:
         log.info("model %s loaded in %.1f s", engine.v2.name, engine.load_seconds)
 

@@ -7,7 +7,8 @@
 
 Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_SERVED_MODEL_NAME (comma-separated), POC_DTYPE,
 POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR, POC_TP, POC_PP, POC_REPLICAS, POC_COMPILE, POC_FP8_EXPERTS)
-> default. Environment only: POC_API_TOKEN, SIGNER_PUBKEY, POC_ALLOWED_ORIGINS, POC_OUTBOUND_ALLOW (comma-separated).
+> default. Environment only: POC_API_TOKEN, SIGNER_PUBKEY, POC_ALLOWED_ORIGINS, POC_OUTBOUND_ALLOW, POC_ALLOWED_CLIENTS
+(comma-separated).
 The other fields are limits and timings; tests override them directly.
 """
 
@@ -45,7 +46,8 @@ class ServerConfig:
     compile: str = "auto"  # torch.compile on CUDA: auto = on (both protocols; compute.compile_flags), off
     fp8_experts: str = "keep"  # a Qwen3-MoE FP8 checkpoint's experts: keep (FP8 in memory) or dequant (at load)
     # limits: answered with 400/413/422/429 before any GPU work
-    max_body_bytes: int = 16 << 20
+    max_body_bytes: int = 16 << 20  # the routes that carry nonce lists (security.BULK_PATHS)
+    max_small_body_bytes: int = 64 << 10  # every other route (their real bodies are a few KiB)
     max_batch_size: int = 4096
     max_request_nonces: int = 100_000  # explicit nonce lists (/validate, /api/v1/pow/generate)
     max_queued_nonces: int = 100_000  # the /api/v1/pow/generate queue, as the reference's POC_MAX_QUEUED_NONCES
@@ -60,6 +62,7 @@ class ServerConfig:
     signer_pubkey: str | None = None  # SIGNER_PUBKEY: base64 secp256k1 key checking the node's X-Signature
     allowed_origins: tuple[str, ...] = ()  # POC_ALLOWED_ORIGINS: browser origins allowed to call (none by default)
     outbound_allow: tuple[str, ...] = ()  # POC_OUTBOUND_ALLOW: the only hosts/CIDRs we may call (empty: any allowed)
+    allowed_clients: tuple[str, ...] = ()  # POC_ALLOWED_CLIENTS: the only source CIDRs/hosts that may call (empty: any)
     stream_max_waiting: int = 4  # computed batches waiting for a slow /generate reader before the job pauses
     stall_timeout: float = 60.0  # a reader that takes nothing for this long ends the job with reason "stalled"
     # timings
@@ -199,6 +202,7 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
 
     return ServerConfig(api_token=env.get("POC_API_TOKEN") or None, signer_pubkey=env.get("SIGNER_PUBKEY") or None,
                         allowed_origins=env_list("POC_ALLOWED_ORIGINS"), outbound_allow=env_list("POC_OUTBOUND_ALLOW"),
+                        allowed_clients=env_list("POC_ALLOWED_CLIENTS"),
                         host=a.host, port=port, model=a.model, served_model_name=tuple(a.served_model_name),
                         dtype=a.dtype, device=a.device, log_level=level,
                         spool_dir=a.spool_dir, compile=str(a.compile),
