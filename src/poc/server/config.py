@@ -8,8 +8,7 @@
 Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_SERVED_MODEL_NAME (comma-separated), POC_DTYPE,
 POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR, POC_TP, POC_PP, POC_REPLICAS, POC_COMPILE, POC_FP8_EXPERTS)
 > default. Environment only: POC_API_TOKEN, SIGNER_PUBKEY, POC_ALLOWED_ORIGINS, POC_OUTBOUND_ALLOW, POC_ALLOWED_CLIENTS
-(comma-separated).
-The other fields are limits and timings; tests override them directly.
+(comma-separated), POC_V1_CACHE_IDLE (seconds). The other fields are limits and timings; tests override them directly.
 """
 
 from __future__ import annotations
@@ -78,6 +77,7 @@ class ServerConfig:
     result_ttl: float = 300.0  # queued /generate results stay readable this long after completion
     shutdown_flush_seconds: float = 5.0  # how long shutdown waits for pending callbacks
     memory_headroom: float = 0.9  # a job may plan to use this fraction of the free memory
+    v1_cache_idle: float = 300.0  # POC_V1_CACHE_IDLE: the v1 model a job left is dropped after this idle time; 0: kept
     # durable delivery (clients/spool.py): None keeps callbacks in memory only (tests); the CLI defaults to ./spool
     spool_dir: str | None = None
     spool_segment_records: int = 1000  # records per spool segment file
@@ -117,6 +117,8 @@ class ServerConfig:
         for k in ("header_timeout", "body_idle_timeout", "body_timeout", "stall_timeout"):
             if not getattr(self, k) > 0:
                 raise InputError(f"{k} must be > 0, got {getattr(self, k)}", k)
+        if not self.v1_cache_idle >= 0:
+            raise InputError(f"POC_V1_CACHE_IDLE must be >= 0 seconds, got {self.v1_cache_idle}", "v1_cache_idle")
         if self.max_connections < 1 or self.stream_max_waiting < 1:
             raise InputError("max_connections and stream_max_waiting must be >= 1", "max_connections")
         if self.dtype not in DTYPE_CHOICES:
@@ -200,9 +202,14 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     def env_list(name: str) -> tuple[str, ...]:
         return tuple(x.strip() for x in env.get(name, "").split(",") if x.strip())
 
+    idle = env.get("POC_V1_CACHE_IDLE", "").strip() or str(d.v1_cache_idle)
+    try:
+        v1_cache_idle = float(idle)
+    except ValueError:
+        raise InputError(f"POC_V1_CACHE_IDLE must be a number of seconds, got {idle!r}", "v1_cache_idle") from None
     return ServerConfig(api_token=env.get("POC_API_TOKEN") or None, signer_pubkey=env.get("SIGNER_PUBKEY") or None,
                         allowed_origins=env_list("POC_ALLOWED_ORIGINS"), outbound_allow=env_list("POC_OUTBOUND_ALLOW"),
-                        allowed_clients=env_list("POC_ALLOWED_CLIENTS"),
+                        allowed_clients=env_list("POC_ALLOWED_CLIENTS"), v1_cache_idle=v1_cache_idle,
                         host=a.host, port=port, model=a.model, served_model_name=tuple(a.served_model_name),
                         dtype=a.dtype, device=a.device, log_level=level,
                         spool_dir=a.spool_dir, compile=str(a.compile),
