@@ -1,4 +1,4 @@
-"""What large request bodies do to a running model server: how long GET /health waits while eight 16 MiB JSON
+"""What large request bodies do to a running model server: how late its event loop runs while eight 16 MiB JSON
 bodies arrive at once (the event loop's stall), and the server's resident memory while bodies arrive, are refused or
 are aborted half-sent, and after. It starts model_server.py on the CPU (PoC v1 only) for each case, sends the bodies
 from this process over loopback, probes /health every 10 ms from another process, samples the server's VmRSS, and
@@ -14,6 +14,8 @@ Cases (each on a fresh server):
   string_small  {"block_hash": "xxxx..."} to POST /generate (a route whose real bodies are small)
   aborted       48 bodies announced with Content-Length 16 MiB, half sent, then the connection closed
   aborted_auth  the same against a server with POC_API_TOKEN set, sent without credentials
+  parse_ints    no server, no sockets: the ints_bulk body parsed 8 times as the server parses it (bigjson on its
+  parse_lists   thread, the server's value limits) while this process's event loop times itself; the same for lists
 Writes JSON: the command, the machine, and per case the loop's lateness inside the server (max, p99, wakes later than
 100 ms), the /health latencies a client saw (max, p99, median, count), the answers' status codes (or how the connection
 ended), and the server's RSS before, at its peak and 3 s after the last body. On a 2-core machine shared with the
@@ -35,13 +37,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 READY = "Application startup complete."
 MiB = 1 << 20
-CASES = ("floor", "ints_bulk", "lists_bulk", "string_small", "aborted", "aborted_auth")
+CASES = ("floor", "ints_bulk", "lists_bulk", "string_small", "aborted", "aborted_auth", "parse_ints", "parse_lists")
 
 
 def free_port() -> int:
@@ -216,7 +217,50 @@ async def abort_all(port: int, count: int, mib: int, headers: str = "") -> list[
     return list(await asyncio.gather(*(one() for _ in range(count))))
 
 
+def parse_case(case: str, bodies: int, mib: int) -> dict:
+    """The parse alone, in this process: what the server's own work does to its loop, without the machine's network
+    and the sender competing for the two cores."""
+    sys.path.insert(0, str(ROOT / "src"))
+    import gc
+
+    from poc.server import bigjson
+    from poc.server.config import ServerConfig
+
+    _, body = body_of(case.replace("parse_", "") + "_bulk", mib)
+    n = ServerConfig().max_request_nonces
+    gc.freeze()  # as the server does once started
+
+    async def run() -> tuple[list[float], list[str]]:
+        lags, answers, done = [], [], asyncio.Event()
+
+        async def watch():
+            while not done.is_set():
+                t = time.perf_counter()
+                await asyncio.sleep(0.005)
+                lags.append(time.perf_counter() - t - 0.005)
+
+        w = asyncio.create_task(watch())
+        for _ in range(bodies):
+            try:
+                await bigjson.parse_off_loop(body, None, 4 * n + 4096, n + 1024)
+                answers.append("parsed")
+            except ValueError as e:
+                answers.append(str(e).split(" (")[0][:40])
+        done.set()
+        await w
+        return sorted(lags), answers
+
+    t0 = time.perf_counter()
+    lags, answers = asyncio.run(run())
+    return {"case": case, "sent": f"{bodies} x {len(body) / MiB:.1f} MiB parsed in this process",
+            "seconds": round(time.perf_counter() - t0, 2), "answers": {a: answers.count(a) for a in set(answers)},
+            "loop_lag_ms": {"max": round(lags[-1] * 1e3, 1), "p99": round(lags[int(0.99 * (len(lags) - 1))] * 1e3, 1),
+                            "over_100ms": sum(x > 0.1 for x in lags), "wakes": len(lags)}}
+
+
 def run_case(case: str, bodies: int, mib: int, tmp: Path) -> dict:
+    if case.startswith("parse_"):
+        return parse_case(case, bodies, mib)
     env = {"POC_API_TOKEN": "bench-token"} if case == "aborted_auth" else {}
     s = Server(env, tmp)
     try:
@@ -239,6 +283,7 @@ def run_case(case: str, bodies: int, mib: int, tmp: Path) -> dict:
             path, body = body_of(case, mib)
             answers = asyncio.run(post_all(s.port, path, body, bodies))
             sent = f"{bodies} x {len(body) / MiB:.1f} MiB to {path}"
+            del body
         seconds = time.perf_counter() - t0
         time.sleep(3.0)
         wall1 = time.time()
@@ -254,7 +299,8 @@ def run_case(case: str, bodies: int, mib: int, tmp: Path) -> dict:
                             "over_100ms": sum(x > 0.1 for x in lags), "wakes": len(lags)} if lags else None,
             "health_ms": {"max": round(lat[-1] * 1e3, 1), "p99": round(lat[int(0.99 * (len(lat) - 1))] * 1e3, 1),
                           "median": round(statistics.median(lat) * 1e3, 1), "count": len(lat)},
-            "rss_mb": {"before": round(base / 1e6), "peak": round(max(peak, after) / 1e6), "after_3s": round(after / 1e6)}}
+            "rss_mb": {"before": round(base / 1e6), "peak": round(max(peak, after) / 1e6),
+                       "after_3s": round(after / 1e6)}}
 
 
 def main() -> None:
