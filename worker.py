@@ -17,9 +17,11 @@ Routes (forwarded as is; NDJSON streams pass through line by line):
 - /benchmark: the benchmark handler. The SDK's own benchmark stops its clock when the response HEADERS arrive,
   which on a stream is wildly wrong (spec/pyworker.md); here its remote function runs a real /generate job of
   POC_BENCH_NONCES nonces and reads the WHOLE stream, so max_perf is real nonces/s.
-Before the SDK's handler (Guard): a body over POC_WORKER_MAX_BODY is a 413, one not received within 60 s a 408, and
-an auth_data.reqnum already used a 409 (the SDK's signature covers only auth_data.url, so a captured envelope could
-be replayed).
+Before the SDK's handler (Guard): a body over POC_WORKER_MAX_BODY is a 413, one not received within 60 s a 408, an
+auth_data.reqnum that is not a JSON integer in 0..2**63-1 a 422, and a correctly signed one not above the last
+accepted a 409. The SDK's signature covers only auth_data.url, so a captured envelope stays a credential for this
+worker URL (with a higher reqnum and any payload): serve the worker over TLS (USE_SSL) and keep the model server on
+127.0.0.1 (README "Hostile clients and networks").
 Readiness: the model server's "Application startup complete." line (on_load), then the benchmark, then
 GET /health answering 200 (model_healthcheck_url; it also marks the worker errored later if /health turns 503,
 e.g. CUDA broke). on_error is only model_server.py's FATAL line ("Error: POC-FATAL", printed on an unrecoverable
@@ -34,7 +36,6 @@ import asyncio
 import json
 import os
 import time
-from collections import OrderedDict
 
 import aiohttp
 from aiohttp import web
@@ -49,7 +50,6 @@ FATAL_LINE = "Error: POC-FATAL"  # model_server.FATAL
 BENCH_ROUTE = "/benchmark"
 MAX_BODY = int(os.environ.get("POC_WORKER_MAX_BODY", str(16 << 20)))  # the model server's own body limit
 BODY_TIMEOUT = 60.0  # seconds to receive a whole body
-REMEMBERED_REQNUMS = 100_000  # reqnums kept to refuse a replay (the oldest are forgotten first)
 
 # gonka's v1 MainNet params (spec-v1 §1.1 PARAMS_V2): what a v1 endpoint serves
 MAINNET_V1 = {"dim": 1792, "n_layers": 64, "n_heads": 64, "n_kv_heads": 64, "vocab_size": 8196,
@@ -113,15 +113,22 @@ async def run_benchmark_job(**body) -> dict:
             "nonces_per_second": round(done["computed"] / seconds, 3)}
 
 
+MAX_REQNUM = 2**63 - 1  # a reqnum is an int64 counter
+
+
 class Guard:
     """What the SDK does not do before its own handler: bound the body (it reads any size before checking the
-    signature, and its signature covers only auth_data.url) and refuse an auth_data.reqnum it has already seen (a
-    captured envelope replayed). A reqnum is remembered once the SDK accepted the request (not 401/422), so an unsigned
-    request cannot burn a reqnum a real one will use; while one is in flight, the same reqnum is refused."""
+    signature) and refuse a replayed envelope as far as a replay can be told. The SDK's signature covers only
+    `auth_data.url` (RSA PKCS#1 v1.5 over {"url": ...}: the same bytes for every request to this worker), so a
+    captured envelope is a standing credential for this worker URL whatever its reqnum and payload; what can be
+    refused is a reqnum that is not a JSON integer in 0..2**63-1 (422) or not above the last one accepted (409).
+    `signed(auth_data)` is the SDK's own check (True, False, or None while its public key is not loaded): a request
+    it will refuse (401) never moves the mark, so an unsigned request cannot block the real ones."""
 
-    def __init__(self, max_body: int = MAX_BODY, remember: int = REMEMBERED_REQNUMS):
-        self.max_body, self.remember = max_body, remember
-        self.seen: OrderedDict = OrderedDict()
+    def __init__(self, max_body: int = MAX_BODY, signed=None):
+        self.max_body = max_body
+        self.signed = signed or (lambda _auth: True)
+        self.last = -1  # the highest reqnum accepted so far
 
     def wrap(self, handler):
         async def guarded(request: web.Request) -> web.StreamResponse:
@@ -137,34 +144,63 @@ class Guard:
             except TimeoutError:
                 return _refusal(408, f"request body not received within {BODY_TIMEOUT:g} s")
             request._read_bytes = bytes(body)  # aiohttp's cache of the body: the SDK's request.json() reads it
-            reqnum = _reqnum(body)
-            if reqnum is not None:
-                if reqnum in self.seen:
-                    return _refusal(409, f"reqnum {reqnum} was already used: a replayed request is refused")
-                self.seen[reqnum] = True
-                while len(self.seen) > self.remember:
-                    self.seen.popitem(last=False)
-            accepted = False
-            try:
-                resp = await handler(request)
-                accepted = resp.status not in (401, 422)  # the SDK refused it: its reqnum is not spent
-                return resp
-            finally:
-                if reqnum is not None and not accepted:
-                    self.seen.pop(reqnum, None)
+            auth = _auth_data(body)
+            if auth is not None:
+                refused = self.check(auth)
+                if refused is not None:
+                    return refused
+            return await handler(request)
 
         return guarded
+
+    def check(self, auth: dict) -> web.Response | None:
+        """A refusal for this envelope's reqnum, or None (then a correctly signed one has moved the mark)."""
+        n = auth.get("reqnum")
+        if type(n) is not int or not 0 <= n <= MAX_REQNUM:  # not bool, not 11.0, not 2**70
+            return _refusal(422, f"auth_data.reqnum must be a JSON integer in 0..2**63-1, got {str(n)[:40]}")
+        if self.signed(auth) is not True:
+            return None  # the SDK answers 401; the mark stays
+        if n <= self.last:
+            return _refusal(409, f"reqnum {n} is not above the last accepted ({self.last}): a replayed envelope "
+                                 "is refused")
+        self.last = n
+        return None
 
     def routes(self, routes: list) -> list:
         return [web.route(r.method, r.path, self.wrap(r.handler), **r.kwargs) for r in routes]
 
 
-def _reqnum(body: bytes):
+def _auth_data(body: bytes) -> dict | None:
     try:
-        n = json.loads(body).get("auth_data", {}).get("reqnum")
+        auth = json.loads(body).get("auth_data")
     except (ValueError, AttributeError, RecursionError):
         return None
-    return n if isinstance(n, int) and not isinstance(n, bool) else None
+    return auth if isinstance(auth, dict) else None
+
+
+def sdk_signature(backend):
+    """The SDK's signature check, without its side effects: True when `auth_data.signature` is the autoscaler's RSA
+    PKCS#1 v1.5 signature of json.dumps({"url": auth_data.url}, indent=4, sort_keys=True) (spec/pyworker.md), or the
+    worker is UNSECURED; None while the public key is not loaded (the SDK refuses everything then)."""
+    import base64
+
+    from Crypto.Hash import SHA256
+    from Crypto.Signature import pkcs1_15
+
+    def signed(auth: dict) -> bool | None:
+        if backend.unsecured:
+            return True
+        key = getattr(backend, "_pubkey", None)  # vastai 1.9.1's Backend keeps the key it fetched from /pubkey/
+        if key is None:
+            return None
+        msg = json.dumps({"url": auth.get("url")}, indent=4, sort_keys=True)
+        try:
+            pkcs1_15.new(key).verify(SHA256.new(msg.encode()), base64.b64decode(auth.get("signature") or ""))
+            return True
+        except (ValueError, TypeError):
+            return False
+
+    return signed
 
 
 def _refusal(status: int, why: str) -> web.Response:
@@ -197,7 +233,8 @@ def build_config() -> WorkerConfig:
 
 def main() -> None:
     worker = Worker(build_config())
-    worker.routes = Guard().routes(worker.routes)  # body bound and reqnum replay check before the SDK's handler
+    guard = Guard(signed=sdk_signature(worker.backend))
+    worker.routes = guard.routes(worker.routes)  # body bound and reqnum checks before the SDK's handler
     worker.run(host=os.environ.get("POC_WORKER_HOST") or None)
 
 

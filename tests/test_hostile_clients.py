@@ -15,7 +15,7 @@ import time
 import pytest
 
 from poc.server.app import create_app
-from poc.server.security import bind_warning
+from poc.server.security import SECP256K1_N, bind_warning
 
 from .test_server import metric, server_config, v1_request, wait_status
 
@@ -269,3 +269,202 @@ def test_the_signature_check_is_over_sha256_of_the_body():
     assert k.verify(body, node_sign(key, body)) and not k.verify(body[:-1], node_sign(key, body))
     # the MLNode's reference verifier's reading (SHA-256 hashed once more) passes too
     assert k.verify(body, node_sign(key, hashlib.sha256(body).digest()))
+
+
+def high_s_twin(sig_b64: str) -> str:
+    """The same signature with s replaced by n - s: valid ECDSA too, a form the node's signer never produces."""
+    raw = base64.b64decode(sig_b64)
+    r, s = raw[:32], int.from_bytes(raw[32:], "big")
+    return base64.b64encode(r + (SECP256K1_N - s).to_bytes(32, "big")).decode()
+
+
+def der_form(sig_b64: str) -> str:
+    from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
+
+    raw = base64.b64decode(sig_b64)
+    return base64.b64encode(encode_dss_signature(int.from_bytes(raw[:32], "big"),
+                                                 int.from_bytes(raw[32:], "big"))).decode()
+
+
+def test_only_the_form_the_node_signs_in_passes():
+    """cosmos-sdk's secp256k1 Sign gives 64 bytes r||s with a low s; the high-s twin and a DER encoding of the same
+    signature verify as ECDSA but are refused."""
+    from poc.server.security import SignatureKey, signature_form
+
+    key, pub = node_key()
+    body = b'{"action": "stop"}'
+    sig = node_sign(key, body)
+    k = SignatureKey(pub)
+    assert k.verify(body, sig) and signature_form(sig) is not None
+    for other in (high_s_twin(sig), der_form(sig), base64.b64encode(bytes(64)).decode(), sig[:-4], sig + "AAAA"):
+        assert signature_form(other) is None and not k.verify(body, other), other
+
+
+# --------------------------------------------------------------------------------------------------
+# decided from the head: a body nobody authorised is never read
+
+
+GEN = b"POST /api/v1/pow/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+SIXTEEN_MIB = b"Content-Length: 16777216\r\n"
+
+
+async def answer_to_head(client, head: bytes) -> bytes:
+    """The whole answer to a request head sent alone (not one byte of its body follows), up to the server's close.
+    The server waits 60 s for a body byte (body_idle_timeout): an answer within 30 s was decided from the head."""
+    r, w = await raw(client, head + b"\r\n")
+    try:
+        return await read_all(r, 30)
+    finally:
+        w.close()
+
+
+async def test_credentials_route_and_size_are_decided_before_the_body(aiohttp_client):
+    key, pub = node_key()
+    c = await aiohttp_client(create_app(server_config(api_token="s3cret-token", signer_pubkey=pub,
+                                                      body_idle_timeout=60.0, body_timeout=120.0)))
+    await wait_status(c)
+    sig = node_sign(key, b"{}")
+    for extra in (b"", b"Authorization: Bearer wrong\r\n", b"X-Signature: not base64!\r\n",
+                  f"X-Signature: {high_s_twin(sig)}\r\n".encode(), f"X-Signature: {der_form(sig)}\r\n".encode()):
+        a = await answer_to_head(c, GEN + SIXTEEN_MIB + extra)
+        assert a.startswith(b"HTTP/1.1 401") and b"Connection: close" in a, (extra, a[:300])
+    # authorised from the head: the route's own limit (256 KiB in the tests) is a 413, still without the body
+    for extra in (b"Authorization: Bearer s3cret-token\r\n", f"X-Signature: {sig}\r\n".encode()):
+        a = await answer_to_head(c, GEN + SIXTEEN_MIB + extra)
+        assert a.startswith(b"HTTP/1.1 413") and b"262144-byte limit" in a, (extra, a[:300])
+    a = await answer_to_head(c, GEN.replace(b"/api/v1/pow/generate", b"/no/such/route") + SIXTEEN_MIB +
+                             b"Authorization: Bearer s3cret-token\r\n")
+    assert a.startswith(b"HTTP/1.1 404"), a[:300]
+    # a small route's limit is its own: 64 KiB, where /api/v1/pow/generate takes nonce lists
+    a = await answer_to_head(c, POST + b"Content-Length: 70000\r\nAuthorization: Bearer s3cret-token\r\n")
+    assert a.startswith(b"HTTP/1.1 413") and b"65536-byte limit of /generate" in a, a[:300]
+    assert (await c.get("/health")).status == 200
+
+
+async def test_health_and_metrics_take_no_body_and_answer_at_once(aiohttp_client):
+    c = await aiohttp_client(create_app(server_config(body_idle_timeout=60.0, body_timeout=120.0)))
+    await wait_status(c)
+    a = await answer_to_head(c, b"POST /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n")
+    assert a.startswith(b"HTTP/1.1 200") and b'"state": "ready"' in a, a[:300]  # its 100 bytes never came
+    for path in (b"/health", b"/metrics"):
+        a = await answer_to_head(c, b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n" + SIXTEEN_MIB)
+        assert a.startswith(b"HTTP/1.1 413"), a[:300]
+        a = await answer_to_head(c, b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n")
+        assert a.startswith(b"HTTP/1.1 413"), a[:300]
+    r = await c.post("/health", json={})  # the PyWorker's own POST /health
+    assert r.status == 200 and (await r.json())["state"] == "ready"
+
+
+async def test_a_bearer_token_that_is_not_utf8_is_401(aiohttp_client):
+    c = await aiohttp_client(create_app(server_config(api_token="s3cret-token")))
+    await wait_status(c)
+    for token in (b"\xff\xfe\x80", b"s3cret-token\xff", "s3cret-t\u00f6ken".encode("latin-1")):
+        r, w = await raw(c, b"GET /api/v1/pow/status HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + token +
+                         b"\r\nConnection: close\r\n\r\n")
+        a = await read_all(r, 10)
+        w.close()
+        assert a.startswith(b"HTTP/1.1 401"), (token, a[:300])
+    assert (await c.get("/api/v1/pow/status", headers={"Authorization": "Bearer s3cret-token"})).status == 200
+    assert metric(await (await c.get("/metrics")).text(), 'poc_errors_total{kind="internal"}') == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# POC_ALLOWED_CLIENTS: the node's signature signs a body, not a request
+
+
+async def test_allowed_clients_refuse_an_unlisted_loopback_client_and_admit_a_listed_one(aiohttp_client):
+    import aiohttp
+
+    key, pub = node_key()
+    c = await aiohttp_client(create_app(server_config(signer_pubkey=pub, allowed_clients=("127.0.0.2",))))
+    await wait_status(c)  # /health and /metrics stay open to anyone
+    assert (await c.get("/metrics")).status == 200
+    empty = {"X-Signature": node_sign(key, b"")}  # what every signed GET of the node carries
+    r = await c.post("/api/v1/stop", headers=empty)  # from 127.0.0.1: not listed
+    assert r.status == 403 and (await r.json())["field"] == "client"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))) as listed:
+        url = f"http://127.0.0.1:{c.port}"
+        async with listed.get(url + "/api/v1/state", headers=empty) as r:
+            assert r.status == 200
+        # the scheme authenticates a body, not a request: the same empty-body signature is good for POST /stop too
+        # (README: it cannot stop a replay), which is why the client's address is worth checking
+        async with listed.post(url + "/api/v1/stop", headers=empty) as r:
+            assert r.status == 200
+        async with listed.post(url + "/api/v1/stop") as r:  # a listed address still needs the signature
+            assert r.status == 401
+    c2 = await aiohttp_client(create_app(server_config(allowed_clients=("localhost",))))  # names are resolved
+    assert (await c2.post("/api/v1/pow/stop")).status == 200
+
+
+def test_allowed_clients_entries_are_cidrs_addresses_or_resolved_names():
+    from poc.errors import InputError
+    from poc.server.config import parse_args
+    from poc.server.security import Security, client_networks
+
+    def resolve(host, *_a, **_k):
+        if host == "node.internal":
+            return [(2, 1, 6, "", ("10.1.2.3", 0)), (10, 1, 6, "", ("fd00::7", 0, 0, 0))]
+        raise OSError("Name or service not known")
+
+    nets = client_networks(["10.9.0.0/16", "192.168.1.5", "node.internal", "::1"], resolve)
+    assert [str(n) for n in nets] == ["10.9.0.0/16", "192.168.1.5/32", "10.1.2.3/32", "fd00::7/128", "::1/128"]
+    sec = Security(policy=None, allowed_clients=nets)
+    assert sec.client_allowed("10.9.200.1") and sec.client_allowed("::ffff:10.1.2.3") and sec.client_allowed("::1")
+    assert not sec.client_allowed("10.10.0.1") and not sec.client_allowed("127.0.0.1") and not sec.client_allowed(None)
+    with pytest.raises(InputError, match="POC_ALLOWED_CLIENTS: 'nowhere.internal'"):
+        client_networks(["nowhere.internal"], resolve)
+    assert parse_args([], {"POC_ALLOWED_CLIENTS": "10.0.0.0/8, node"}).allowed_clients == ("10.0.0.0/8", "node")
+
+
+# --------------------------------------------------------------------------------------------------
+# memory of refused and abandoned bodies
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+async def abandon(port: int, n: int, mib: int, headers: bytes = b"") -> None:
+    """`n` connections that announce a `mib` MiB body, send half of it, and close."""
+    async def one():
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(GEN + headers + f"Content-Length: {mib << 20}\r\n\r\n".encode())
+        part = b"[" + b"0," * ((1 << 19) - 1)
+        try:
+            for _ in range(mib // 2):
+                w.write(part)
+                await asyncio.wait_for(w.drain(), 30)
+        except ConnectionError:
+            pass  # refused from the head: the server closed
+        w.close()
+
+    await asyncio.gather(*(one() for _ in range(n)))
+
+
+async def test_rss_returns_to_the_idle_baseline_after_48_aborted_16_mib_bodies(tmp_path):
+    """A real server process: 48 bodies of 16 MiB abandoned half-way without credentials (refused from the head),
+    then 48 with them (read, then abandoned). What they took goes back: RSS within 10% of the idle baseline."""
+    from .fakes import ServerProcess
+
+    s = ServerProcess(tmp_path / "server.log", "--spool-dir", str(tmp_path / "spool"),
+                      env={"POC_API_TOKEN": "s3cret-token"})
+    try:
+        await s.wait_ready()
+        await asyncio.sleep(1.0)
+        base = rss(s.proc.pid)
+        await abandon(s.port, 48, 16)
+        await abandon(s.port, 48, 16, b"Authorization: Bearer s3cret-token\r\n")
+        deadline = time.monotonic() + 20
+        while rss(s.proc.pid) > 1.1 * base and time.monotonic() < deadline:  # a bound on memory, not on time
+            await asyncio.sleep(0.25)
+        after = rss(s.proc.pid)
+        import urllib.request
+
+        m = urllib.request.urlopen(s.url + "/metrics", timeout=10).read().decode()
+    finally:
+        assert s.terminate() == 0, s.text()[-3000:]
+    assert metric(m, 'poc_errors_total{kind="unauthorized"}') == 48  # never read
+    assert metric(m, 'poc_errors_total{kind="bad_input"}') == 48  # read, then aborted ("request body aborted")
+    assert after <= 1.1 * base, (base, after)
+    assert "Traceback" not in s.text()

@@ -23,7 +23,8 @@ from .test_server import SET_A, metric, server_config, v1_request, validate_requ
 
 @pytest.fixture
 async def client(aiohttp_client):
-    c = await aiohttp_client(create_app(server_config(max_body_bytes=4 << 20)))
+    # large bodies on /generate too (its own limit is 64 KiB by default): these tests are about what a body holds
+    c = await aiohttp_client(create_app(server_config(max_body_bytes=4 << 20, max_small_body_bytes=4 << 20)))
     await wait_status(c)
     return c
 
@@ -99,19 +100,24 @@ async def test_a_disconnect_during_a_v1_build_frees_the_device_within_a_second(c
     assert freed < 1.0 + 0.5, freed  # a second, plus slack for a loaded machine
 
 
-async def test_a_large_body_is_parsed_off_the_event_loop(client, monkeypatch):
+async def test_a_large_body_is_parsed_off_the_event_loop_in_steps(client, monkeypatch):
+    """A small body is parsed by json.loads on the loop; a large one by bigjson.loads on its thread (json's C parser
+    would hold the GIL, and so the loop, for the whole body), within the values a real request can hold."""
     import threading
 
-    from poc.server import schemas
+    from poc.server import bigjson, schemas
 
-    threads = []
-    loads = json.loads
+    seen = []
+    loads, steps = json.loads, bigjson.loads
 
-    def spy(raw, **kw):
-        threads.append(threading.current_thread() is threading.main_thread())
-        return loads(raw, **kw)
+    def spy(name, f):
+        def call(*a, **kw):
+            seen.append((name, threading.current_thread() is threading.main_thread()))
+            return f(*a, **kw)
+        return call
 
-    monkeypatch.setattr(schemas.json, "loads", spy)
+    monkeypatch.setattr(schemas.json, "loads", spy("json", loads))
+    monkeypatch.setattr(bigjson, "loads", spy("steps", steps))
     small = v1_request(max_nonces=4, batch_size=4)
     r = await client.post("/generate", json=small)
     await r.read()
@@ -119,4 +125,51 @@ async def test_a_large_body_is_parsed_off_the_event_loop(client, monkeypatch):
     r = await client.post("/generate", data=io.BytesIO(json.dumps(big).encode()),
                           headers={"Content-Type": "application/json"})
     assert r.status == 400 and (await r.json())["field"] == "pad"
-    assert threads == [True, False]  # the small body on the loop's thread, the large one elsewhere
+    assert seen == [("json", True), ("steps", False)]  # the small body on the loop's thread, the large one elsewhere
+    many = {**small, "pad": [0] * (500_000)}  # more values than 100,000 nonces and their artifacts can be
+    r = await client.post("/generate", data=io.BytesIO(json.dumps(many).encode()),
+                          headers={"Content-Type": "application/json"})
+    assert r.status == 400 and "more than 404096 JSON values" in (await r.json())["error"]
+    assert (await client.get("/health")).status == 200
+
+
+def test_the_stepwise_parser_equals_json_loads():
+    """bigjson.loads against json.loads: random documents in every layout and encoding, and the malformed ones."""
+    import random
+
+    from poc.server import bigjson
+
+    rng = random.Random(29)
+
+    def doc(depth=0):
+        r = rng.random()
+        if depth > 5 or r < 0.4:
+            return rng.choice([rng.randint(-10**20, 10**20), rng.random() * 1e5, f"s\u00e9\"\\\n{rng.random()}", True,
+                               False, None, ""])
+        if r < 0.7:
+            return [doc(depth + 1) for _ in range(rng.randint(0, 4))]
+        return {str(rng.random())[:5]: doc(depth + 1) for _ in range(rng.randint(0, 4))}
+
+    for _ in range(200):
+        d = doc()
+        for text in (json.dumps(d), json.dumps(d, indent=2), json.dumps(d, separators=(",", ":")),
+                     json.dumps(d, ensure_ascii=False)):
+            assert bigjson.loads(text) == json.loads(text)
+            for enc in ("utf-8", "utf-16", "utf-32"):
+                assert bigjson.loads(text.encode(enc)) == json.loads(text.encode(enc))
+
+    def no_constant(name):
+        raise ValueError(name)
+
+    for bad in ("", " ", "[", "{", "[1,]", '{"a":1,}', "[1 2]", '{"a" 1}', "{1:2}", '{"a":}', "[1]x", "[-]", "[01]",
+                "[NaN]", "[Infinity]", '"\\x"', "tru", "[1,,2]"):
+        with pytest.raises(ValueError):
+            json.loads(bad, parse_constant=no_constant)
+        with pytest.raises(ValueError):
+            bigjson.loads(bad, parse_constant=no_constant)
+    with pytest.raises(RecursionError):
+        bigjson.loads("[" * 1001 + "]" * 1001)
+    assert bigjson.loads("[" * 500 + "]" * 500) == json.loads("[" * 500 + "]" * 500)
+    with pytest.raises(ValueError, match="more than 3 JSON objects"):
+        bigjson.loads("[[], [], [], 1]", max_containers=3)
+    assert bigjson.loads("[[], [], 1]", max_values=4, max_containers=3) == [[], [], 1]

@@ -185,6 +185,22 @@ def test_v1_params_that_do_not_split_are_refused(dist_engine):
     assert dist_engine.state == "ready"
 
 
+def test_release_v1_drops_the_ranks_model_and_the_next_job_builds_it_again(dist_engine):
+    """The server's idle release (server/v1cache.py) under its claim: every rank drops its v1 shard between jobs; a
+    later job of the same params builds it again and computes the same distances."""
+    p, nonces = v1_params("A_gqa_plain_rope"), list(range(4))
+    first = dist_engine.v1_distances(p, BH, PK, nonces, "float32", batch_size=4)
+    assert dist_engine.v1_held_bytes() > 0
+    claim = dist_engine.try_claim("v1 cache release")
+    try:
+        assert dist_engine.release_v1() > 0
+    finally:
+        claim.release()
+    assert dist_engine.v1_held_bytes() == 0 and dist_engine.release_v1() == 0
+    again = dist_engine.v1_distances(p, BH, PK, nonces, "float32", batch_size=4)
+    assert np.array_equal(first, again) and dist_engine.state == "ready"
+
+
 def test_job_stream_limits_and_replicas(dist_engine):
     """run(): max_nonces exact; two replicas never repeat a nonce and together cover the stream's prefix."""
     use_model(dist_engine, "qwen3")

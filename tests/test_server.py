@@ -504,7 +504,8 @@ BAD = [
      "node_count"),
     ("/generate", {"x": "y" * (300 << 10)}, 413, None),
     # hostile values: deep nesting, ints past float or int64, URLs without a usable host
-    ("/generate", b"[" * 100_000 + b"]" * 100_000, 400, None),
+    ("/generate", b"[" * 30_000 + b"]" * 30_000, 400, None),  # under /generate's 64 KiB: json.loads on the loop
+    ("/validate", b"[" * 100_000 + b"]" * 100_000, 400, None),  # a large body: bigjson.loads on its thread
     ("/generate", _v1(r_target=10**400), 400, "r_target"),
     ("/generate", _v1(max_duration=10**400), 400, "max_duration"),
     ("/generate", _v1(block_height=2**200), 400, "block_height"),

@@ -197,7 +197,7 @@ async def test_signature_checked_and_handled_errors_do_not_kill_the_worker(stack
     assert "Error: POC-FATAL" not in stack.model_log.read_text()
 
 
-async def test_worker_refuses_an_oversized_body_and_a_replayed_reqnum(stack):
+async def test_worker_refuses_an_oversized_body_and_replayed_reqnums(stack):
     async def chunked():
         for _ in range(WORKER_MAX_BODY // 1024 + 8):
             yield b" " * 1024
@@ -218,6 +218,58 @@ async def test_worker_refuses_an_oversized_body_and_a_replayed_reqnum(stack):
             assert r.status == 401
         async with http.post(stack.url + "/health", json=stack.envelope({}, 22)) as r:
             assert r.status == 200
+        # the captured envelope re-sent with new reqnums: not a JSON integer in int64, or not above the last one
+        for n, status in ((22.0, 422), (-11, 422), (2**70, 422), (True, 422), ("23", 422), (22, 409), (21, 409)):
+            replay = {**env, "auth_data": {**env["auth_data"], "reqnum": n}}
+            async with http.post(stack.url + "/health", json=replay) as r:
+                assert r.status == status, (n, await r.text())
+        # an unsigned envelope cannot move the mark: a huge reqnum is a 401 and the next real one still passes
+        async with http.post(stack.url + "/health", json=stack.envelope({}, 2**62, good=False)) as r:
+            assert r.status == 401
+        async with http.post(stack.url + "/health", json=stack.envelope({}, 23)) as r:
+            assert r.status == 200
+        # what the signature cannot tell (README): the same envelope with a reqnum above the last one is accepted,
+        # and it then refuses the real requests below it; TLS to the worker is what keeps envelopes uncaptured
+        replay = {**env, "auth_data": {**env["auth_data"], "reqnum": 999}}
+        async with http.post(stack.url + "/health", json=replay) as r:
+            assert r.status == 200
+        async with http.post(stack.url + "/health", json=stack.envelope({}, 24)) as r:
+            assert r.status == 409
+
+
+def test_guard_reqnum_rules_and_the_sdk_signature_check():
+    """worker.Guard.check without the SDK: the form of reqnum, the mark only a signed envelope moves; and
+    sdk_signature, the SDK's own check (RSA PKCS#1 v1.5 over {"url": ...}), against a key of the test's."""
+    sys.path.insert(0, str(ROOT))
+    import types
+
+    import worker
+
+    verdict = {}
+    g = worker.Guard(signed=lambda auth: verdict.get(auth["reqnum"], True))
+
+    def status(n) -> int:  # the Guard's refusal, or 200: handed to the SDK
+        r = g.check({"reqnum": n})
+        return 200 if r is None else r.status
+
+    assert [status(n) for n in (5, 5, 4, 6)] == [200, 409, 409, 200]
+    assert [status(n) for n in (7.0, -1, 2**63, False, None, "8", [8])] == [422] * 7
+    assert status(2**63 - 1) == 200 and g.last == 2**63 - 1  # the largest int64 is allowed
+    g = worker.Guard(signed=lambda auth: verdict.get(auth["reqnum"], True))  # status() reads the new one
+    verdict.update({100: False, 101: None})  # refused by the SDK, or its key not loaded yet: the SDK answers 401
+    assert [status(n) for n in (100, 101, 10, 11)] == [200, 200, 200, 200] and g.last == 11
+    key = RSA.generate(2048)
+    backend = types.SimpleNamespace(unsecured=False, _pubkey=None)
+    signed = worker.sdk_signature(backend)
+    url = "https://run.vast.ai/poc-endpoint/"
+    sig = base64.b64encode(pkcs1_15.new(key).sign(SHA256.new(json.dumps({"url": url}, indent=4,
+                                                                      sort_keys=True).encode()))).decode()
+    assert signed({"url": url, "signature": sig}) is None  # no key yet
+    backend._pubkey = key.publickey()
+    assert signed({"url": url, "signature": sig}) is True
+    assert signed({"url": url + "x", "signature": sig}) is False and signed({"url": url, "signature": "!"}) is False
+    backend.unsecured = True
+    assert signed({"url": url + "x", "signature": "!"}) is True
 
 
 # --------------------------------------------------------------------------------------------------

@@ -217,6 +217,11 @@ class EngineBase(abc.ABC):
     def v1_held_bytes(self) -> int:
         """A device's bytes held by the cached v1 model, freed before the next one is built."""
 
+    def release_v1(self) -> int:
+        """Drop the cached v1 model (the caller holds the device claim); the bytes a device got back (v1_held_bytes).
+        The next v1 job builds its model again."""
+        return 0
+
     def check_v1_memory(self, params: v1.V1Params, batch_size: int, dtype: str, headroom: float = 0.9) -> None:
         """422 (InputError) when the v1 model and a batch of this size do not fit the free device memory."""
         tp, pp, ranks = self.parallel_dims()

@@ -119,6 +119,16 @@ class Engine(EngineBase):
         c = self._v1
         return memory.v1_weight_bytes(c.params, DTYPE_NAMES[c.dtype])[0] if c is not None else 0
 
+    def release_v1(self) -> int:
+        held = self.v1_held_bytes()
+        c, self._v1 = self._v1, None
+        if c is not None:
+            c.close()
+            del c
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return held
+
     # ------------------------------------------------------------------------------------ jobs
 
     def run(self, job, emit, stop, claim=None) -> JobSummary:

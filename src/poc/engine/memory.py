@@ -126,6 +126,20 @@ def return_freed_memory() -> bool:
         return False
 
 
+def trim_heap() -> bool:
+    """Give the free pages inside the heap back to the OS (glibc's malloc_trim): blocks under the mmap threshold come
+    from the heap, and many of them freed at once (the socket chunks of large request bodies) leave holes that stay
+    resident. False where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def available_bytes(device: torch.device) -> int:
     """Free memory where the job runs: the GPU's free memory plus what PyTorch's allocator holds cached but unused
     (the next job reuses it; mem_get_info counts it as taken), or MemAvailable on the host."""

@@ -359,6 +359,16 @@ class DistEngine(EngineBase):
             return 0
         return memory.v1_weight_bytes(*self.last_v1)[0] // (self.layout.tp * self.layout.pp)
 
+    def release_v1(self) -> int:
+        """Each rank drops its shard of the last v1 model (a command between jobs: the caller holds the claim)."""
+        held, g = self.v1_held_bytes(), self._ranks
+        if held == 0 or g is None or g.closing or self.broken_reason:
+            return 0
+        for r in range(self.layout.replicas):
+            g.send(self.layout.leader(r), ("drop_v1",))
+        self.last_v1 = None
+        return held
+
     def free_bytes(self) -> int | None:
         """The tightest GPU's free memory (free + cached-but-unused) as the ranks last reported it (after loading,
         after each job); None on the CPU or before any report."""

@@ -171,6 +171,12 @@ class Rank:
                 self.load(*cmd[1:])
             elif kind == "job":
                 self.run_job(*cmd[1:])
+            elif kind == "drop_v1":  # the server's v1 cache went idle (POC_V1_CACHE_IDLE)
+                if self.v1 is not None:
+                    self.v1[1].close()
+                self.v1 = None
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
             else:
                 raise RuntimeError(f"unknown command {kind!r}")
 

@@ -9,6 +9,7 @@ callbacks get a few seconds to go out, and the engine closes.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 
 from aiohttp import web
@@ -18,7 +19,7 @@ from poc.engine.base import EngineBase
 from poc.engine.engine import Engine
 from poc.errors import InputError
 from poc.logs import describe
-from poc.server import mlnode, pooled, pow, security, vast, warmup
+from poc.server import mlnode, pooled, pow, security, v1cache, vast, warmup
 from poc.server.config import ServerConfig
 from poc.server.context import (config_key, engine_key, freed_key, listening_key, metrics_key, runners_key,
                                 sender_key, tasks_key, watch_releases)
@@ -91,6 +92,7 @@ async def engine_ctx(app: web.Application):
     watch_releases(app)
     tasks["load"] = asyncio.create_task(_load(app), name="load")
     tasks["announce"] = asyncio.create_task(_announce(app, tasks["load"]), name="announce")
+    tasks["v1_cache"] = asyncio.create_task(v1cache.release_when_idle(app), name="v1_cache")  # POC_V1_CACHE_IDLE
     yield
     tasks["announce"].cancel()
     for name, t in list(tasks.items()):
@@ -121,6 +123,7 @@ async def _load(app: web.Application) -> None:
         return
     finally:
         claim.release()
+        gc.freeze()  # what start-up made lives as long as the process: full collections no longer walk it (bigjson.py)
     if engine.v2 is not None:
         log.info("model %s loaded in %.1f s", engine.v2.name, engine.load_seconds)
 

@@ -8,8 +8,8 @@
 
 Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_SERVED_MODEL_NAME (comma-separated), POC_DTYPE,
 POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR, POC_TP, POC_PP, POC_REPLICAS, POC_COMPILE, POC_FP8_EXPERTS, POC_FP8_SCALES)
-> default. Environment only: POC_API_TOKEN, SIGNER_PUBKEY, POC_ALLOWED_ORIGINS, POC_OUTBOUND_ALLOW (comma-separated).
-The other fields are limits and timings; tests override them directly.
+> default. Environment only: POC_API_TOKEN, SIGNER_PUBKEY, POC_ALLOWED_ORIGINS, POC_OUTBOUND_ALLOW, POC_ALLOWED_CLIENTS
+(comma-separated), POC_V1_CACHE_IDLE (seconds). The other fields are limits and timings; tests override them directly.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class ServerConfig:
     fp8_experts: str = "keep"  # a Qwen3-MoE FP8 checkpoint's experts: keep (FP8 in memory) or dequant (at load)
     fp8_scales: str = "ue8m0"  # an FP8 checkpoint's W8A8 scale format: ue8m0 (Hopper validators) or float32
     # limits: answered with 400/413/422/429 before any GPU work
-    max_body_bytes: int = 16 << 20
+    max_body_bytes: int = 16 << 20  # the routes that carry nonce lists (security.BULK_PATHS)
+    max_small_body_bytes: int = 64 << 10  # every other route (their real bodies are a few KiB)
     max_batch_size: int = 4096
     max_request_nonces: int = 100_000  # explicit nonce lists (/validate, /api/v1/pow/generate)
     max_queued_nonces: int = 100_000  # the /api/v1/pow/generate queue, as the reference's POC_MAX_QUEUED_NONCES
@@ -62,6 +63,7 @@ class ServerConfig:
     signer_pubkey: str | None = None  # SIGNER_PUBKEY: base64 secp256k1 key checking the node's X-Signature
     allowed_origins: tuple[str, ...] = ()  # POC_ALLOWED_ORIGINS: browser origins allowed to call (none by default)
     outbound_allow: tuple[str, ...] = ()  # POC_OUTBOUND_ALLOW: the only hosts/CIDRs we may call (empty: any allowed)
+    allowed_clients: tuple[str, ...] = ()  # POC_ALLOWED_CLIENTS: the only source CIDRs/hosts that may call (empty: any)
     stream_max_waiting: int = 4  # computed batches waiting for a slow /generate reader before the job pauses
     stall_timeout: float = 60.0  # a reader that takes nothing for this long ends the job with reason "stalled"
     # timings
@@ -77,6 +79,7 @@ class ServerConfig:
     result_ttl: float = 300.0  # queued /generate results stay readable this long after completion
     shutdown_flush_seconds: float = 5.0  # how long shutdown waits for pending callbacks
     memory_headroom: float = 0.9  # a job may plan to use this fraction of the free memory
+    v1_cache_idle: float = 300.0  # POC_V1_CACHE_IDLE: the v1 model a job left is dropped after this idle time; 0: kept
     # durable delivery (clients/spool.py): None keeps callbacks in memory only (tests); the CLI defaults to ./spool
     spool_dir: str | None = None
     spool_segment_records: int = 1000  # records per spool segment file
@@ -118,6 +121,8 @@ class ServerConfig:
         for k in ("header_timeout", "body_idle_timeout", "body_timeout", "stall_timeout"):
             if not getattr(self, k) > 0:
                 raise InputError(f"{k} must be > 0, got {getattr(self, k)}", k)
+        if not self.v1_cache_idle >= 0:
+            raise InputError(f"POC_V1_CACHE_IDLE must be >= 0 seconds, got {self.v1_cache_idle}", "v1_cache_idle")
         if self.max_connections < 1 or self.stream_max_waiting < 1:
             raise InputError("max_connections and stream_max_waiting must be >= 1", "max_connections")
         if self.dtype not in DTYPE_CHOICES:
@@ -204,8 +209,14 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     def env_list(name: str) -> tuple[str, ...]:
         return tuple(x.strip() for x in env.get(name, "").split(",") if x.strip())
 
+    idle = env.get("POC_V1_CACHE_IDLE", "").strip() or str(d.v1_cache_idle)
+    try:
+        v1_cache_idle = float(idle)
+    except ValueError:
+        raise InputError(f"POC_V1_CACHE_IDLE must be a number of seconds, got {idle!r}", "v1_cache_idle") from None
     return ServerConfig(api_token=env.get("POC_API_TOKEN") or None, signer_pubkey=env.get("SIGNER_PUBKEY") or None,
                         allowed_origins=env_list("POC_ALLOWED_ORIGINS"), outbound_allow=env_list("POC_OUTBOUND_ALLOW"),
+                        allowed_clients=env_list("POC_ALLOWED_CLIENTS"), v1_cache_idle=v1_cache_idle,
                         host=a.host, port=port, model=a.model, served_model_name=tuple(a.served_model_name),
                         dtype=a.dtype, device=a.device, log_level=level,
                         spool_dir=a.spool_dir, compile=str(a.compile),

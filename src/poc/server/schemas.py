@@ -20,13 +20,15 @@ from poc.engine.jobs import Limits, V1Job, V2Job
 from poc.errors import InputError
 from poc.protocol import v1, v2
 from poc.protocol.nonces import MAX_NONCE, stride_nonces, upto_max_nonce, worker_nonces
+from poc.server import bigjson
 from poc.server.config import ServerConfig
 
 MISSING = object()
 MAX_INT64 = MAX_NONCE  # heights, node numbers: int64 on the chain
 V1_DTYPES = dtypes.NAMES
 V2_PARAM_KEYS = {"model", "seq_len", "k_dim"}
-OFF_LOOP_BYTES = 256 << 10  # bodies larger than this are parsed on a thread
+OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are parsed on a thread, in steps (bigjson.py)
+json_limits_key = web.AppKey("json_limits", tuple)  # (values, containers) a large body may hold (security.setup)
 
 
 class ParamsMismatch(InputError):
@@ -85,9 +87,9 @@ async def read_json(request: web.Request, max_bytes: int) -> dict:
     except web.HTTPRequestEntityTooLarge:
         raise InputError(f"request body is over the {max_bytes}-byte limit", None, status=413) from None
     try:
-        if len(raw) > OFF_LOOP_BYTES:  # a 16 MiB body takes seconds to parse: not on the event loop
-            obj = await asyncio.to_thread(json.loads, raw, parse_constant=_no_constant)
-        else:
+        if len(raw) > OFF_LOOP_BYTES:  # json's C parser would hold the GIL, and so the loop, for the whole body
+            obj = await bigjson.parse_off_loop(raw, _no_constant, *request.config_dict.get(json_limits_key, ()))
+        else:  # at most 64 KiB: under 10 ms on the loop, whatever it holds
             obj = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise InputError(f"Invalid JSON: {e}", None) from None
