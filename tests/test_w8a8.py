@@ -233,7 +233,7 @@ def test_cuda_expert_kernels_match_the_unfused_recipe(dtype, ue8m0):
     """The w13 kernel with SwiGLU and the quantiser in its epilogue gives the bits of the three steps run apart (the
     grouped GEMM, the model's _act, the quantiser); the whole expert block is near the float32 emulation. Uneven
     groups, an expert with no rows, groups that are not multiples of the row tile."""
-    from poc.model import fp8_triton
+    from poc.model.kernels import fp8_triton
     from poc.model.transformer import _act
 
     x, k, rows, ends, (w13, s13), (w2, s2) = _cuda_expert_case(dtype, seed=5)
@@ -266,7 +266,7 @@ def test_cuda_hopper_expert_kernels_give_the_triton_bits(dtype, ue8m0):
     """On Hopper the experts run fp8_gluon's warp-specialised kernels on rows the scattering quantiser lays out: the
     same bits as the Triton kernels (quantised rows, w13 with SwiGLU and the quantiser, w2), and experts_w8a8 takes
     that path. A slot routed elsewhere (-1, expert parallel) is not written; padding rows are zeros."""
-    from poc.model import fp8_gluon, fp8_triton
+    from poc.model.kernels import fp8_gluon, fp8_triton
     from poc.model.transformer import _act
 
     x, k, rows, ends, (w13, s13), (w2, s2) = _cuda_expert_case(dtype, seed=7)
@@ -421,7 +421,7 @@ def test_cuda_norm_quant_kernel_gives_the_unfused_bits(dtype, D, M, ue8m0):
     residual add, the model's RMSNorm and quantize_act in eager torch. r, y, q and s bit for bit, in every tile
     config and as autotuned, on rows the norm or the quantiser can get wrong: a zero row, tiny and huge rows, a
     row whose normed values sit on FP8 rounding ties, a width that is not a power of two."""
-    from poc.model import fp8_triton
+    from poc.model.kernels import fp8_triton
     from poc.model.transformer import RMSNorm
 
     g = torch.Generator(device="cuda").manual_seed(11)

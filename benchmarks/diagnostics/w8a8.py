@@ -42,7 +42,8 @@ import torch
 
 from poc.bench import cuda_time, pyplot
 from poc.engine.compute import V2Compute
-from poc.model import fp8, fp8_triton
+from poc.model import fp8
+from poc.model.kernels import fp8_triton
 from poc.model.config import PRESETS
 from poc.model.random_weights import random_model
 from poc.model.transformer import _act

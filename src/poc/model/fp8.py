@@ -108,8 +108,8 @@ def quantize_act(x: Tensor, width: int | None = None, ue8m0: bool = False) -> tu
     groups add nothing to a GEMM: an operand padded for the tensor cores' alignment)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_act takes (M, K), got {tuple(x.shape)}")
-    if x.is_cuda and _RECIPE[0] == "fast" and _triton() is not None and x.shape[0] > 0:
-        return _triton().quantize(x, width or x.shape[1], ld_align=LD_ALIGN, ue8m0=ue8m0)
+    if x.is_cuda and _RECIPE[0] == "fast" and kernels() is not None and x.shape[0] > 0:
+        return kernels().quantize(x, width or x.shape[1], ld_align=LD_ALIGN, ue8m0=ue8m0)
     if width and width > x.shape[1]:
         x = F.pad(x, (0, width - x.shape[1]))
     return quantize_act_torch(x, ue8m0)
@@ -166,11 +166,11 @@ def requant_ue8m0(w: Tensor, scale_inv: Tensor) -> tuple[Tensor, Tensor]:
 _TRITON: list = []  # [the fp8_triton module, or None without Triton], resolved once
 
 
-def _triton():
-    """The CUDA kernels (model/fp8_triton.py), or None where Triton is missing (CPU builds of torch)."""
+def kernels():
+    """The CUDA kernels (model/kernels/fp8_triton.py), or None where Triton is missing (CPU builds of torch)."""
     if not _TRITON:
         try:
-            from poc.model import fp8_triton
+            from poc.model.kernels import fp8_triton
         except ImportError:
             fp8_triton = None
         if fp8_triton is not None and fp8_triton.GROUP != GROUP:
@@ -183,13 +183,13 @@ _GLUON: dict = {}  # device index -> the fp8_gluon module, or None where it does
 
 
 def _gluon(device: torch.device):
-    """The Hopper expert kernels (model/fp8_gluon.py) for this device, or None: not sm_90, no Gluon in this Triton,
+    """The Hopper expert kernels (model/kernels/fp8_gluon.py) for this device, or None: not sm_90, no Gluon in this Triton,
     or POC_FP8_GLUON=0 (the Triton kernels then run: the same bits, slower)."""
     if device.index not in _GLUON:
         mod = None
         if os.environ.get("POC_FP8_GLUON", "1") != "0":
             try:
-                from poc.model import fp8_gluon as mod
+                from poc.model.kernels import fp8_gluon as mod
             except ImportError:
                 mod = None
             if mod is not None and (mod.GROUP != GROUP or GROUP_ROWS % mod.ROWS):
@@ -264,7 +264,7 @@ def norm_quant(norm: nn.Module, x: Tensor, residual: Tensor | None = None, keep:
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     if x.is_cuda:
-        r, y, q, s = _triton().rmsnorm_quant(x2, None if residual is None else residual.reshape(-1, D), norm.weight,
+        r, y, q, s = kernels().rmsnorm_quant(x2, None if residual is None else residual.reshape(-1, D), norm.weight,
                                              norm.eps, keep, ld_align=LD_ALIGN, ue8m0=ue8m0)
         s = s[:, :x2.shape[0]].t()
     else:  # the CPU stand-in of the tests: the same numbers by the unfused ops
@@ -280,7 +280,7 @@ def _fused_norm_ok(x: Tensor, residual: Tensor | None) -> bool:
         return False
     if x.shape[-1] % GROUP or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape)):
         return False
-    return _triton() is not None if x.is_cuda else FUSED_NORM_ON_CPU
+    return kernels() is not None if x.is_cuda else FUSED_NORM_ON_CPU
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -535,7 +535,7 @@ def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
     one block-scaled GEMM per expert, then act, then the quantiser. xq: x already quantised (norm_quant). ue8m0:
     both quantisers with power-of-two scales (the weights and their float32 block scales as the checkpoint's)."""
     dest, tile_expert, a_rows = padded_layout(rows, k, ends)
-    kern = _triton() if x.is_cuda and _RECIPE[0] == "fast" else None
+    kern = kernels() if x.is_cuda and _RECIPE[0] == "fast" else None
     glu = _gluon(x.device) if kern is not None else None
     if glu is not None and glu.fits(w13, w2):
         # Hopper: the warp-specialised kernels (the Triton kernels' bits). A 16-bit model's w13 gathers each token's

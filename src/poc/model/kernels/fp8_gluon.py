@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from poc.model.fp8_triton import FP_FUSION  # the promotion's FMA contraction as the Triton kernels: the same bits,
+from poc.model.kernels.fp8_triton import FP_FUSION  # the promotion's FMA contraction as the Triton kernels: the same bits,
 # whatever TRITON_DEFAULT_FP_FUSION the process runs with (compile.py sets it to 0 for inductor's kernels)
 
 GROUP = 128  # the K block, each weight block's rows and the activation group (fp8.GROUP, checked there)
