@@ -8,7 +8,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from poc.model.config import ModelConfig  # noqa: E402
-from poc.model.transformer import Transformer, apply_rope, reflect, rope_freqs, rope_table  # noqa: E402
+from poc.model.numerics import reflect  # noqa: E402
+from poc.model.transformer import Transformer, apply_rope, rope_freqs, rope_table  # noqa: E402
 from poc.model.weights import load_model  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from poc.errors import InputError
-from poc.model import fp8
+from poc.model import experts, fp8
 from poc.model.weights import load_model
 from tests.fp8_spec import E4M3, emulation, spec_quantize, spec_requant
 from tests.test_fp8 import write_fp8_and_twin
@@ -218,10 +218,10 @@ def _cuda_expert_case(dtype, seed):
 
     w13, w2 = weight(2 * F, D), weight(D, F)
     x = torch.randn(T, D, device="cuda", generator=g).to(dtype)
-    experts = torch.randint(0, E - 1, (T * k,), device="cuda", generator=g)
-    experts[: T // 2] = 0
-    rows = experts.argsort(stable=True)
-    ends = torch.searchsorted(experts[rows], torch.arange(1, E + 1, device="cuda"))
+    choice = torch.randint(0, E - 1, (T * k,), device="cuda", generator=g)
+    choice[: T // 2] = 0
+    rows = choice.argsort(stable=True)
+    ends = torch.searchsorted(choice[rows], torch.arange(1, E + 1, device="cuda"))
     return x, k, rows, ends, w13, w2
 
 
@@ -231,25 +231,24 @@ def _cuda_expert_case(dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_expert_kernels_match_the_unfused_recipe(dtype, ue8m0):
     """The w13 kernel with SwiGLU and the quantiser in its epilogue gives the bits of the three steps run apart (the
-    grouped GEMM, the model's _act, the quantiser); the whole expert block is near the float32 emulation. Uneven
+    grouped GEMM, the model's SwiGLU, the quantiser); the whole expert block is near the float32 emulation. Uneven
     groups, an expert with no rows, groups that are not multiples of the row tile."""
     from poc.model.kernels import fp8_triton
-    from poc.model.transformer import _act
 
     x, k, rows, ends, (w13, s13), (w2, s2) = _cuda_expert_case(dtype, seed=5)
-    dest, tile_e, a_rows = fp8.padded_layout(rows, k, ends)
+    dest, tile_e, a_rows = experts.padded_layout(rows, k, ends)
     qt, st = fp8.quantize_act(x, ue8m0=ue8m0)
     live = a_rows >= 0
-    h = fp8_triton.grouped_gemm(qt, st, w13, s13, tile_e, dtype, a_rows, group_rows=fp8.GROUP_ROWS)
-    want_q, want_s = fp8.quantize_act(_act(h), ue8m0=ue8m0)
-    q, s = fp8_triton.w13_swiglu_quant(qt, st, w13, s13, tile_e, dtype, a_rows, group_rows=fp8.GROUP_ROWS,
+    h = fp8_triton.grouped_gemm(qt, st, w13, s13, tile_e, dtype, a_rows, group_rows=experts.GROUP_ROWS)
+    want_q, want_s = fp8.quantize_act(experts.swiglu(h), ue8m0=ue8m0)
+    q, s = fp8_triton.w13_swiglu_quant(qt, st, w13, s13, tile_e, dtype, a_rows, group_rows=experts.GROUP_ROWS,
                                        ue8m0=ue8m0)
     assert torch.equal(q[live].view(torch.uint8), want_q[live].view(torch.uint8))
     assert torch.equal(s[live], want_s[live])
     assert q.view(torch.uint8)[live].float().std() > 10  # not a degenerate (all-zero or saturated) activation
-    y, dest = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, _act, ue8m0=ue8m0)
+    y, dest = experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, ue8m0=ue8m0)
     with fp8.recipe("emulate"):
-        ref, dest_ref = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, _act, ue8m0=ue8m0)
+        ref, dest_ref = experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, ue8m0=ue8m0)
     got, ref = y[dest].float(), ref[dest_ref].float()
     # each GEMM is within 2e-3 (test_cuda_kernels_match_the_spec); SwiGLU's output is quantised again, so a bf16 ulp
     # of difference in h moves a few FP8 values a step: 4.8e-3 here, 5.1e-3 on the Qwen3-30B-A3B shapes
@@ -264,14 +263,13 @@ def test_cuda_expert_kernels_match_the_unfused_recipe(dtype, ue8m0):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_hopper_expert_kernels_give_the_triton_bits(dtype, ue8m0):
     """On Hopper the experts run fp8_gluon's warp-specialised kernels on rows the scattering quantiser lays out: the
-    same bits as the Triton kernels (quantised rows, w13 with SwiGLU and the quantiser, w2), and experts_w8a8 takes
+    same bits as the Triton kernels (quantised rows, w13 with SwiGLU and the quantiser, w2), and grouped_w8a8 takes
     that path. A slot routed elsewhere (-1, expert parallel) is not written; padding rows are zeros."""
     from poc.model.kernels import fp8_gluon, fp8_triton
-    from poc.model.transformer import _act
 
     x, k, rows, ends, (w13, s13), (w2, s2) = _cuda_expert_case(dtype, seed=7)
     T = x.shape[0]
-    dest, tile_e, a_rows = fp8.padded_layout(rows, k, ends)
+    dest, tile_e, a_rows = experts.padded_layout(rows, k, ends)
     live = a_rows >= 0
     slots = torch.full((T * k,), -1, dtype=torch.int32, device="cuda")
     slots[rows] = dest.to(torch.int32)
@@ -280,12 +278,12 @@ def test_cuda_hopper_expert_kernels_give_the_triton_bits(dtype, ue8m0):
     assert torch.equal(q[dest].view(torch.uint8), qt[rows // k].view(torch.uint8))
     assert torch.equal(s.t()[dest], st[rows // k])
     assert not q[~live].view(torch.uint8).any() and not s.t()[~live].any()
-    kw = dict(group_rows=fp8.GROUP_ROWS)
+    kw = dict(group_rows=experts.GROUP_ROWS)
     want_q, want_s = fp8_triton.w13_swiglu_quant(qt, st, w13, s13, tile_e, dtype, a_rows, ue8m0=ue8m0, **kw)
     aq, as_ = fp8_gluon.w13_swiglu_quant(q, s, w13, s13, tile_e, dtype, ue8m0=ue8m0)
     assert torch.equal(aq[live].view(torch.uint8), want_q[live].view(torch.uint8))
     assert torch.equal(as_.t()[live], want_s[live])
-    if dtype != torch.float32:  # 16-bit models gather the tokens' rows in w13's loads (what experts_w8a8 runs)
+    if dtype != torch.float32:  # 16-bit models gather the tokens' rows in w13's loads (what grouped_w8a8 runs)
         gq, gs = fp8_gluon.w13_swiglu_quant(qt, st.t(), w13, s13, tile_e, dtype, a_rows, ue8m0=ue8m0)
         assert torch.equal(gq[live].view(torch.uint8), want_q[live].view(torch.uint8))
         assert torch.equal(gs.t()[live], want_s[live])
@@ -293,7 +291,7 @@ def test_cuda_hopper_expert_kernels_give_the_triton_bits(dtype, ue8m0):
     want_y = fp8_triton.grouped_gemm(want_q, want_s, w2, s2, tile_e, dtype, **kw)
     y = fp8_gluon.grouped_gemm(aq, as_, w2, s2, tile_e, dtype)
     assert torch.equal(y[live], want_y[live]) and y[live].abs().amax() > 0
-    y2, dest2 = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, _act, ue8m0=ue8m0)
+    y2, dest2 = experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, ue8m0=ue8m0)
     assert torch.equal(y2[dest2], want_y[dest])
     # a rank's share of the slots (expert parallel): the others stay -1 and are not written
     half = torch.full_like(slots, -1)
@@ -347,9 +345,9 @@ def test_w8a8_forward_equals_the_spec_emulation(name, fmt, ckpts, monkeypatch):
     fused = ours(X, reflections=VS[:cfg.n_layers], last_only=False)
     last = ours(X, reflections=VS[:cfg.n_layers])
     ref, _ = load_model(ckpts[name], dtype=torch.float32, progress=False, fp8_scales="float32")  # as the file holds
-    linear, experts = emulation(fmt)
+    linear, emulated_experts = emulation(fmt)
     monkeypatch.setattr(fp8, "linear", linear)
-    monkeypatch.setattr(fp8, "experts_w8a8", experts)
+    monkeypatch.setattr(experts, "grouped_w8a8", emulated_experts)
     want = ref(X, reflections=VS[:cfg.n_layers], last_only=False)
     scale = want.abs().max().item()
     assert scale > 0.5
@@ -358,7 +356,7 @@ def test_w8a8_forward_equals_the_spec_emulation(name, fmt, ckpts, monkeypatch):
     assert (last - want[:, -1]).abs().max().item() < 1e-5 * scale
     other, _ = emulation("float32" if fmt == "ue8m0" else "ue8m0")
     monkeypatch.setattr(fp8, "linear", other)
-    monkeypatch.setattr(fp8, "experts_w8a8", _)
+    monkeypatch.setattr(experts, "grouped_w8a8", _)
     rel = ((ref(X, reflections=VS[:cfg.n_layers], last_only=False) - want).norm() / want.norm()).item()
     assert rel > 1e-3, rel  # the other scale format is another arithmetic
     # the dequantise forward is another arithmetic on the same weights: not equal (the activations really are
@@ -506,7 +504,7 @@ def test_tensor_parallel_split_off_the_blocks_is_refused(tmp_path):
 _RANK = r"""
 import os, sys
 import torch, torch.distributed as dist
-from poc.model import fp8
+from poc.model import experts, fp8
 from poc.parallel.shard import load_shard
 from tests.fp8_spec import emulation
 
@@ -514,7 +512,7 @@ rank, world, io, ckpts = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.ar
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method="file://" + io + "/store", rank=rank, world_size=world)
 x, vs = torch.load(io + "/in.pt")
-ours = fp8.linear, fp8.experts_w8a8
+ours = fp8.linear, experts.grouped_w8a8
 out = {}
 for arg in ckpts:
     ckpt, fmt = arg.split("|")
@@ -528,9 +526,9 @@ for arg in ckpts:
         refl = model(x, reflections=vs[:cfg.n_layers], last_only=False)
         model.fuse()
         fused = model(x, reflections=vs[:cfg.n_layers], last_only=False)
-        fp8.linear, fp8.experts_w8a8 = emulation(fmt)  # the spec's arithmetic on this rank's checkpoint shards
+        fp8.linear, experts.grouped_w8a8 = emulation(fmt)  # the spec's arithmetic on this rank's checkpoint shards
         emulated = ref(x, reflections=vs[:cfg.n_layers], last_only=False)
-        fp8.linear, fp8.experts_w8a8 = ours
+        fp8.linear, experts.grouped_w8a8 = ours
     out[arg] = {"held": held, "refl": refl, "fused": fused, "emulated": emulated, "scales": fp8.scales_of(model)}
 torch.save(out, f"{io}/rank{rank}.pt")
 dist.barrier()

@@ -42,15 +42,14 @@ import torch
 
 from poc.bench import cuda_time, pyplot
 from poc.engine.compute import V2Compute
-from poc.model import fp8
-from poc.model.kernels import fp8_triton
+from poc.model import experts, fp8
 from poc.model.config import PRESETS
+from poc.model.kernels import fp8_triton
 from poc.model.random_weights import random_model
-from poc.model.transformer import _act
 from poc.protocol import v2
 
-grouped_gemm = partial(fp8_triton.grouped_gemm, group_rows=fp8.GROUP_ROWS)
-w13_swiglu_quant = partial(fp8_triton.w13_swiglu_quant, group_rows=fp8.GROUP_ROWS)
+grouped_gemm = partial(fp8_triton.grouped_gemm, group_rows=experts.GROUP_ROWS)
+w13_swiglu_quant = partial(fp8_triton.w13_swiglu_quant, group_rows=experts.GROUP_ROWS)
 
 BH = "ba5b00876d55f32856a5fbae8b4ebd79c5a90c763b23c15b7ec813cda54965ab"
 PK = "03b9be7b7bcc197eadcd6cd0ab62d129aa39b94e53ea72ecacc4d95ccec859435c"
@@ -135,21 +134,21 @@ def kernels(args) -> dict:
     w2, s2 = (torch.stack(t) for t in zip(*[fp8_weight(D, F, g) for _ in range(E)]))
     s13, s2 = s13 * 0.05, s2 * 0.05  # keeps the SwiGLU input in a realistic range
 
-    glu = fp8._gluon(x.device)  # the Hopper kernels where they apply (fp8_gluon), else None
-    act = _act  # the model's SwiGLU (its roundings are what the fused kernel must reproduce)
+    glu = experts.gluon_kernels(x.device)  # the Hopper kernels where they apply (fp8_gluon), else None
+    act = experts.swiglu  # the model's SwiGLU (its roundings are what the fused kernel must reproduce)
     # the grouped GEMM alone (one Triton kernel over all experts, the padded row layout) against the emulation,
     # and a sweep of its tile configurations; then the w13 kernel with SwiGLU and the quantiser in its epilogue
     # against the three steps run apart (bit for bit), and a sweep of its tiles
     for name, (w, ws, K) in {"w13": (w13, s13, D), "w2": (w2, s2, F)}.items():
         counts = torch.distributions.Multinomial(32 * 1024 * 8, torch.ones(E)).sample().long().cuda()
-        padded = (counts + fp8.GROUP_ROWS - 1) // fp8.GROUP_ROWS * fp8.GROUP_ROWS
+        padded = (counts + experts.GROUP_ROWS - 1) // experts.GROUP_ROWS * experts.GROUP_ROWS
         pends = padded.cumsum(0)
         n = int(pends[-1])
         x = torch.randn(n, K, device="cuda", generator=g).bfloat16()
         row_e = torch.searchsorted(pends, torch.arange(n, device="cuda"), right=True)
         x[(torch.arange(n, device="cuda") - (pends - padded)[row_e]) >= counts[row_e]] = 0  # padding rows
         q, sc = fp8.quantize_act(x)
-        tile_e = torch.searchsorted(pends, torch.arange(0, n, fp8.GROUP_ROWS, device="cuda"), right=True).int()
+        tile_e = torch.searchsorted(pends, torch.arange(0, n, experts.GROUP_ROWS, device="cuda"), right=True).int()
         bounds = pends.tolist()
         ref = torch.cat([emulate(q[a:b], sc[a:b], w[j], ws[j]) for j, (a, b) in enumerate(zip([0] + bounds[:-1], bounds))])
         for bm, warps, stages in ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 4), (64, 4, 3), (128, 8, 2)):
@@ -227,13 +226,13 @@ def kernels(args) -> dict:
         idx = torch.randint(0, E, (T * k,), device="cuda", generator=g)
         rows = idx.argsort(stable=True)
         ends = torch.searchsorted(idx[rows], torch.arange(1, E + 1, device="cuda"))
-        y, dest = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, act)
+        y, dest = experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, act)
         y = y[dest]
         with fp8.recipe("emulate"):
-            ref, dest = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, act)
+            ref, dest = experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, act)
             ref = ref[dest].float()
         rel = float((y.float() - ref).norm() / ref.norm())
-        tt = cuda_time(lambda: fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, act), iters=5)
+        tt = cuda_time(lambda: experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, act), iters=5)
         row = {"gemm": "experts", "kernels": "gluon" if glu is not None else "triton", "tokens": T, "rows": T * k,
                "experts": E, "N": 2 * F, "K": D, "rel_err": rel,
                "tflops": 2 * T * k * 3 * F * D / tt / 1e12, "seconds": tt}

@@ -4,7 +4,7 @@ On CUDA a Triton kernel (model/kernels/route_triton.py) that selects exactly wha
 values, ties at the k-th broken towards the lower expert index), registered as the custom op `poc::route_topk` so
 that a compiled layer keeps it in its graph; elsewhere torch.topk. The order of the k within a token differs from
 torch's only among equal values and changes nothing downstream: the block sums a token's k terms exactly
-(transformer._combine) and renormalises them with an exact sum.
+(experts.combine) and renormalises them with an exact sum.
 """
 
 from __future__ import annotations

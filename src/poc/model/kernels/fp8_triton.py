@@ -1,4 +1,5 @@
-"""The W8A8 recipe's CUDA kernels, in Triton (`model/fp8.py` calls them on CUDA; it holds the recipe and the CPU path).
+"""The W8A8 recipe's CUDA kernels, in Triton (`model/fp8.py` and `model/experts.py` call them on CUDA; they hold the
+recipe and the CPU path).
 
 - `quantize`: the per-token-group activation quantiser, bit for bit the spec's formula in both scale formats
   (float32 `amax * (1/448)` with IEEE division: Triton's plain `/` on float32 is an approximation that can move a
@@ -7,10 +8,10 @@
 - `rmsnorm_quant`: the residual add, the model's RMSNorm and the quantiser in one pass over whole rows (the
   quantiser's code, so its bits), for `fp8.norm_quant`;
 - `grouped_gemm`: the experts' block-scaled FP8 GEMM, every expert in one launch over the padded row layout of
-  `fp8.experts_w8a8` (each expert's rows start on a multiple of `group_rows`, so a tile never spans two experts);
+  `experts.grouped_w8a8` (each expert's rows start on a multiple of `group_rows`, so a tile never spans two experts);
 - `w13_swiglu_quant`: the first expert GEMM with SwiGLU and the re-quantisation in its epilogue: each tile computes
   128 gate and the matching 128 up columns, rounds both to the model dtype, takes SiLU(gate) * up as
-  `transformer._act` rounds it, and quantises those 128 columns (one activation group) per row. The (rows, 2F)
+  `experts.swiglu` rounds it, and quantises those 128 columns (one activation group) per row. The (rows, 2F)
   intermediate and the (rows, F) activation never reach memory; the output is the FP8 input of the second GEMM.
 
 Importing this module needs Triton (present with CUDA builds of torch); `fp8` imports it only for CUDA tensors. It
