@@ -143,7 +143,7 @@ def sm90_builds() -> list[dict]:
     out = []
     for D in (2048, 4096, 5120):
         block = triton.next_power_of_2(D)
-        for cfg in fp8_triton._norm_configs_that_fit(fp8_triton.NORM_CONFIGS, {}, BLOCK_D=block):
+        for cfg in fp8_triton.norm_configs_that_fit(fp8_triton.NORM_CONFIGS, {}, BLOCK_D=block):
             const = dict(D=D, RES=True, KEEP=True, ROWS=cfg.kwargs["ROWS"], BLOCK_D=block, BLOCK=fp8_triton.GROUP)
             k = triton.compile(ASTSource(fn, {**sig, **{c: "constexpr" for c in const}}, const),
                                target=GPUTarget("cuda", 90, 32),

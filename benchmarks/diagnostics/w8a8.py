@@ -45,7 +45,7 @@ from poc.engine.compute import V2Compute
 from poc.model import experts, fp8
 from poc.model.config import PRESETS
 from poc.model.kernels import fp8_triton
-from poc.model.random_weights import random_model
+from poc.model.random_weights import fp8_payload, random_model
 from poc.protocol import v2
 
 grouped_gemm = partial(fp8_triton.grouped_gemm, group_rows=experts.GROUP_ROWS)
@@ -123,7 +123,7 @@ def kernels(args) -> dict:
         ref = emulate(q, s, w, ws)
         rel = float((y.float() - ref).norm() / ref.norm())
         tt = cuda_time(lambda: fp8.fp8_mm(q, s, w, ws, torch.bfloat16)) if M >= 1000 else None
-        row = {"M": M, "N": N, "K": K, "rel_err": rel, "tensor_cores": fp8._SCALED_MM[0],
+        row = {"M": M, "N": N, "K": K, "rel_err": rel, "tensor_cores": fp8.SCALED_MM,
                "tflops": 2 * M * N * K / tt / 1e12 if tt else None}
         res["gemm"].append(row)
         print(json.dumps(row), flush=True)
@@ -347,8 +347,6 @@ def quant_formula(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def ue8m0(args) -> dict:
     """The UE8M0 quantiser and weight re-quantisation against the float64 transcriptions, on the activation widths
     and dense weights of the Qwen3-30B-A3B and Qwen3-235B-A22B shapes."""
-    from poc.model.random_weights import _fp8_payload
-
     g = torch.Generator(device="cuda").manual_seed(0)
     res: dict = {"quantiser": [], "requant": []}
     for shape in ("qwen3-30b-a3b", "qwen3-235b-a22b"):
@@ -371,7 +369,7 @@ def ue8m0(args) -> dict:
                 res["quantiser"].append(row)
                 print(json.dumps(row), flush=True)
         for name, (n, k) in {"qkv": (q_w + 2 * kv_w, cfg.dim), "o": (cfg.dim, q_w)}.items():
-            w = _fp8_payload((n, k), "cuda", g)
+            w = fp8_payload((n, k), "cuda", g)
             s = torch.empty(fp8.cdiv(n, 128), fp8.cdiv(k, 128), device="cuda").uniform_(0.9, 1.1, generator=g) * 3e-4
             s[0, 0] = 1e-9  # a block under the 1e-4 amax floor
             s[0, 1] = 2.0 ** -12  # a power of two: with |w8| 448 in the block its amax is exactly 448 x 2^-12

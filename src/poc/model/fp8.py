@@ -282,7 +282,7 @@ def fp8_mm(q: Tensor, s: Tensor, w: Tensor, w_scale: Tensor, out_dtype: torch.dt
     return (dequantize_act(q, s) @ dequantize_blocks(w, w_scale).t()).to(out_dtype)
 
 
-_SCALED_MM = [True]  # tests switch the tensor-core path off
+SCALED_MM = True  # False: every FP8 GEMM emulated in float32, on CUDA too (for diagnosis)
 _FAILED: set = set()  # weight shapes whose block-scaled GEMM failed once (logged once, then emulated)
 LD_ALIGN = 4  # cuBLASLt's block-scaled FP8 GEMM wants 16-byte aligned scale columns: M and K/128 multiples of 4
 # (measured on H100: other row counts are refused; 6 column groups run and compute a wrong result)
@@ -293,7 +293,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _scaled_mm_ok(q: Tensor, w: Tensor, out_dtype: torch.dtype) -> bool:
-    if not (q.is_cuda and _SCALED_MM[0] and _RECIPE[0] == "fast" and hasattr(torch, "_scaled_mm")):
+    if not (q.is_cuda and SCALED_MM and _RECIPE[0] == "fast" and hasattr(torch, "_scaled_mm")):
         return False
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False

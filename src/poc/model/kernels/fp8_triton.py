@@ -119,7 +119,7 @@ def quantize(x: torch.Tensor, width: int, *, ld_align: int, ue8m0: bool = False)
 NORM_CONFIGS = [triton.Config({"ROWS": r}, num_warps=w) for r, w in ((1, 4), (2, 8), (4, 8))]
 
 
-def _norm_configs_that_fit(configs, nargs, **kw):
+def norm_configs_that_fit(configs, nargs, **kw):
     """The configs that hold at most 64 values of the tile per thread (sm_90 builds of more spill registers)."""
     block = kw.get("BLOCK_D") or nargs.get("BLOCK_D")
     fit = [c for c in configs if block is None or c.kwargs["ROWS"] * block <= 64 * 32 * c.num_warps]
@@ -128,7 +128,7 @@ def _norm_configs_that_fit(configs, nargs, **kw):
 
 # rows are independent: every config computes the same bits
 @triton.autotune(configs=NORM_CONFIGS, key=["D", "RES", "KEEP", "UE8M0"],
-                 prune_configs_by={"early_config_prune": _norm_configs_that_fit})
+                 prune_configs_by={"early_config_prune": norm_configs_that_fit})
 @triton.jit
 def fp8_rmsnorm_quant(x_ptr, res_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, M, eps, stride_sg, D: tl.constexpr,
                       RES: tl.constexpr, KEEP: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
