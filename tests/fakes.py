@@ -1,6 +1,7 @@
 """Fakes for the outbound side, each a small aiohttp app on 127.0.0.1 that records what it receives: an
 orchestrator (/pooled) with deterministic faults and a restart, a warmup controller, and the Vast autoscaler the
-PyWorker reports to. Plus an NDJSON line reader that keeps arrival times, and model_server.py as a subprocess.
+PyWorker reports to. Plus an NDJSON line reader that keeps arrival times, model_server.py as a subprocess, and an
+event loop on a thread for a fake that outlives a test's loop.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter, deque
 from pathlib import Path
@@ -27,6 +29,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class ThreadLoop:
+    """An event loop on a thread, for a fake that outlives each test's own loop."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
 
 
 class LoopbackApp:

@@ -25,8 +25,7 @@ from poc.server.context import sender_key
 from .fakes import (FakeOrchestrator, Lines, ServerProcess, TwoReplicaEngine, covers_exactly, is_result, status,
                     wait_until)
 from .golden import V1_GOLDEN as G1
-from .servers import POLL, Sink, pooled_config, wait_status
-from .test_server import PARAMS_A
+from .servers import PARAMS_A, POLL, Sink, pooled_config, wait_status
 
 BH = G1["block_hash"]
 R = G1["r_target_used_for_filter"]

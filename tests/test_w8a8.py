@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from poc.errors import InputError
-from poc.model import experts, fp8
-from poc.model.weights import load_model
-from tests.fp8_spec import E4M3, emulation, spec_quantize, spec_requant
-from tests.test_fp8 import write_fp8_and_twin
-from tests.test_model_parity import make_hf, unit_rows
-from tests.test_moe import make_hf_moe
+pytest.importorskip("transformers")  # the checkpoints are made by transformers
+
+from poc.errors import InputError  # noqa: E402
+from poc.model import experts, fp8  # noqa: E402
+from poc.model.weights import load_model  # noqa: E402
+from tests.checkpoints import make_hf, make_hf_moe, unit_rows, write_fp8_and_twin  # noqa: E402
+from tests.fp8_spec import E4M3, emulation, spec_quantize, spec_requant  # noqa: E402
 
 def adversarial() -> torch.Tensor:
     """Rows of 256 columns (two groups) the quantiser can get wrong, and one row of 300 (a partial last group)."""
