@@ -149,12 +149,17 @@ def test_ue8m0_weight_requant_is_the_formula_bit_for_bit():
     assert torch.equal(lin.weight_scale_inv, qs) and "ue8m0" in repr(lin)
 
 
-def test_scale_format_setting(monkeypatch):
-    assert fp8.scale_format() == "ue8m0" and fp8.scale_format("float32") == "float32"
-    monkeypatch.setenv("POC_FP8_SCALES", "float32")
-    assert fp8.scale_format() == "float32"
-    with pytest.raises(InputError, match="ue8m0 or float32"):
-        fp8.scale_format("e8m0")
+@pytest.mark.parametrize("read,var,default,other,bad,message", [
+    (fp8.scale_format, "POC_FP8_SCALES", "ue8m0", "float32", "e8m0", "ue8m0 or float32"),
+    (fp8.fp8_mode, "POC_FP8", "w8a8", "dequant", "int4", "w8a8 or dequant")])
+def test_fp8_settings(read, var, default, other, bad, message, monkeypatch):
+    """The scale format and the FP8 forward: the value given, else the environment, else the default; a bad value
+    is refused naming the choices."""
+    assert read() == default and read(other) == other
+    monkeypatch.setenv(var, other)
+    assert read() == other
+    with pytest.raises(InputError, match=message):
+        read(bad)
 
 
 @pytest.mark.gpu
@@ -475,12 +480,7 @@ def test_cuda_models_compute_the_same_bits_with_the_fused_norm(name, fmt, ckpts,
     assert outs[True][0].abs().amax() > 0
 
 
-def test_fp8_mode_and_recipe_errors(monkeypatch):
-    assert fp8.fp8_mode() == "w8a8" and fp8.fp8_mode("dequant") == "dequant"
-    monkeypatch.setenv("POC_FP8", "dequant")
-    assert fp8.fp8_mode() == "dequant"
-    with pytest.raises(InputError, match="w8a8 or dequant"):
-        fp8.fp8_mode("int4")
+def test_recipe_and_block_errors():
     with pytest.raises(ValueError, match="recipe"):
         with fp8.recipe("fast-ish"):
             pass
