@@ -1,6 +1,7 @@
 """Fakes for the outbound side, each a small aiohttp app on 127.0.0.1 that records what it receives: an
 orchestrator (/pooled) with deterministic faults and a restart, a warmup controller, and the Vast autoscaler the
-PyWorker reports to. Plus an NDJSON line reader that keeps arrival times, and model_server.py as a subprocess.
+PyWorker reports to. Plus an NDJSON line reader that keeps arrival times, model_server.py as a subprocess, and an
+event loop on a thread for a fake that outlives a test's loop.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter, deque
 from pathlib import Path
@@ -27,6 +29,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class ThreadLoop:
+    """An event loop on a thread, for a fake that outlives each test's own loop."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+def routed_app(*routes: tuple[str, str, object]) -> web.Application:
+    """An aiohttp app answering each (method, path, handler)."""
+    app = web.Application()
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+    return app
 
 
 class LoopbackApp:
@@ -99,16 +126,11 @@ class FakeOrchestrator(LoopbackApp):
         super().__init__(self._rebuild(), port)
 
     def _rebuild(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/api/workers/connect", self._connect)
-        app.router.add_get("/api/workers/{wid}/config", self._config)
-        app.router.add_post("/api/workers/{wid}/ready", self._ready)
-        app.router.add_post("/api/workers/{wid}/results", self._results)
-        if self.batch_route:
-            app.router.add_post("/api/workers/{wid}/results/batch", self._results_batch)
-        app.router.add_post("/api/workers/{wid}/heartbeat", self._heartbeat)
-        app.router.add_post("/api/workers/{wid}/shutdown", self._shutdown)
-        return app
+        w = "/api/workers/{wid}"
+        batch = [("POST", f"{w}/results/batch", self._results_batch)] if self.batch_route else []
+        return routed_app(("POST", "/api/workers/connect", self._connect), ("GET", f"{w}/config", self._config),
+                          ("POST", f"{w}/ready", self._ready), ("POST", f"{w}/results", self._results), *batch,
+                          ("POST", f"{w}/heartbeat", self._heartbeat), ("POST", f"{w}/shutdown", self._shutdown))
 
     # ---------------------------------------------------------------------------------- faults
 
@@ -171,29 +193,28 @@ class FakeOrchestrator(LoopbackApp):
             self.accepted[rid] = result
             self.accepted_at[rid] = time.monotonic()
 
+    def _accept(self, results: list[dict], key: str | None = None, batch: bool = False) -> dict:
+        """One result POST, single (with its Idempotency-Key header) or batch: 500 while rejecting, else each result
+        taken and on_result told the count."""
+        if self.reject_results:
+            raise web.HTTPInternalServerError()
+        assert key is None or key == results[0]["idempotency_id"]
+        self.batch_posts += batch
+        self.result_posts += 1
+        for r in results:
+            self._take(r)
+        if self.on_result is not None:
+            self.on_result(self.result_posts)
+        return {"status": "ok"}
+
     async def _results(self, request):
         async def p(body):
-            if self.reject_results:
-                raise web.HTTPInternalServerError()
-            assert request.headers["Idempotency-Key"] == body["idempotency_id"]
-            self.result_posts += 1
-            self._take(body)
-            if self.on_result is not None:
-                self.on_result(self.result_posts)
-            return {"status": "ok"}
+            return self._accept([body], key=request.headers.get("Idempotency-Key", "missing"))
         return await self._post(request, p)
 
     async def _results_batch(self, request):
         async def p(body):
-            if self.reject_results:
-                raise web.HTTPInternalServerError()
-            self.batch_posts += 1
-            self.result_posts += 1
-            for r in body["results"]:
-                self._take(r)
-            if self.on_result is not None:
-                self.on_result(self.result_posts)
-            return {"status": "ok"}
+            return self._accept(body["results"], batch=True)
         return await self._post(request, p)
 
     async def _heartbeat(self, request):
@@ -245,10 +266,7 @@ class FakeController(LoopbackApp):
         super().__init__(self._rebuild())
 
     def _rebuild(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/warmup/params", self._params)
-        app.router.add_post("/warmup/complete", self._complete)
-        return app
+        return routed_app(("GET", "/warmup/params", self._params), ("POST", "/warmup/complete", self._complete))
 
     async def _params(self, request):
         self.polls.append((time.monotonic(), request.query.get("job_id")))
@@ -277,11 +295,8 @@ class FakeAutoscaler(LoopbackApp):
         super().__init__(self._rebuild())
 
     def _rebuild(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/pubkey/", self._pubkey)
-        app.router.add_post("/worker_status/", self._status)
-        app.router.add_post("/delete_requests/", self._delete)
-        return app
+        return routed_app(("GET", "/pubkey/", self._pubkey), ("POST", "/worker_status/", self._status),
+                          ("POST", "/delete_requests/", self._delete))
 
     async def _pubkey(self, request):
         self.pubkey_fetches += 1

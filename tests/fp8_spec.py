@@ -95,7 +95,7 @@ def emu_experts(x, rows, k, ends, w13, s13, w2, s2, act, xq=None, ue8m0=False):
 
 
 def emulation(fmt: str):
-    """(linear, experts) replacing fp8.linear and fp8.experts_w8a8 with the spec's arithmetic in scale format fmt,
+    """(linear, experts) replacing fp8.linear and experts.grouped_w8a8 with the spec's arithmetic in scale format fmt,
     whatever the model was loaded with: meant for a model loaded in the float32 format (the checkpoint's weights),
     whose dense weights the UE8M0 emulation re-quantises itself (spec_requant, once per weight)."""
     ue8m0 = fmt == "ue8m0"

@@ -1,16 +1,28 @@
-"""In-process servers for the tests: their config, waiting for a state, and a callback receiver."""
+"""In-process servers for the tests: their config, the requests they are sent (golden set A for v1, the tiny qwen3
+checkpoint for v2), reading their answers, waiting for a state, raw loopback connections, and a callback receiver."""
 
 import asyncio
+import json
+import socket
 import time
 
 from aiohttp import web
 
 from poc.server.config import ServerConfig
 
-from .golden import v2_checkpoint
+from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2, v2_checkpoint
 
 QWEN3 = str(v2_checkpoint("qwen3"))
 POLL = 0.25  # /pooled's poll interval in pooled_config
+BH, PK = G1["block_hash"], G1["public_key"]
+SET_A = G1["sets"]["A_gqa_plain_rope"]
+PARAMS_A = SET_A["params"]
+P2 = G2["parameters"]
+V1_KEYS = ["worker_id", "public_key", "block_hash", "block_height", "nonces", "dist", "node_id", "batch_number",
+           "batch_computed", "batch_valid", "total_computed", "total_valid", "elapsed_seconds", "next_nonce",
+           "aggregated_batch_number", "aggregated_total_computed", "aggregated_total_valid", "n_workers"]
+POW = "/api/v1/pow"
+POST = b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
 
 
 def server_config(**kw) -> ServerConfig:
@@ -28,6 +40,55 @@ def pooled_config(tmp_path, **kw) -> ServerConfig:
     return server_config(**base)
 
 
+def v1_request(**kw) -> dict:
+    req = {"block_hash": BH, "block_height": 12345, "public_key": PK, "r_target": 2.0, "batch_size": 5,
+           "start_nonce": 0, "params": dict(PARAMS_A), "max_nonces": 16}
+    req.update(kw)
+    return req
+
+
+def v2_request(**kw) -> dict:
+    p = G2["parameters"]
+    req = {"block_hash": p["block_hash"], "block_height": 7, "public_key": p["public_key"], "node_id": 0,
+           "node_count": 1, "batch_size": 3, "max_nonces": 8,
+           "params": {"model": "qwen3", "seq_len": p["seq_len"], "k_dim": p["k_dim"]}}
+    req.update(kw)
+    return req
+
+
+def validate_request(run, **kw) -> dict:
+    keep = [i for i, n in enumerate(run["nonces"]) if n in run["nonces_below_r_target"]]
+    req = {"public_key": PK, "block_hash": BH, "block_height": 12345, "nonces": [run["nonces"][i] for i in keep],
+           "dist": [run["dist"][i] for i in keep], "node_id": 0, "params": dict(PARAMS_A),
+           "r_target": G1["r_target_used_for_filter"], "fraud_threshold": 1e-7}
+    req.update(kw)
+    return req
+
+
+def gen_body(nonces, **kw) -> dict:
+    """A v2 POST /api/v1/pow/generate body for the tiny qwen3 checkpoint."""
+    b = {"block_hash": P2["block_hash"], "block_height": 3, "public_key": P2["public_key"], "node_id": 0,
+         "node_count": 1, "nonces": list(nonces), "batch_size": 3,
+         "params": {"model": "qwen3", "seq_len": P2["seq_len"], "k_dim": P2["k_dim"]}}
+    b.update(kw)
+    return b
+
+
+async def first_batch_line(resp) -> dict:
+    """The first line that is not a progress line (on a loaded machine a progress line can come first)."""
+    while True:
+        d = json.loads(await resp.content.readline())
+        if d.get("status") != "progress":
+            return d
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{") and line.split(" ")[0] == name:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 async def wait_status(client, want=("ready",), timeout=10.0) -> dict:
     t0 = time.monotonic()
     while True:
@@ -37,6 +98,36 @@ async def wait_status(client, want=("ready",), timeout=10.0) -> dict:
             return h
         assert time.monotonic() - t0 < timeout, h
         await asyncio.sleep(0.02)
+
+
+async def wait_job(client, rid: str, want: str, timeout: float = 20.0) -> dict:
+    t0 = time.monotonic()
+    while True:
+        d = await (await client.get(f"{POW}/generate/{rid}")).json()
+        if d["status"] == want:
+            return d
+        assert time.monotonic() - t0 < timeout and d["status"] in ("queued", "running"), d
+        await asyncio.sleep(0.01)
+
+
+async def raw(client, head: bytes, buffers: int | None = None):
+    """A raw loopback connection to the test server that has sent `head`; `buffers`: the kernel's socket buffers of
+    both ends, made that small (a few KiB stand for the megabytes a real stalled connection absorbs first)."""
+    s = socket.socket()
+    if buffers:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffers)
+    s.setblocking(False)
+    before = set(client.server.runner.server.connections) if buffers else set()
+    await asyncio.get_running_loop().sock_connect(s, ("127.0.0.1", client.server.port))
+    r, w = await asyncio.open_connection(sock=s)
+    if buffers:
+        while not set(client.server.runner.server.connections) - before:
+            await asyncio.sleep(0.01)
+        for h in set(client.server.runner.server.connections) - before:
+            h.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffers)
+    w.write(head)
+    await w.drain()
+    return r, w
 
 
 class Sink:

@@ -19,7 +19,7 @@ from poc.server.pow import pow_key
 
 from .fakes import wait_until
 from .golden import V1_GOLDEN as G1
-from .test_server import server_config, wait_status
+from .servers import server_config, wait_status
 
 POW = "/api/v1/pow"
 TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256, "ffn_dim_multiplier": None,

@@ -13,8 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from poc.model.weights import INDEX_FILE, checkpoint_files, dequantize_fp8, load_model  # noqa: E402
 from poc.parallel.shard import load_shard  # noqa: E402
-from tests.test_fp8 import quantize  # noqa: E402
-from tests.test_model_parity import randomize  # noqa: E402
+from tests.checkpoints import quantize, randomize  # noqa: E402
 
 ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM"}

@@ -10,9 +10,8 @@ import asyncio
 import time
 
 from .fakes import FakeController, FakeOrchestrator, Lines
-from .servers import wait_status
-from .test_server import PARAMS_A, SET_A, first_batch_line, v1_request, v2_request, validate_request
-from .test_server_pow import POW, gen_body, wait_job
+from .servers import (PARAMS_A, POW, SET_A, first_batch_line, gen_body, v1_request, v2_request, validate_request,
+                      wait_job, wait_status)
 
 BUSY = {"error": "busy: a job is already running", "field": None}
 

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from poc.model.compile import eager_numerics, maybe_compile
 from poc.model.config import PRESETS
+from poc.model.numerics import reflect, sum_exact
 from poc.model.random_weights import random_model
-from poc.model.transformer import Transformer, apply_rope, reflect, sum_exact
+from poc.model.transformer import Transformer, apply_rope
 
 BF16 = torch.bfloat16
 

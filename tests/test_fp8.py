@@ -3,59 +3,19 @@ into the model dtype while loading (the dequantise forward, POC_FP8=dequant; the
 tests/test_w8a8.py's)."""
 
 import json
-import math
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from poc.errors import InputError
-from poc.model.weights import dequantize_fp8, load_model
-from tests.test_model_parity import make_hf, unit_rows
-from tests.test_moe import CASES as MOE_CASES
-from tests.test_moe import make_hf_moe
+pytest.importorskip("transformers")  # the checkpoints are made by transformers
 
-QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+from poc.errors import InputError  # noqa: E402
+from poc.model.weights import dequantize_fp8, load_model  # noqa: E402
+from tests.checkpoints import (MOE_CASES, QUANT, make_hf, make_hf_moe, quantize, unit_rows,  # noqa: E402
+                               write_fp8_and_twin)
 
 FP8_FORWARD = "dequant"  # the dequantise forward's tests; the default W8A8 forward is tests/test_w8a8.py's
-
-
-def quantize(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block amax/448 scales (what Qwen's weight_scale_inv holds) and the weight / scale rounded to e4m3."""
-    rows, cols = w.shape
-    nr, nc = math.ceil(rows / block), math.ceil(cols / block)
-    padded = torch.zeros(nr * block, nc * block)
-    padded[:rows, :cols] = w.float()
-    blocks = padded.view(nr, block, nc, block)  # (R, C) -> (R/b, b, C/b, b)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # (R/b, C/b)
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nr * block, nc * block)
-    return q[:rows, :cols].to(torch.float8_e4m3fn).contiguous(), scale
-
-
-def quantized(name: str, t: torch.Tensor) -> bool:
-    """Qwen's FP8 checkpoints keep embeddings, lm_head, norms and the MoE router in bf16."""
-    return t.dim() == 2 and name.endswith(".weight") and not any(
-        k in name for k in ("embed_tokens", "lm_head", "norm", "mlp.gate.weight"))
-
-
-def write_fp8_and_twin(src, fp8_dir, twin_dir) -> int:
-    """fp8_dir: the quantised checkpoint; twin_dir: the same dequantised weights (rounded to bf16) as a plain
-    bf16 checkpoint. Returns how many weights were quantised."""
-    sd, cfg = load_file(src / "model.safetensors"), json.loads((src / "config.json").read_text())
-    fp8, twin = {}, {}
-    for name, t in sd.items():
-        if quantized(name, t):
-            q, s = quantize(t)
-            fp8[name], fp8[name.removesuffix("weight") + "weight_scale_inv"] = q, s
-            twin[name] = dequantize_fp8(q, s).bfloat16()
-        else:
-            fp8[name] = twin[name] = t.bfloat16()
-    for d, tensors, extra in ((fp8_dir, fp8, {"quantization_config": QUANT}), (twin_dir, twin, {})):
-        d.mkdir()
-        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
-        (d / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16", **extra}))
-    return sum(quantized(n, t) for n, t in sd.items())
 
 
 @pytest.fixture(params=["qwen3", "qwen3_moe"])

@@ -34,7 +34,7 @@ from poc.server.pow import pow_key
 
 from .fakes import wait_until
 from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2
-from .test_server import QWEN3, server_config, wait_status
+from .servers import QWEN3, server_config, wait_status
 
 P2 = G2["parameters"]
 NODE_STATES = {"POW", "INFERENCE", "TRAIN", "STOPPED"}  # client.go MLNodeState

@@ -17,35 +17,14 @@ import pytest
 from poc.server.app import create_app
 from poc.server.security import SECP256K1_N, bind_warning
 
-from .test_server import metric, server_config, v1_request, wait_status
+from .servers import POST, metric, raw, server_config, v1_request, wait_status
+
 
 IDLE, TOTAL, HEADER = 0.5, 1.5, 1.0
 
 
 def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-async def raw(client, head: bytes, buffers: int | None = None):
-    """A raw loopback connection to the test server that has sent `head`; `buffers`: the kernel's socket buffers of
-    both ends, made that small (a few KiB stand for the megabytes a real stalled connection absorbs first)."""
-    import socket
-
-    s = socket.socket()
-    if buffers:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffers)
-    s.setblocking(False)
-    before = set(client.server.runner.server.connections) if buffers else set()
-    await asyncio.get_running_loop().sock_connect(s, ("127.0.0.1", client.server.port))
-    r, w = await asyncio.open_connection(sock=s)
-    if buffers:
-        while not set(client.server.runner.server.connections) - before:
-            await asyncio.sleep(0.01)
-        for h in set(client.server.runner.server.connections) - before:
-            h.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffers)
-    w.write(head)
-    await w.drain()
-    return r, w
 
 
 async def read_all(r: asyncio.StreamReader, timeout: float) -> bytes:
@@ -58,9 +37,6 @@ async def client(aiohttp_client):
     c = await aiohttp_client(create_app(cfg))
     await wait_status(c)
     return c
-
-
-POST = b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
 
 
 async def test_stalled_bodies_get_408_within_the_bound_and_health_stays_ready(client):

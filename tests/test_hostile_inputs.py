@@ -17,8 +17,8 @@ from poc.protocol import v1
 from poc.server.app import create_app
 from poc.server.stream import json_text
 
-from .test_hostile_clients import POST, raw
-from .test_server import SET_A, metric, server_config, v1_request, validate_request, wait_status
+from .servers import POST, SET_A, metric, raw, server_config, v1_request, validate_request, wait_status
+
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parent.parent / "src"
 
 # lowest first: a module may import its own layer and the layers before it
@@ -149,3 +151,107 @@ def test_the_engine_misuse_check_sees_each_kind():
     src = ("x = app[engine_key]._v1\nfree = getattr(engine, 'free_bytes', None)\nself.engine.state = 'broken'\n"
            "ok = engine.state\nengine.mark_broken('r')\n")
     assert [m.split(":")[0] for m in engine_misuse(src)] == ["line 1", "line 2", "line 3"]
+
+
+# --- outside the package: tests import helpers, never a test module; diagnostics and scripts use public names ------
+
+ROOT = SRC.parent
+TEST_ROOTS = [ROOT / "tests", ROOT / "benchmarks", ROOT / "scripts"]  # who may not import a test module
+USER_ROOTS = [ROOT / "benchmarks", ROOT / "scripts"]  # who use the package from outside: public names only
+
+
+def python_files(roots: list[Path]) -> list[Path]:
+    return sorted(p for root in roots for p in root.rglob("*.py"))
+
+
+def imports_of_test_modules(source: str) -> list[str]:
+    """The imports of one of our test modules in `source` (relative, or under `tests`, with a dotted part named
+    test_*; aiohttp.test_utils is not ours), every import counted."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            names = [f"{base}.{a.name}" if base.rstrip(".") else base + a.name for a in node.names]
+        else:
+            continue
+        for n in names:
+            parts = n.lstrip(".").split(".")
+            ours = n.startswith(".") or parts[0] == "tests" or parts[0].startswith("test_")
+            if ours and any(p.startswith("test_") for p in parts):
+                found.append(f"line {node.lineno}: {n}")
+    return found
+
+
+def private_names(source: str) -> list[str]:
+    """Private names of poc that `source` uses: `from poc.x import _y`, or `_y` read off a poc module it imported."""
+    found, mods = [], set()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "poc":
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"line {node.lineno}: imports {node.module}.{a.name}")
+                mods.add(a.asname or a.name)  # a module or not: an attribute `_x` read off it is private either way
+        elif isinstance(node, ast.Import):
+            mods.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] == "poc")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and ast.unparse(node.value).split(".")[0] in mods):
+            found.append(f"line {node.lineno}: reads {ast.unparse(node)}")
+    return found
+
+
+def test_no_test_module_imports_another():
+    """Tests share code through helper modules (tests/servers.py, tests/checkpoints.py, ...), and so do the
+    benchmarks and scripts: importing a test module runs its collection-time code and ties two suites together."""
+    bad = [f"{p.relative_to(ROOT)} {m}" for p in python_files(TEST_ROOTS)
+           for m in imports_of_test_modules(p.read_text())]
+    assert not bad, "imports of a test module (move what is shared into a helper module):\n" + "\n".join(bad)
+
+
+def test_diagnostics_and_scripts_use_public_names():
+    bad = [f"{p.relative_to(ROOT)} {m}" for p in python_files(USER_ROOTS) for m in private_names(p.read_text())]
+    assert not bad, "private names of poc used from outside the package:\n" + "\n".join(bad)
+
+
+def test_each_rule_fails_on_a_planted_violation(tmp_path, monkeypatch):
+    """Every check above, run on a small tree with one violation of its rule planted, fails and names it."""
+    def write(rel: str, text: str = "") -> None:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+
+    for pkg in ("poc", "poc/protocol", "poc/model", "poc/server"):
+        write(f"src/{pkg}/__init__.py")
+    write("src/poc/protocol/v1.py", "def target():\n    from poc.server import app  # deferred: still counts\n")
+    write("src/poc/server/app.py")
+    write("src/poc/model/a.py", "from poc.model import b\n")
+    write("src/poc/model/b.py", "from poc.model.a import f\n")
+    write("tests/checkpoints.py", "from tests import test_moe\n")  # a helper importing a test module
+    write("tests/test_moe.py", "from aiohttp.test_utils import TestServer\nfrom .checkpoints import make\n")  # fine
+    write("tests/test_fp8.py", "def test_x():\n    from .test_moe import CASES\n")
+    write("benchmarks/diagnostics/w8a8.py",
+          "from poc.model import fp8\nfrom poc.model.transformer import _act\nglu = fp8._gluon(None)\n")
+    module = globals()
+    monkeypatch.setitem(module, "SRC", tmp_path / "src")
+    monkeypatch.setitem(module, "ROOT", tmp_path)
+    monkeypatch.setitem(module, "TEST_ROOTS", [tmp_path / "tests", tmp_path / "benchmarks"])
+    monkeypatch.setitem(module, "USER_ROOTS", [tmp_path / "benchmarks"])
+    checks = [
+        (test_no_upward_import, ["poc.protocol.v1 (poc.protocol) imports poc.server.app (poc.server)"]),
+        (test_no_import_cycle, ["poc.model.a <-> poc.model.b"]),
+        (test_no_test_module_imports_another, ["tests/checkpoints.py line 1: tests.test_moe",
+                                               "tests/test_fp8.py line 2: .test_moe.CASES"]),
+        (test_diagnostics_and_scripts_use_public_names, ["line 2: imports poc.model.transformer._act",
+                                                          "line 3: reads fp8._gluon"]),
+    ]
+    for check, named in checks:
+        with pytest.raises(AssertionError) as e:
+            check()
+        assert all(n in str(e.value) for n in named), (check.__name__, str(e.value))
+        assert "test_moe.py" not in str(e.value)  # a test module importing a helper is fine
+    test_every_module_has_a_layer_and_imports_resolve()  # nothing missing yet
+    write("src/poc/model/c.py", "import poc.model.missing\n")
+    with pytest.raises(AssertionError, match=r"poc.model.c imports modules that do not exist: \['poc.model.missing"):
+        test_every_module_has_a_layer_and_imports_resolve()

@@ -8,84 +8,19 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from poc.model.config import ModelConfig  # noqa: E402
-from poc.model.transformer import Transformer, apply_rope, reflect, rope_freqs, rope_table  # noqa: E402
+from poc.model.transformer import Transformer, apply_rope, rope_freqs, rope_table  # noqa: E402
 from poc.model.weights import load_model  # noqa: E402
-
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
-
-CASES = {  # name: (family, config overrides)
-    "llama-gqa": ("llama", {}),
-    "llama-mha-tied-bias": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True)),
-    "llama3-rope-scaling": ("llama", dict(max_position_embeddings=131072, rope_theta=500000.0,
-                                          rope_parameters=dict(LLAMA3_ROPE, rope_theta=500000.0))),
-    "qwen2-bias": ("qwen2", {}),
-    "qwen3-gqa": ("qwen3", {}),
-    "qwen3-mha-tied": ("qwen3", dict(num_key_value_heads=4, tie_word_embeddings=True)),
-}
+from tests.checkpoints import DENSE_CASES, LLAMA3_ROPE, make_hf, unit_rows  # noqa: E402
+from tests.parity import check_hidden_and_logits, check_reflections  # noqa: E402
 
 
-def hf_config(family: str, **overrides):
-    kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
-              tie_word_embeddings=False)
-    if family == "qwen3":
-        kw["head_dim"] = 24  # Qwen3 decouples head_dim from hidden/heads (0.6B: 16 x 128 > 1024)
-    kw.update(overrides)
-    if "rope_parameters" not in kw:
-        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": kw["rope_theta"]}
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
-    return cls[family](**kw)
-
-
-def randomize(model: torch.nn.Module) -> None:
-    """Weights large enough that attention is far from uniform, and norms/biases far from their 1/0 init."""
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 1.5 / math.sqrt(p.shape[-1]))
-
-
-def make_hf(tmp_path, family: str, **overrides):
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-           "qwen3": transformers.Qwen3ForCausalLM}[family]
-    cfg = hf_config(family, **overrides)
-    cfg._attn_implementation = "eager"
-    hf = cls(cfg)
-    randomize(hf)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    return hf.eval()
-
-
-@pytest.fixture(params=sorted(CASES))
+@pytest.fixture(params=sorted(DENSE_CASES))
 def case(request, tmp_path):
-    family, overrides = CASES[request.param]
+    family, overrides = DENSE_CASES[request.param]
     hf = make_hf(tmp_path, family, **overrides)
     ours, cfg = load_model(tmp_path, dtype=torch.float32, with_head=True, progress=False)
     x = torch.randn(3, 11, 64, generator=torch.Generator().manual_seed(1))
     return hf, ours, cfg, x
-
-
-def check_hidden_and_logits(hf, ours, x, last_rtol: float, last_atol: float):
-    """Final-norm hidden states and fp32 logits against transformers (max abs < 1e-5), and the last-position pass
-    equal to the last row of the full one. Returns transformers' hidden states."""
-    want = hf.model(inputs_embeds=x).last_hidden_state
-    got = ours(x, last_only=False)
-    assert got.shape == want.shape == (3, 11, 64)
-    assert (got - want).abs().max().item() < 1e-5
-    assert want.abs().max().item() > 0.5  # not a trivially small output
-    torch.testing.assert_close(ours(x), got[:, -1], rtol=last_rtol, atol=last_atol)  # last_only = the last row
-    want_logits = hf(inputs_embeds=x).logits.float()
-    got_logits = ours(x, last_only=False, logits=True)
-    assert got_logits.dtype == torch.float32 and got_logits.shape == want_logits.shape
-    assert (got_logits - want_logits).abs().max().item() < 1e-5
-    torch.testing.assert_close(ours(x, logits=True), got_logits[:, -1], rtol=1e-6, atol=1e-5)
-    return want
 
 
 @torch.no_grad()
@@ -131,50 +66,9 @@ def test_llama3_scaling_changes_low_frequencies():
     assert medium.any() and (scaled[medium] < plain[medium]).all() and (scaled[medium] > plain[medium] / 8).all()
 
 
-def unit_rows(n: int, d: int, seed: int = 2) -> torch.Tensor:
-    v = torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
-    return v / v.norm(dim=-1, keepdim=True)
-
-
-def hooked_hf_forward(hf, vs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """HF's final-norm hidden states with a forward hook reflecting each decoder layer's output by vs[i]."""
-
-    def hook(i):
-        def fn(module, args, out):
-            if isinstance(out, tuple):
-                return (reflect(out[0], vs[i]),) + out[1:]
-            return reflect(out, vs[i])
-        return fn
-
-    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(hf.model.layers)]
-    try:
-        return hf.model(inputs_embeds=x).last_hidden_state
-    finally:
-        for h in handles:
-            h.remove()
-
-
 @torch.no_grad()
 def test_reflections_match_hooked_hf(case):
     check_reflections(*case)
-
-
-def check_reflections(hf, ours, cfg, x) -> None:
-    """Reflecting (a, r) after every layer = an HF forward hook reflecting each layer's output, norm after
-    (dense and MoE models alike)."""
-    vs = unit_rows(cfg.n_layers, cfg.dim)
-
-    want = hooked_hf_forward(hf, vs, x)
-    got = ours(x, reflections=vs, last_only=False)
-    assert (got - want).abs().max().item() < 1e-5
-    # mutation check: the reflections really act, and so does the one after the last layer
-    assert (got - ours(x, last_only=False)).abs().max().item() > 0.1
-    vs_last = vs.clone()
-    vs_last[-1] = unit_rows(1, cfg.dim, seed=3)[0]
-    assert (got - ours(x, reflections=vs_last, last_only=False)).abs().max().item() > 0.1
-    # vectors in the model dtype act the same as float32 ones; the last-position pass (one query in the final
-    # layer) differs from the full pass only in float summation order
-    torch.testing.assert_close(ours(x, reflections=vs.to(torch.float32)), got[:, -1], rtol=0, atol=1e-5)
 
 
 @torch.no_grad()

@@ -9,46 +9,21 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from poc.errors import InputError  # noqa: E402
+from poc.model import experts  # noqa: E402
 from poc.model.config import ModelConfig  # noqa: E402
 from poc.model.transformer import MLP, MoE, Transformer  # noqa: E402
 from poc.model.weights import load_model  # noqa: E402
-from tests.test_model_parity import (check_hidden_and_logits, check_reflections, hooked_hf_forward,  # noqa: E402
-                                     randomize, unit_rows)
-
-CASES = {  # name: config overrides; both layer kinds appear in each
-    "mlp-only-layer-norm-topk": dict(num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
-                                     norm_topk_prob=True),
-    "sparse-step-2-no-norm": dict(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[],
-                                  norm_topk_prob=False),
-    "top-3-of-6-tied": dict(num_experts=6, num_experts_per_tok=3, decoder_sparse_step=1, mlp_only_layers=[0],
-                            norm_topk_prob=True, tie_word_embeddings=True),
-}
+from tests.checkpoints import MOE_CASES, hf_moe_config, make_hf_moe, unit_rows, write_fp8_and_twin  # noqa: E402
+from tests.gloo import run_ranks  # noqa: E402
+from tests.parity import check_hidden_and_logits, check_reflections, hooked_hf_forward  # noqa: E402
 
 FP8_FORWARD = "dequant"  # the FP8 cases check the dequantise forward (their tiny shapes do not split on 128-blocks under
 # tensor parallel); the default W8A8 forward is tests/test_w8a8.py's
 
 
-def hf_moe_config(**overrides):
-    kw = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=24, vocab_size=128, max_position_embeddings=512,
-              rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-              tie_word_embeddings=False)
-    kw.update(overrides)
-    cfg = transformers.Qwen3MoeConfig(**kw)
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
-def make_hf_moe(tmp_path, **overrides):
-    hf = transformers.Qwen3MoeForCausalLM(hf_moe_config(**overrides))
-    randomize(hf)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    return hf.eval()
-
-
-@pytest.fixture(params=sorted(CASES))
+@pytest.fixture(params=sorted(MOE_CASES))
 def case(request, tmp_path):
-    hf = make_hf_moe(tmp_path, **CASES[request.param])
+    hf = make_hf_moe(tmp_path, **MOE_CASES[request.param])
     ours, cfg = load_model(tmp_path, dtype=torch.float32, with_head=True, progress=False)
     x = torch.randn(3, 11, 64, generator=torch.Generator().manual_seed(1))
     return hf, ours, cfg, x
@@ -82,7 +57,7 @@ def test_reflections_match_hooked_hf(case):
 @torch.no_grad()
 def test_moe_block_bf16_matches_hf(tmp_path):
     """In bfloat16 the sparse block alone (router, top-k weights, expert sums) rounds as transformers' does."""
-    hf = make_hf_moe(tmp_path, **CASES["top-3-of-6-tied"]).to(torch.bfloat16)
+    hf = make_hf_moe(tmp_path, **MOE_CASES["top-3-of-6-tied"]).to(torch.bfloat16)
     ours, _ = load_model(tmp_path, dtype=torch.bfloat16, progress=False)
     x = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     want = hf.model.layers[1].mlp(x)
@@ -95,9 +70,7 @@ def test_moe_block_bf16_matches_hf(tmp_path):
 def test_stacked_grouped_and_expert_ranges(tmp_path, monkeypatch):
     """The fused block (stacked experts) in bf16: the per-expert loop and the grouped GEMM give the unfused block's
     numbers, and two halves of the experts (expert parallel without the all-reduce) add up to the whole."""
-    from poc.model import transformer
-
-    make_hf_moe(tmp_path, **CASES["mlp-only-layer-norm-topk"])
+    make_hf_moe(tmp_path, **MOE_CASES["mlp-only-layer-norm-topk"])
     ours, _ = load_model(tmp_path, dtype=torch.bfloat16, progress=False)
     moe = ours.layers["0"].mlp
     x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
@@ -110,42 +83,42 @@ def test_stacked_grouped_and_expert_ranges(tmp_path, monkeypatch):
         part.keep_experts(first, stop)
         assert sorted(int(k) for k in part.experts) == list(range(first, stop))
         halves.append(part)
-    fp32_parts = [transformer._dispatch_modules(h, *_routing(h, x)) for h in halves]
+    mine = [[h.experts[str(j)] for j in range(h.first, h.stop)] for h in halves]
+    fp32_parts = [experts.dispatch_modules(*_routing(h, x), m, h.first, 8) for h, m in zip(halves, mine)]
     assert torch.equal((fp32_parts[0] + fp32_parts[1]).bfloat16().view_as(want), want)
     moe.fuse()
     assert moe.w13.shape == (8, 64, 64) and moe.w2.shape == (8, 64, 32) and len(moe.experts) == 0
     assert torch.equal(moe(x), want)  # stacked, loop over experts
-    monkeypatch.setattr(transformer, "GROUPED_MM_ON_CPU", True)
-    assert transformer._grouped_mm_ok(x.view(-1, 64), moe.w13)
+    monkeypatch.setattr(experts, "GROUPED_MM_ON_CPU", True)
+    assert experts.grouped_mm_ok(x.view(-1, 64), moe.w13)
     assert torch.equal(moe(x), want)  # stacked, one grouped GEMM per projection
     for h in halves:
         h.fuse()
-    parts = [transformer._dispatch_stacked(h, *_routing(h, x)) for h in halves]
+    parts = [experts.dispatch_stacked(*_routing(h, x), h.w13, h.w2, 8, h.first, out_dtype=torch.float32)
+             for h in halves]
     assert torch.equal((parts[0] + parts[1]).bfloat16().view_as(want), want)
 
 
 @pytest.mark.parametrize("n_valid", [72, 40, 1])
 def test_combine_gathers_what_a_scatter_and_sum_gives(n_valid):
-    """_combine (a gather by inverse positions) against the plain formulation: scatter the weighted rows of y back
-    to (token, choice) order into zeros, then sum the k choices. Bit for bit, for all rows and for a rank's first
-    n_valid rows (expert parallel), in bf16."""
-    from poc.model import transformer
-
+    """experts.combine (a gather by inverse positions) against the plain formulation: scatter the weighted rows of y
+    back to (token, choice) order into zeros, then sum the k choices. Bit for bit, for all rows and for a rank's
+    first n_valid rows (expert parallel), in bf16."""
     g = torch.Generator().manual_seed(5)
     T, k, D = 9, 8, 16
     rows = torch.randperm(T * k, generator=g)  # expert-sorted order -> (token, choice) slot
     w = torch.rand(T * k, generator=g).bfloat16()
     y = torch.randn(n_valid, D, generator=g).bfloat16()  # only the first n_valid sorted rows were computed
-    pos = transformer._positions(rows)
+    pos = experts.positions(rows)
     assert torch.equal(rows[pos], torch.arange(T * k))
-    got = transformer._combine(y, w, pos, torch.tensor(n_valid), T, k)
+    got = experts.combine(y, w, pos, torch.tensor(n_valid), T, k)
     scattered = torch.zeros(T * k, D, dtype=torch.bfloat16)
     scattered[rows[:n_valid]] = y * w[rows[:n_valid], None]
     want = scattered.view(T, k, D).double().sum(dim=1).float()
     assert got.dtype == torch.float32 and torch.equal(got, want)
     from poc.model.compile import maybe_compile
 
-    compiled = maybe_compile(transformer._combine, True, dynamic=True)(y, w, pos, torch.tensor(n_valid), T, k)
+    compiled = maybe_compile(experts.combine, True, dynamic=True)(y, w, pos, torch.tensor(n_valid), T, k)
     assert torch.equal(compiled, want)
 
 
@@ -161,7 +134,7 @@ def _routing(moe, x):
 @torch.no_grad()
 def test_fp8_kept_in_memory_equals_dequantised_at_load():
     """Stacked FP8 experts dequantised per call give the same block output as the experts dequantised once."""
-    from poc.model.transformer import dequantize_blocks
+    from poc.model.fp8 import dequantize_blocks
     from poc.model.weights import dequantize_fp8
 
     cfg = ModelConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=384, vocab_size=128,
@@ -208,7 +181,7 @@ def test_bad_moe_configs():
 
 @pytest.fixture(scope="module")
 def moe_ckpt(tmp_path_factory):
-    """name -> (directory, transformers model) of a tiny Qwen3-MoE checkpoint of CASES[name] ("uneven": 3 experts;
+    """name -> (directory, transformers model) of a tiny Qwen3-MoE checkpoint of MOE_CASES[name] ("uneven": 3 experts;
     "fp8": the FP8 quantisation of mlp-only-layer-norm-topk with intermediate_size 320), written once per module."""
     made = {}
 
@@ -216,13 +189,11 @@ def moe_ckpt(tmp_path_factory):
         if name not in made:
             d = tmp_path_factory.mktemp(name)
             if name == "fp8":
-                from tests.test_fp8 import write_fp8_and_twin
-
-                hf = make_hf_moe(d / "src", **dict(CASES["mlp-only-layer-norm-topk"], intermediate_size=320))
+                hf = make_hf_moe(d / "src", **dict(MOE_CASES["mlp-only-layer-norm-topk"], intermediate_size=320))
                 write_fp8_and_twin(d / "src", d / "fp8", d / "twin")
                 made[name] = (d / "fp8", hf)
             else:
-                over = dict(num_experts=3, num_experts_per_tok=2) if name == "uneven" else CASES[name]
+                over = dict(num_experts=3, num_experts_per_tok=2) if name == "uneven" else MOE_CASES[name]
                 made[name] = (d, make_hf_moe(d, **over))
         return made[name]
 
@@ -320,8 +291,8 @@ def test_load_shard_reads_only_its_experts(name, moe_ckpt, monkeypatch):
             refs, model, names))
         model, _ = shard.load_shard(ckpt, torch.float32, "cpu", tp_rank=r, tp_size=2)
         mine = set(range(r * cfg.n_experts // 2, (r + 1) * cfg.n_experts // 2))
-        experts = {int(k.split(".")[4]) for k in asked + [k.removeprefix("model.") for k in read] if ".experts." in k}
-        assert experts == mine, (r, experts)
+        seen = {int(k.split(".")[4]) for k in asked + [k.removeprefix("model.") for k in read] if ".experts." in k}
+        assert seen == mine, (r, seen)
         assert sorted(asked) == sorted(model.state_dict())
         assert {k for k in checked if ".experts." in k} == {k for k in everything if ".experts." in k
                                                              and not k.endswith("scale_inv")}
@@ -369,8 +340,6 @@ VS = unit_rows(3, 64)
 def tp_ranks(moe_ckpt, tmp_path_factory) -> dict[str, list[dict]]:
     """name -> each rank's results of the GLOO_CASES checkpoints under tp=2 over gloo: two rank processes, started
     once for all of them (a process start, which imports torch, is most of the cost)."""
-    from tests.gloo import run_ranks
-
     world, io = 2, tmp_path_factory.mktemp("gloo")
     ckpts = {name: str(moe_ckpt(name)[0]) for name in GLOO_CASES}
     torch.save((X, VS), io / "in.pt")

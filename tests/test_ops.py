@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from .fakes import ROOT, ServerProcess, free_port
+from .fakes import ROOT, ServerProcess, ThreadLoop, free_port
 from .golden import v2_checkpoint
+from .servers import PARAMS_A, QWEN3, server_config, v1_request, wait_status
 
 FATAL = "Error: POC-FATAL"
 
@@ -90,8 +91,6 @@ def test_a_restarted_worker_is_not_failed_by_the_previous_runs_fatal_line(tmp_pa
     """docker_entrypoint.sh on a Vast worker: the PyWorker (real vastai 1.9.1) and the model server, with the log
     of a previous run that ended in a FATAL line; the autoscaler must see the worker loaded and no error."""
     pytest.importorskip("vastai.serverless.server.worker")
-    from .test_server import PARAMS_A
-    from .test_worker import ThreadLoop
     from .fakes import FakeAutoscaler
 
     repo = copy_repo(tmp_path / "repo")
@@ -334,8 +333,6 @@ async def test_metrics_parse_and_carry_process_latency_queue_and_build_families(
     from poc.server.app import create_app
     from poc.server.context import sender_key
 
-    from .test_server import QWEN3, server_config, v1_request, wait_status
-
     received = []
 
     async def generated(request):
@@ -394,8 +391,6 @@ def test_compile_at_start_setting_is_parsed_and_checked():
     from poc.server.config import parse_args
     from poc.server.warm_start import WarmShape
 
-    from .test_server import PARAMS_A
-
     cfg = parse_args(["--model", "m", "--compile-at-start", "v2:256:256, v1:64"], env={})
     assert cfg.compile_at_start == (WarmShape("v2", 256, '{"seq_len": 256, "k_dim": 12}'),
                                     WarmShape("v1", 64, json.dumps(PARAMS_V2.to_json())))
@@ -415,8 +410,6 @@ def test_compile_at_start_setting_is_parsed_and_checked():
 
 async def test_compile_at_start_runs_its_batches_before_the_readiness_line(tmp_path):
     """On the CPU compile is off: the batches run all the same, through the engine, before the line."""
-    from .test_server import QWEN3
-
     s = ServerProcess(tmp_path / "s.log", "--model", QWEN3, "--spool-dir", str(tmp_path / "sp"),
                       "--compile-at-start", "v2:6:16,v2:3:8", env={"POC_LOG_LEVEL": "info"})
     try:
@@ -432,8 +425,6 @@ async def test_compile_at_start_runs_its_batches_before_the_readiness_line(tmp_p
 
 
 async def test_a_failed_warm_up_is_logged_and_the_server_starts(tmp_path):
-    from .test_server import QWEN3
-
     s = ServerProcess(tmp_path / "s.log", "--model", QWEN3, "--spool-dir", str(tmp_path / "sp"),
                       "--compile-at-start", "v2:2:100000")  # past the tiny model's max_position_embeddings
     try:

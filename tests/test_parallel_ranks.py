@@ -57,18 +57,17 @@ def moe_reference(tmp_path_factory):
     """Tiny Qwen3-MoE checkpoints (tests/test_moe.py) and their single-process float32 vectors: name -> (dir, vectors).
     One has a dense layer among sparse ones (mlp_only_layers), one dense layers by decoder_sparse_step, one FP8."""
     pytest.importorskip("transformers")
-    from tests.test_fp8 import write_fp8_and_twin
-    from tests.test_moe import CASES, make_hf_moe
+    from tests.checkpoints import MOE_CASES, make_hf_moe, write_fp8_and_twin
 
     out = {}
     for name, case in (("moe-mlp-only", "mlp-only-layer-norm-topk"), ("moe-sparse-step", "sparse-step-2-no-norm"),
                        ("moe-fp8", "mlp-only-layer-norm-topk")):
         d = tmp_path_factory.mktemp("moe") / name
         if name == "moe-fp8":
-            make_hf_moe(d.parent / "src", **dict(CASES[case], intermediate_size=320))
+            make_hf_moe(d.parent / "src", **dict(MOE_CASES[case], intermediate_size=320))
             write_fp8_and_twin(d.parent / "src", d, d.parent / "twin")
         else:
-            make_hf_moe(d, **CASES[case])
+            make_hf_moe(d, **MOE_CASES[case])
         e = Engine("cpu", model_dir=str(d), dtype="float32")
         e.load()
         out[name] = (d, np.concatenate([e.v2.vectors(e.v2.prepare(BH, PK, NONCES[i:i + 4], SEQ, K)).numpy()

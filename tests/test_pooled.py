@@ -25,8 +25,7 @@ from poc.server.context import sender_key
 from .fakes import (FakeOrchestrator, Lines, ServerProcess, TwoReplicaEngine, covers_exactly, is_result, status,
                     wait_until)
 from .golden import V1_GOLDEN as G1
-from .servers import POLL, Sink, pooled_config, wait_status
-from .test_server import PARAMS_A
+from .servers import PARAMS_A, POLL, Sink, pooled_config, wait_status
 
 BH = G1["block_hash"]
 R = G1["r_target_used_for_filter"]
@@ -109,8 +108,13 @@ async def test_switch_job_new_range_and_shutdown_within_one_poll_interval(aiohtt
     # A 1 s poll here: a command applied on the poll that served it shows within ~30 ms, one applied a poll later
     # would take >= 1 s, and a loaded 2-core CI machine's scheduling noise (up to a few hundred ms) fits between.
     poll = 1.0
+    first_end = 10 ** 9
+    # the new range lies past the first one's end: the first range's job runs on until the poll that serves the
+    # command (up to a poll interval, dozens of batches), and however far it got, its spans stay apart from the new
+    # range's (a new range of 5000..5999 met spans of the first range there on a fast machine)
+    lo, hi = first_end + 5000, first_end + 5999
     orch.config = {}  # no block hash yet: the session waits, polling
-    orch.ready_reply = {"public_key": "key-A", "nonce_range_start": 0, "nonce_range_end": 10 ** 9}
+    orch.ready_reply = {"public_key": "key-A", "nonce_range_start": 0, "nonce_range_end": first_end}
     client, lines = await start_session(aiohttp_client, tmp_path, orch, {"batch_size": 200},
                                         pooled_poll_interval=poll)
     await lines.wait(status("waiting_block_hash"))
@@ -141,17 +145,19 @@ async def test_switch_job_new_range_and_shutdown_within_one_poll_interval(aiohtt
     assert first_b["first_nonce"] == 0 and first_b["batch_number"] == 1  # the range restarts, counters reset
     _, _, k = await lines.wait(is_result, 10, k + 1)
 
-    d, j = await command({"type": "config", "nonce_range_start": 5000, "nonce_range_end": 5999}, "new_range", k)
-    assert (d["range_start"], d["range_end"]) == (5000, 5999)
+    d, j = await command({"type": "config", "nonce_range_start": lo, "nonce_range_end": hi}, "new_range", k)
+    assert (d["range_start"], d["range_end"]) == (lo, hi)
     _, done, _ = await lines.wait(status("range_complete"), 20, j)
-    assert (done["range_start"], done["range_end"], done["total_computed"]) == (5000, 5999, 1000)
+    assert (done["range_start"], done["range_end"], done["total_computed"]) == (lo, hi, 1000)
     await wait_until(lambda: client.server.app[sender_key].pending == 0, 10, "results acknowledged")
-    assert covers_exactly([s for s in orch.spans("key-B") if s[0] >= 5000], 5000, 5999)
-    b_low = [s for s in orch.spans("key-B") if s[0] < 5000]
+    b_new = [s for s in orch.spans("key-B") if s[0] > first_end]
+    b_low = [s for s in orch.spans("key-B") if s[1] <= first_end]
+    assert len(b_new) + len(b_low) == len(orch.spans("key-B"))  # every key-B span in one range or the other
+    assert covers_exactly(b_new, lo, hi)  # the new range, every nonce once
     assert b_low and covers_exactly(b_low, 0, b_low[-1][1])  # key B from 0, contiguous, until the new range
     a_spans = orch.spans("key-A")
     assert covers_exactly(a_spans, 0, a_spans[-1][1])
-    await wait_until(lambda: any(h.get("range_complete") == [5000, 5999] for h in orch.heartbeats), 5,
+    await wait_until(lambda: any(h.get("range_complete") == [lo, hi] for h in orch.heartbeats), 5,
                      "the heartbeat that reports the exhausted range")
 
     d, j = await command({"type": "shutdown"}, "stopping", j)

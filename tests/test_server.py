@@ -24,30 +24,8 @@ from poc.server.context import engine_key
 from poc.server.schemas import get_nonces, stride_nonces
 
 from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2
-from .servers import QWEN3, server_config, wait_status
-
-BH, PK = G1["block_hash"], G1["public_key"]
-SET_A = G1["sets"]["A_gqa_plain_rope"]
-PARAMS_A = SET_A["params"]
-V1_KEYS = ["worker_id", "public_key", "block_hash", "block_height", "nonces", "dist", "node_id", "batch_number",
-           "batch_computed", "batch_valid", "total_computed", "total_valid", "elapsed_seconds", "next_nonce",
-           "aggregated_batch_number", "aggregated_total_computed", "aggregated_total_valid", "n_workers"]
-
-
-def v1_request(**kw) -> dict:
-    req = {"block_hash": BH, "block_height": 12345, "public_key": PK, "r_target": 2.0, "batch_size": 5,
-           "start_nonce": 0, "params": dict(PARAMS_A), "max_nonces": 16}
-    req.update(kw)
-    return req
-
-
-def v2_request(**kw) -> dict:
-    p = G2["parameters"]
-    req = {"block_hash": p["block_hash"], "block_height": 7, "public_key": p["public_key"], "node_id": 0,
-           "node_count": 1, "batch_size": 3, "max_nonces": 8,
-           "params": {"model": "qwen3", "seq_len": p["seq_len"], "k_dim": p["k_dim"]}}
-    req.update(kw)
-    return req
+from .servers import (BH, PARAMS_A, QWEN3, SET_A, V1_KEYS, first_batch_line, metric, server_config, v1_request,
+                      v2_request, validate_request, wait_status)
 
 
 async def read_lines(resp) -> list[tuple[float, dict]]:
@@ -55,21 +33,6 @@ async def read_lines(resp) -> list[tuple[float, dict]]:
     async for raw in resp.content:
         out.append((time.monotonic(), json.loads(raw)))
     return out
-
-
-async def first_batch_line(resp) -> dict:
-    """The first line that is not a progress line (on a loaded machine a progress line can come first)."""
-    while True:
-        d = json.loads(await resp.content.readline())
-        if d.get("status") != "progress":
-            return d
-
-
-def metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{") and line.split(" ")[0] == name:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -401,15 +364,6 @@ async def test_engine_failure_mid_job_is_one_line(client, caplog):
 
 # --------------------------------------------------------------------------------------------------
 # /validate (v1)
-
-
-def validate_request(run, **kw) -> dict:
-    keep = [i for i, n in enumerate(run["nonces"]) if n in run["nonces_below_r_target"]]
-    req = {"public_key": PK, "block_hash": BH, "block_height": 12345, "nonces": [run["nonces"][i] for i in keep],
-           "dist": [run["dist"][i] for i in keep], "node_id": 0, "params": dict(PARAMS_A),
-           "r_target": G1["r_target_used_for_filter"], "fraud_threshold": 1e-7}
-    req.update(kw)
-    return req
 
 
 async def test_v1_validate(client):

@@ -19,7 +19,7 @@ from poc.protocol import v2
 
 from .fakes import READY, ServerProcess
 from .golden import V2_GOLDEN as G2, v2_checkpoint
-from .test_server import PARAMS_A, SET_A, first_batch_line, metric, v1_request, validate_request
+from .servers import PARAMS_A, SET_A, first_batch_line, metric, v1_request, validate_request
 
 P2 = G2["parameters"]
 CRASH_MARKERS = ("Traceback", "Error:", "RuntimeError:", "OutOfMemoryError")

@@ -20,23 +20,10 @@ from poc.server.pow import pow_key
 from poc.server.schemas import ServedModel
 
 from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2
-from .servers import QWEN3, Sink, server_config, wait_status
-from .test_server import PARAMS_A
+from .servers import (P2, PARAMS_A, POW, QWEN3, SET_A, Sink, gen_body, server_config, validate_request, wait_job,
+                      wait_status)
 
-P2 = G2["parameters"]
 GOLDEN = G2["models"]["qwen3"]["artifacts"]
-POW = "/api/v1/pow"
-
-
-
-
-
-def gen_body(nonces, **kw) -> dict:
-    b = {"block_hash": P2["block_hash"], "block_height": 3, "public_key": P2["public_key"], "node_id": 0,
-         "node_count": 1, "nonces": list(nonces), "batch_size": 3,
-         "params": {"model": "qwen3", "seq_len": P2["seq_len"], "k_dim": P2["k_dim"]}}
-    b.update(kw)
-    return b
 
 
 def golden_validation(corrupt=()) -> dict:
@@ -95,7 +82,6 @@ async def test_results_keep_the_request_order_when_batches_arrive_out_of_order(a
     from poc.server import app as app_mod, vast
 
     from .fakes import ReversedArrivalEngine
-    from .test_server import SET_A, validate_request
 
     monkeypatch.setattr(app_mod, "Engine", ReversedArrivalEngine.make(Engine))
     monkeypatch.setattr(vast, "VALIDATE_BATCH_SIZE", 5)  # 16 nonces: 4 batches
@@ -211,16 +197,6 @@ async def test_served_model_name_is_accepted_as_params_model(aiohttp_client):
     assert r.status == 200, await r.text()
     r = await c.post(f"{POW}/generate", json={**body, "params": {"model": "Org/Other", "seq_len": 4}})
     assert r.status == 409 and "Org/Tiny-Qwen3" in (await r.json())["deployed"]["model"]
-
-
-async def wait_job(client, rid: str, want: str, timeout: float = 20.0) -> dict:
-    t0 = time.monotonic()
-    while True:
-        d = await (await client.get(f"{POW}/generate/{rid}")).json()
-        if d["status"] == want:
-            return d
-        assert time.monotonic() - t0 < timeout and d["status"] in ("queued", "running"), d
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture

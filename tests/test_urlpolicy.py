@@ -20,7 +20,7 @@ from poc.server.app import create_app
 from poc.server.security import security_key
 
 from .fakes import ROOT, LoopbackApp, Lines, status
-from .test_server import PARAMS_A, server_config, wait_status
+from .servers import PARAMS_A, server_config, wait_status
 
 OWN_PORT = 18555  # the config's own listening port (the test client listens elsewhere; the check is by config)
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from poc.errors import InputError
-from poc.model import fp8
-from poc.model.weights import load_model
-from tests.fp8_spec import E4M3, emulation, spec_quantize, spec_requant
-from tests.test_fp8 import write_fp8_and_twin
-from tests.test_model_parity import make_hf, unit_rows
-from tests.test_moe import make_hf_moe
+pytest.importorskip("transformers")  # the checkpoints are made by transformers
+
+from poc.errors import InputError  # noqa: E402
+from poc.model import experts, fp8  # noqa: E402
+from poc.model.weights import load_model  # noqa: E402
+from tests.checkpoints import make_hf, make_hf_moe, unit_rows, write_fp8_and_twin  # noqa: E402
+from tests.fp8_spec import E4M3, emulation, spec_quantize, spec_requant  # noqa: E402
 
 def adversarial() -> torch.Tensor:
     """Rows of 256 columns (two groups) the quantiser can get wrong, and one row of 300 (a partial last group)."""
@@ -149,12 +149,17 @@ def test_ue8m0_weight_requant_is_the_formula_bit_for_bit():
     assert torch.equal(lin.weight_scale_inv, qs) and "ue8m0" in repr(lin)
 
 
-def test_scale_format_setting(monkeypatch):
-    assert fp8.scale_format() == "ue8m0" and fp8.scale_format("float32") == "float32"
-    monkeypatch.setenv("POC_FP8_SCALES", "float32")
-    assert fp8.scale_format() == "float32"
-    with pytest.raises(InputError, match="ue8m0 or float32"):
-        fp8.scale_format("e8m0")
+@pytest.mark.parametrize("read,var,default,other,bad,message", [
+    (fp8.scale_format, "POC_FP8_SCALES", "ue8m0", "float32", "e8m0", "ue8m0 or float32"),
+    (fp8.fp8_mode, "POC_FP8", "w8a8", "dequant", "int4", "w8a8 or dequant")])
+def test_fp8_settings(read, var, default, other, bad, message, monkeypatch):
+    """The scale format and the FP8 forward: the value given, else the environment, else the default; a bad value
+    is refused naming the choices."""
+    assert read() == default and read(other) == other
+    monkeypatch.setenv(var, other)
+    assert read() == other
+    with pytest.raises(InputError, match=message):
+        read(bad)
 
 
 @pytest.mark.gpu
@@ -218,10 +223,10 @@ def _cuda_expert_case(dtype, seed):
 
     w13, w2 = weight(2 * F, D), weight(D, F)
     x = torch.randn(T, D, device="cuda", generator=g).to(dtype)
-    experts = torch.randint(0, E - 1, (T * k,), device="cuda", generator=g)
-    experts[: T // 2] = 0
-    rows = experts.argsort(stable=True)
-    ends = torch.searchsorted(experts[rows], torch.arange(1, E + 1, device="cuda"))
+    choice = torch.randint(0, E - 1, (T * k,), device="cuda", generator=g)
+    choice[: T // 2] = 0
+    rows = choice.argsort(stable=True)
+    ends = torch.searchsorted(choice[rows], torch.arange(1, E + 1, device="cuda"))
     return x, k, rows, ends, w13, w2
 
 
@@ -231,25 +236,24 @@ def _cuda_expert_case(dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_expert_kernels_match_the_unfused_recipe(dtype, ue8m0):
     """The w13 kernel with SwiGLU and the quantiser in its epilogue gives the bits of the three steps run apart (the
-    grouped GEMM, the model's _act, the quantiser); the whole expert block is near the float32 emulation. Uneven
+    grouped GEMM, the model's SwiGLU, the quantiser); the whole expert block is near the float32 emulation. Uneven
     groups, an expert with no rows, groups that are not multiples of the row tile."""
-    from poc.model import fp8_triton
-    from poc.model.transformer import _act
+    from poc.model.kernels import fp8_triton
 
     x, k, rows, ends, (w13, s13), (w2, s2) = _cuda_expert_case(dtype, seed=5)
-    dest, tile_e, a_rows = fp8.padded_layout(rows, k, ends)
+    dest, tile_e, a_rows = experts.padded_layout(rows, k, ends)
     qt, st = fp8.quantize_act(x, ue8m0=ue8m0)
     live = a_rows >= 0
-    h = fp8_triton.grouped_gemm(qt, st, w13, s13, tile_e, dtype, a_rows, group_rows=fp8.GROUP_ROWS)
-    want_q, want_s = fp8.quantize_act(_act(h), ue8m0=ue8m0)
-    q, s = fp8_triton.w13_swiglu_quant(qt, st, w13, s13, tile_e, dtype, a_rows, group_rows=fp8.GROUP_ROWS,
+    h = fp8_triton.grouped_gemm(qt, st, w13, s13, tile_e, dtype, a_rows, group_rows=experts.GROUP_ROWS)
+    want_q, want_s = fp8.quantize_act(experts.swiglu(h), ue8m0=ue8m0)
+    q, s = fp8_triton.w13_swiglu_quant(qt, st, w13, s13, tile_e, dtype, a_rows, group_rows=experts.GROUP_ROWS,
                                        ue8m0=ue8m0)
     assert torch.equal(q[live].view(torch.uint8), want_q[live].view(torch.uint8))
     assert torch.equal(s[live], want_s[live])
     assert q.view(torch.uint8)[live].float().std() > 10  # not a degenerate (all-zero or saturated) activation
-    y, dest = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, _act, ue8m0=ue8m0)
+    y, dest = experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, ue8m0=ue8m0)
     with fp8.recipe("emulate"):
-        ref, dest_ref = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, _act, ue8m0=ue8m0)
+        ref, dest_ref = experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, ue8m0=ue8m0)
     got, ref = y[dest].float(), ref[dest_ref].float()
     # each GEMM is within 2e-3 (test_cuda_kernels_match_the_spec); SwiGLU's output is quantised again, so a bf16 ulp
     # of difference in h moves a few FP8 values a step: 4.8e-3 here, 5.1e-3 on the Qwen3-30B-A3B shapes
@@ -264,14 +268,13 @@ def test_cuda_expert_kernels_match_the_unfused_recipe(dtype, ue8m0):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_hopper_expert_kernels_give_the_triton_bits(dtype, ue8m0):
     """On Hopper the experts run fp8_gluon's warp-specialised kernels on rows the scattering quantiser lays out: the
-    same bits as the Triton kernels (quantised rows, w13 with SwiGLU and the quantiser, w2), and experts_w8a8 takes
+    same bits as the Triton kernels (quantised rows, w13 with SwiGLU and the quantiser, w2), and grouped_w8a8 takes
     that path. A slot routed elsewhere (-1, expert parallel) is not written; padding rows are zeros."""
-    from poc.model import fp8_gluon, fp8_triton
-    from poc.model.transformer import _act
+    from poc.model.kernels import fp8_gluon, fp8_triton
 
     x, k, rows, ends, (w13, s13), (w2, s2) = _cuda_expert_case(dtype, seed=7)
     T = x.shape[0]
-    dest, tile_e, a_rows = fp8.padded_layout(rows, k, ends)
+    dest, tile_e, a_rows = experts.padded_layout(rows, k, ends)
     live = a_rows >= 0
     slots = torch.full((T * k,), -1, dtype=torch.int32, device="cuda")
     slots[rows] = dest.to(torch.int32)
@@ -280,12 +283,12 @@ def test_cuda_hopper_expert_kernels_give_the_triton_bits(dtype, ue8m0):
     assert torch.equal(q[dest].view(torch.uint8), qt[rows // k].view(torch.uint8))
     assert torch.equal(s.t()[dest], st[rows // k])
     assert not q[~live].view(torch.uint8).any() and not s.t()[~live].any()
-    kw = dict(group_rows=fp8.GROUP_ROWS)
+    kw = dict(group_rows=experts.GROUP_ROWS)
     want_q, want_s = fp8_triton.w13_swiglu_quant(qt, st, w13, s13, tile_e, dtype, a_rows, ue8m0=ue8m0, **kw)
     aq, as_ = fp8_gluon.w13_swiglu_quant(q, s, w13, s13, tile_e, dtype, ue8m0=ue8m0)
     assert torch.equal(aq[live].view(torch.uint8), want_q[live].view(torch.uint8))
     assert torch.equal(as_.t()[live], want_s[live])
-    if dtype != torch.float32:  # 16-bit models gather the tokens' rows in w13's loads (what experts_w8a8 runs)
+    if dtype != torch.float32:  # 16-bit models gather the tokens' rows in w13's loads (what grouped_w8a8 runs)
         gq, gs = fp8_gluon.w13_swiglu_quant(qt, st.t(), w13, s13, tile_e, dtype, a_rows, ue8m0=ue8m0)
         assert torch.equal(gq[live].view(torch.uint8), want_q[live].view(torch.uint8))
         assert torch.equal(gs.t()[live], want_s[live])
@@ -293,7 +296,7 @@ def test_cuda_hopper_expert_kernels_give_the_triton_bits(dtype, ue8m0):
     want_y = fp8_triton.grouped_gemm(want_q, want_s, w2, s2, tile_e, dtype, **kw)
     y = fp8_gluon.grouped_gemm(aq, as_, w2, s2, tile_e, dtype)
     assert torch.equal(y[live], want_y[live]) and y[live].abs().amax() > 0
-    y2, dest2 = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, _act, ue8m0=ue8m0)
+    y2, dest2 = experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, ue8m0=ue8m0)
     assert torch.equal(y2[dest2], want_y[dest])
     # a rank's share of the slots (expert parallel): the others stay -1 and are not written
     half = torch.full_like(slots, -1)
@@ -347,9 +350,9 @@ def test_w8a8_forward_equals_the_spec_emulation(name, fmt, ckpts, monkeypatch):
     fused = ours(X, reflections=VS[:cfg.n_layers], last_only=False)
     last = ours(X, reflections=VS[:cfg.n_layers])
     ref, _ = load_model(ckpts[name], dtype=torch.float32, progress=False, fp8_scales="float32")  # as the file holds
-    linear, experts = emulation(fmt)
+    linear, emulated_experts = emulation(fmt)
     monkeypatch.setattr(fp8, "linear", linear)
-    monkeypatch.setattr(fp8, "experts_w8a8", experts)
+    monkeypatch.setattr(experts, "grouped_w8a8", emulated_experts)
     want = ref(X, reflections=VS[:cfg.n_layers], last_only=False)
     scale = want.abs().max().item()
     assert scale > 0.5
@@ -358,7 +361,7 @@ def test_w8a8_forward_equals_the_spec_emulation(name, fmt, ckpts, monkeypatch):
     assert (last - want[:, -1]).abs().max().item() < 1e-5 * scale
     other, _ = emulation("float32" if fmt == "ue8m0" else "ue8m0")
     monkeypatch.setattr(fp8, "linear", other)
-    monkeypatch.setattr(fp8, "experts_w8a8", _)
+    monkeypatch.setattr(experts, "grouped_w8a8", _)
     rel = ((ref(X, reflections=VS[:cfg.n_layers], last_only=False) - want).norm() / want.norm()).item()
     assert rel > 1e-3, rel  # the other scale format is another arithmetic
     # the dequantise forward is another arithmetic on the same weights: not equal (the activations really are
@@ -421,7 +424,7 @@ def test_cuda_norm_quant_kernel_gives_the_unfused_bits(dtype, D, M, ue8m0):
     residual add, the model's RMSNorm and quantize_act in eager torch. r, y, q and s bit for bit, in every tile
     config and as autotuned, on rows the norm or the quantiser can get wrong: a zero row, tiny and huge rows, a
     row whose normed values sit on FP8 rounding ties, a width that is not a power of two."""
-    from poc.model import fp8_triton
+    from poc.model.kernels import fp8_triton
     from poc.model.transformer import RMSNorm
 
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -477,12 +480,7 @@ def test_cuda_models_compute_the_same_bits_with_the_fused_norm(name, fmt, ckpts,
     assert outs[True][0].abs().amax() > 0
 
 
-def test_fp8_mode_and_recipe_errors(monkeypatch):
-    assert fp8.fp8_mode() == "w8a8" and fp8.fp8_mode("dequant") == "dequant"
-    monkeypatch.setenv("POC_FP8", "dequant")
-    assert fp8.fp8_mode() == "dequant"
-    with pytest.raises(InputError, match="w8a8 or dequant"):
-        fp8.fp8_mode("int4")
+def test_recipe_and_block_errors():
     with pytest.raises(ValueError, match="recipe"):
         with fp8.recipe("fast-ish"):
             pass
@@ -506,7 +504,7 @@ def test_tensor_parallel_split_off_the_blocks_is_refused(tmp_path):
 _RANK = r"""
 import os, sys
 import torch, torch.distributed as dist
-from poc.model import fp8
+from poc.model import experts, fp8
 from poc.parallel.shard import load_shard
 from tests.fp8_spec import emulation
 
@@ -514,7 +512,7 @@ rank, world, io, ckpts = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.ar
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method="file://" + io + "/store", rank=rank, world_size=world)
 x, vs = torch.load(io + "/in.pt")
-ours = fp8.linear, fp8.experts_w8a8
+ours = fp8.linear, experts.grouped_w8a8
 out = {}
 for arg in ckpts:
     ckpt, fmt = arg.split("|")
@@ -528,9 +526,9 @@ for arg in ckpts:
         refl = model(x, reflections=vs[:cfg.n_layers], last_only=False)
         model.fuse()
         fused = model(x, reflections=vs[:cfg.n_layers], last_only=False)
-        fp8.linear, fp8.experts_w8a8 = emulation(fmt)  # the spec's arithmetic on this rank's checkpoint shards
+        fp8.linear, experts.grouped_w8a8 = emulation(fmt)  # the spec's arithmetic on this rank's checkpoint shards
         emulated = ref(x, reflections=vs[:cfg.n_layers], last_only=False)
-        fp8.linear, fp8.experts_w8a8 = ours
+        fp8.linear, experts.grouped_w8a8 = ours
     out[arg] = {"held": held, "refl": refl, "fused": fused, "emulated": emulated, "scales": fp8.scales_of(model)}
 torch.save(out, f"{io}/rank{rank}.pt")
 dist.barrier()

@@ -8,8 +8,7 @@ import pytest
 from poc.server.app import create_app
 
 from .fakes import FakeController, Lines, free_port, status
-from .servers import server_config, wait_status
-from .test_server import V1_KEYS, first_batch_line, v1_request
+from .servers import V1_KEYS, first_batch_line, server_config, v1_request, wait_status
 
 POLL = 0.2
 

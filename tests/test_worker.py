@@ -16,15 +16,14 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from .fakes import ROOT, FakeAutoscaler, ServerProcess, free_port
-from .test_server import PARAMS_A, v1_request
+from .fakes import ROOT, FakeAutoscaler, ServerProcess, ThreadLoop, free_port
+from .servers import PARAMS_A, v1_request
 
 pytest.importorskip("vastai.serverless.server.worker")
 RSA = pytest.importorskip("Crypto.PublicKey.RSA")
@@ -37,23 +36,6 @@ BENCH = {"POC_BENCH_PARAMS": json.dumps(PARAMS_A), "POC_BENCH_NONCES": str(BENCH
 
 
 WORKER_MAX_BODY = 64 << 10
-
-
-class ThreadLoop:
-    """An event loop on a thread, for a fake that outlives each test's own loop."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 10.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
 
 
 def wait_for(cond, timeout: float, what: str, log=None) -> None:

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from poc.model.compile import eager_numerics, maybe_compile  # noqa: E402
-from poc.model.transformer import RMSNorm, apply_rope, reflect, rope_table  # noqa: E402
+from poc.model.numerics import reflect  # noqa: E402
+from poc.model.transformer import RMSNorm, apply_rope, rope_table  # noqa: E402
 
 
 def main() -> None:

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from poc.model.compile import maybe_compile  # noqa: E402
 from poc.model.config import PRESETS  # noqa: E402
 from poc.model.random_weights import random_model  # noqa: E402
-from poc.model.transformer import Transformer, apply_rope, reflect, sum_exact  # noqa: E402
+from poc.model.numerics import reflect, sum_exact  # noqa: E402
+from poc.model.transformer import Transformer, apply_rope  # noqa: E402
 
 
 def diff(a: torch.Tensor, b: torch.Tensor) -> dict:

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from poc.bench import cuda_time  # noqa: E402
-from poc.model.transformer import dequantize_blocks  # noqa: E402
+from poc.model.fp8 import dequantize_blocks  # noqa: E402
 
 E4M3_MAX = 448.0
 

@@ -1,4 +1,5 @@
-"""Max |ours - transformers| for each case of the parity tests (tests/test_model_parity.py), on the CPU in float32.
+"""Max |ours - transformers| for each case of the parity tests (tests/test_model_parity.py, its checkpoints from
+tests/checkpoints.py), on the CPU in float32.
 
     python benchmarks/diagnostics/model_parity.py [--out benchmarks/cpu/model_parity.json]
 
@@ -24,17 +25,18 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 import transformers  # noqa: E402
 
 from poc.model.weights import load_model  # noqa: E402
-from tests import test_model_parity as parity  # noqa: E402
+from tests.checkpoints import DENSE_CASES, make_hf, unit_rows  # noqa: E402
+from tests.parity import hooked_hf_forward  # noqa: E402
 
 
 @torch.no_grad()
 def case(name: str) -> dict:
-    family, overrides = parity.CASES[name]
+    family, overrides = DENSE_CASES[name]
     with tempfile.TemporaryDirectory() as d:
-        hf = parity.make_hf(Path(d), family, **overrides)
+        hf = make_hf(Path(d), family, **overrides)
         ours, cfg = load_model(Path(d), dtype=torch.float32, with_head=True, progress=False)
     x = torch.randn(3, 11, 64, generator=torch.Generator().manual_seed(1))
-    vs = parity.unit_rows(cfg.n_layers, cfg.dim)
+    vs = unit_rows(cfg.n_layers, cfg.dim)
     plain, reflected = ours(x, last_only=False), ours(x, reflections=vs, last_only=False)
     return {
         "max_abs_output": plain.abs().max().item(),
@@ -42,7 +44,7 @@ def case(name: str) -> dict:
         "final_norm_hidden": (ours(x, last_only=False) - hf.model(inputs_embeds=x).last_hidden_state).abs().max().item(),
         "logits": (ours(x, last_only=False, logits=True) - hf(inputs_embeds=x).logits.float()).abs().max().item(),
         "with_reflections": (ours(x, reflections=vs, last_only=False)
-                             - parity.hooked_hf_forward(hf, vs, x)).abs().max().item(),
+                             - hooked_hf_forward(hf, vs, x)).abs().max().item(),
     }
 
 
@@ -52,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     out = {"transformers": transformers.__version__, "torch": torch.__version__, "device": "cpu",
            "max_abs_diff": {}}
-    for name in sorted(parity.CASES):
+    for name in sorted(DENSE_CASES):
         out["max_abs_diff"][name] = case(name)
         print(name, json.dumps({k: f"{v:.1e}" for k, v in out["max_abs_diff"][name].items()}), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,8 @@ import triton.language as tl  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "src")]
 
-from poc.model import fp8, fp8_triton  # noqa: E402
+from poc.model import fp8  # noqa: E402
+from poc.model.kernels import fp8_triton  # noqa: E402
 from poc.model.transformer import RMSNorm  # noqa: E402
 
 
@@ -142,7 +143,7 @@ def sm90_builds() -> list[dict]:
     out = []
     for D in (2048, 4096, 5120):
         block = triton.next_power_of_2(D)
-        for cfg in fp8_triton._norm_configs_that_fit(fp8_triton.NORM_CONFIGS, {}, BLOCK_D=block):
+        for cfg in fp8_triton.norm_configs_that_fit(fp8_triton.NORM_CONFIGS, {}, BLOCK_D=block):
             const = dict(D=D, RES=True, KEEP=True, ROWS=cfg.kwargs["ROWS"], BLOCK_D=block, BLOCK=fp8_triton.GROUP)
             k = triton.compile(ASTSource(fn, {**sig, **{c: "constexpr" for c in const}}, const),
                                target=GPUTarget("cuda", 90, 32),

@@ -42,14 +42,14 @@ import torch
 
 from poc.bench import cuda_time, pyplot
 from poc.engine.compute import V2Compute
-from poc.model import fp8, fp8_triton
+from poc.model import experts, fp8
 from poc.model.config import PRESETS
-from poc.model.random_weights import random_model
-from poc.model.transformer import _act
+from poc.model.kernels import fp8_triton
+from poc.model.random_weights import fp8_payload, random_model
 from poc.protocol import v2
 
-grouped_gemm = partial(fp8_triton.grouped_gemm, group_rows=fp8.GROUP_ROWS)
-w13_swiglu_quant = partial(fp8_triton.w13_swiglu_quant, group_rows=fp8.GROUP_ROWS)
+grouped_gemm = partial(fp8_triton.grouped_gemm, group_rows=experts.GROUP_ROWS)
+w13_swiglu_quant = partial(fp8_triton.w13_swiglu_quant, group_rows=experts.GROUP_ROWS)
 
 BH = "ba5b00876d55f32856a5fbae8b4ebd79c5a90c763b23c15b7ec813cda54965ab"
 PK = "03b9be7b7bcc197eadcd6cd0ab62d129aa39b94e53ea72ecacc4d95ccec859435c"
@@ -123,7 +123,7 @@ def kernels(args) -> dict:
         ref = emulate(q, s, w, ws)
         rel = float((y.float() - ref).norm() / ref.norm())
         tt = cuda_time(lambda: fp8.fp8_mm(q, s, w, ws, torch.bfloat16)) if M >= 1000 else None
-        row = {"M": M, "N": N, "K": K, "rel_err": rel, "tensor_cores": fp8._SCALED_MM[0],
+        row = {"M": M, "N": N, "K": K, "rel_err": rel, "tensor_cores": fp8.SCALED_MM,
                "tflops": 2 * M * N * K / tt / 1e12 if tt else None}
         res["gemm"].append(row)
         print(json.dumps(row), flush=True)
@@ -134,21 +134,21 @@ def kernels(args) -> dict:
     w2, s2 = (torch.stack(t) for t in zip(*[fp8_weight(D, F, g) for _ in range(E)]))
     s13, s2 = s13 * 0.05, s2 * 0.05  # keeps the SwiGLU input in a realistic range
 
-    glu = fp8._gluon(x.device)  # the Hopper kernels where they apply (fp8_gluon), else None
-    act = _act  # the model's SwiGLU (its roundings are what the fused kernel must reproduce)
+    glu = experts.gluon_kernels(x.device)  # the Hopper kernels where they apply (fp8_gluon), else None
+    act = experts.swiglu  # the model's SwiGLU (its roundings are what the fused kernel must reproduce)
     # the grouped GEMM alone (one Triton kernel over all experts, the padded row layout) against the emulation,
     # and a sweep of its tile configurations; then the w13 kernel with SwiGLU and the quantiser in its epilogue
     # against the three steps run apart (bit for bit), and a sweep of its tiles
     for name, (w, ws, K) in {"w13": (w13, s13, D), "w2": (w2, s2, F)}.items():
         counts = torch.distributions.Multinomial(32 * 1024 * 8, torch.ones(E)).sample().long().cuda()
-        padded = (counts + fp8.GROUP_ROWS - 1) // fp8.GROUP_ROWS * fp8.GROUP_ROWS
+        padded = (counts + experts.GROUP_ROWS - 1) // experts.GROUP_ROWS * experts.GROUP_ROWS
         pends = padded.cumsum(0)
         n = int(pends[-1])
         x = torch.randn(n, K, device="cuda", generator=g).bfloat16()
         row_e = torch.searchsorted(pends, torch.arange(n, device="cuda"), right=True)
         x[(torch.arange(n, device="cuda") - (pends - padded)[row_e]) >= counts[row_e]] = 0  # padding rows
         q, sc = fp8.quantize_act(x)
-        tile_e = torch.searchsorted(pends, torch.arange(0, n, fp8.GROUP_ROWS, device="cuda"), right=True).int()
+        tile_e = torch.searchsorted(pends, torch.arange(0, n, experts.GROUP_ROWS, device="cuda"), right=True).int()
         bounds = pends.tolist()
         ref = torch.cat([emulate(q[a:b], sc[a:b], w[j], ws[j]) for j, (a, b) in enumerate(zip([0] + bounds[:-1], bounds))])
         for bm, warps, stages in ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 4), (64, 4, 3), (128, 8, 2)):
@@ -226,13 +226,13 @@ def kernels(args) -> dict:
         idx = torch.randint(0, E, (T * k,), device="cuda", generator=g)
         rows = idx.argsort(stable=True)
         ends = torch.searchsorted(idx[rows], torch.arange(1, E + 1, device="cuda"))
-        y, dest = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, act)
+        y, dest = experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, act)
         y = y[dest]
         with fp8.recipe("emulate"):
-            ref, dest = fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, act)
+            ref, dest = experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, act)
             ref = ref[dest].float()
         rel = float((y.float() - ref).norm() / ref.norm())
-        tt = cuda_time(lambda: fp8.experts_w8a8(x, rows, k, ends, w13, s13, w2, s2, act), iters=5)
+        tt = cuda_time(lambda: experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, act), iters=5)
         row = {"gemm": "experts", "kernels": "gluon" if glu is not None else "triton", "tokens": T, "rows": T * k,
                "experts": E, "N": 2 * F, "K": D, "rel_err": rel,
                "tflops": 2 * T * k * 3 * F * D / tt / 1e12, "seconds": tt}
@@ -347,8 +347,6 @@ def quant_formula(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def ue8m0(args) -> dict:
     """The UE8M0 quantiser and weight re-quantisation against the float64 transcriptions, on the activation widths
     and dense weights of the Qwen3-30B-A3B and Qwen3-235B-A22B shapes."""
-    from poc.model.random_weights import _fp8_payload
-
     g = torch.Generator(device="cuda").manual_seed(0)
     res: dict = {"quantiser": [], "requant": []}
     for shape in ("qwen3-30b-a3b", "qwen3-235b-a22b"):
@@ -371,7 +369,7 @@ def ue8m0(args) -> dict:
                 res["quantiser"].append(row)
                 print(json.dumps(row), flush=True)
         for name, (n, k) in {"qkv": (q_w + 2 * kv_w, cfg.dim), "o": (cfg.dim, q_w)}.items():
-            w = _fp8_payload((n, k), "cuda", g)
+            w = fp8_payload((n, k), "cuda", g)
             s = torch.empty(fp8.cdiv(n, 128), fp8.cdiv(k, 128), device="cuda").uniform_(0.9, 1.1, generator=g) * 3e-4
             s[0, 0] = 1e-9  # a block under the 1e-4 amax floor
             s[0, 1] = 2.0 ** -12  # a power of two: with |w8| 448 in the block its amax is exactly 448 x 2^-12

@@ -1,7 +1,7 @@
 """torch.compile for the model's functions, computing eager's bits: what the engine compiles and how.
 
-The model's few fused helpers (transformer._fast) and the engines' per-layer steps compile through maybe_compile,
-so every compiled graph in the process gets the same inductor settings (eager_numerics).
+The model's few fused helpers (the experts' SwiGLU and combine) and the engines' per-layer steps compile through
+maybe_compile, so every compiled graph in the process gets the same inductor settings (eager_numerics).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def eager_numerics() -> dict:
     - use_pytorch_libdevice: the CUDA toolkit's libdevice, as eager's kernels use;
     - no FMA contraction (TRITON_DEFAULT_FP_FUSION=0): eager rounds a*b before adding c;
     - no folding of x.to(bf16).float() into x.float() (_keep_lossy_casts).
-    The model's reductions are exact (transformer.sum_exact), so their order does not matter either.
+    The model's reductions are exact (numerics.sum_exact), so their order does not matter either.
     Knobs this torch lacks are skipped; the returned dict says which were set."""
     import torch._inductor.config as inductor_config
 

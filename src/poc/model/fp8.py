@@ -9,7 +9,7 @@ activation scales everywhere, the dense linears' weights re-quantised once at lo
 module is that recipe:
 
 - `quantize_act`: the per-token-group activation quantiser, bit for bit the spec's formula in either scale format (a
-  Triton kernel on CUDA, `fp8_triton.py`, plain torch ops elsewhere);
+  Triton kernel on CUDA, `kernels/fp8_triton.py`, plain torch ops elsewhere);
 - `requant_ue8m0`: the load-time re-quantisation of a dense FP8 weight to power-of-two 128x128 block scales;
 - `fp8_mm` / `fp8_grouped_mm`: block-scaled FP8 x FP8 GEMMs, on the FP8 tensor cores through `torch._scaled_mm` on
   Hopper or newer, elsewhere an exact emulation (dequantise both operands, float32 matmul, one rounding);
@@ -17,9 +17,8 @@ module is that recipe:
   checkpoint's parameter names (`weight`, `weight_scale_inv`), so loading stays a name match;
 - `norm_quant`: a norm whose readers are FP8 linears hands them its output already quantised (`Quantized`); with
   POC_FP8_FUSED_NORM=1 the residual add, the norm and the quantiser are one kernel on CUDA;
-- `experts_w8a8`: the MoE experts, on CUDA two GEMMs over all experts (the first with SwiGLU and the
-  re-quantisation in its epilogue): on Hopper the warp-specialised Gluon kernels of `fp8_gluon.py`, elsewhere (and
-  with POC_FP8_GLUON=0) the Triton kernels of `fp8_triton.py`, the same bits.
+- `kernels()`: the CUDA kernels of `kernels/fp8_triton.py`. The MoE experts' W8A8 GEMMs, which use these pieces, are
+  `experts.grouped_w8a8`.
 
 The router, norms and embeddings are not quantised. `POC_FP8=dequant` (or `fp8="dequant"`) keeps the older forward:
 weights dequantised to the model dtype, bf16 activations; it is a different arithmetic, kept for diagnosis.
@@ -108,8 +107,8 @@ def quantize_act(x: Tensor, width: int | None = None, ue8m0: bool = False) -> tu
     groups add nothing to a GEMM: an operand padded for the tensor cores' alignment)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_act takes (M, K), got {tuple(x.shape)}")
-    if x.is_cuda and _RECIPE[0] == "fast" and _triton() is not None and x.shape[0] > 0:
-        return _triton().quantize(x, width or x.shape[1], ld_align=LD_ALIGN, ue8m0=ue8m0)
+    if x.is_cuda and _RECIPE[0] == "fast" and kernels() is not None and x.shape[0] > 0:
+        return kernels().quantize(x, width or x.shape[1], ld_align=LD_ALIGN, ue8m0=ue8m0)
     if width and width > x.shape[1]:
         x = F.pad(x, (0, width - x.shape[1]))
     return quantize_act_torch(x, ue8m0)
@@ -166,38 +165,17 @@ def requant_ue8m0(w: Tensor, scale_inv: Tensor) -> tuple[Tensor, Tensor]:
 _TRITON: list = []  # [the fp8_triton module, or None without Triton], resolved once
 
 
-def _triton():
-    """The CUDA kernels (model/fp8_triton.py), or None where Triton is missing (CPU builds of torch)."""
+def kernels():
+    """The CUDA kernels (model/kernels/fp8_triton.py), or None where Triton is missing (CPU builds of torch)."""
     if not _TRITON:
         try:
-            from poc.model import fp8_triton
+            from poc.model.kernels import fp8_triton
         except ImportError:
             fp8_triton = None
         if fp8_triton is not None and fp8_triton.GROUP != GROUP:
             raise RuntimeError(f"fp8_triton.GROUP {fp8_triton.GROUP} != fp8.GROUP {GROUP}")
         _TRITON.append(fp8_triton)
     return _TRITON[0]
-
-
-_GLUON: dict = {}  # device index -> the fp8_gluon module, or None where it does not apply
-
-
-def _gluon(device: torch.device):
-    """The Hopper expert kernels (model/fp8_gluon.py) for this device, or None: not sm_90, no Gluon in this Triton,
-    or POC_FP8_GLUON=0 (the Triton kernels then run: the same bits, slower)."""
-    if device.index not in _GLUON:
-        mod = None
-        if os.environ.get("POC_FP8_GLUON", "1") != "0":
-            try:
-                from poc.model import fp8_gluon as mod
-            except ImportError:
-                mod = None
-            if mod is not None and (mod.GROUP != GROUP or GROUP_ROWS % mod.ROWS):
-                raise RuntimeError(f"fp8_gluon tiles {mod.GROUP}/{mod.ROWS} do not fit {GROUP}/{GROUP_ROWS}")
-            if mod is not None and not mod.supported(device):
-                mod = None
-        _GLUON[device.index] = mod
-    return _GLUON[device.index]
 
 
 def dequantize_act(q: Tensor, s: Tensor) -> Tensor:
@@ -232,7 +210,7 @@ def _dequantize_blocks(w: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tens
 class Quantized(NamedTuple):
     """An activation handed to its FP8 consumers already quantised (norm_quant): q (M, K) float8 and s (M, K/128)
     float32, quantize_act's layout and bits; the activation's shape (..., K) and dtype; and the 16-bit activation
-    itself where a caller still reads it (the MoE router), else None. Fp8Linear and experts_w8a8 take it for x."""
+    itself where a caller still reads it (the MoE router), else None. Fp8Linear and experts.grouped_w8a8 take it for x."""
     q: Tensor
     s: Tensor
     shape: torch.Size
@@ -264,7 +242,7 @@ def norm_quant(norm: nn.Module, x: Tensor, residual: Tensor | None = None, keep:
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     if x.is_cuda:
-        r, y, q, s = _triton().rmsnorm_quant(x2, None if residual is None else residual.reshape(-1, D), norm.weight,
+        r, y, q, s = kernels().rmsnorm_quant(x2, None if residual is None else residual.reshape(-1, D), norm.weight,
                                              norm.eps, keep, ld_align=LD_ALIGN, ue8m0=ue8m0)
         s = s[:, :x2.shape[0]].t()
     else:  # the CPU stand-in of the tests: the same numbers by the unfused ops
@@ -280,7 +258,7 @@ def _fused_norm_ok(x: Tensor, residual: Tensor | None) -> bool:
         return False
     if x.shape[-1] % GROUP or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape)):
         return False
-    return _triton() is not None if x.is_cuda else FUSED_NORM_ON_CPU
+    return kernels() is not None if x.is_cuda else FUSED_NORM_ON_CPU
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -304,7 +282,7 @@ def fp8_mm(q: Tensor, s: Tensor, w: Tensor, w_scale: Tensor, out_dtype: torch.dt
     return (dequantize_act(q, s) @ dequantize_blocks(w, w_scale).t()).to(out_dtype)
 
 
-_SCALED_MM = [True]  # tests switch the tensor-core path off
+SCALED_MM = True  # False: every FP8 GEMM emulated in float32, on CUDA too (for diagnosis)
 _FAILED: set = set()  # weight shapes whose block-scaled GEMM failed once (logged once, then emulated)
 LD_ALIGN = 4  # cuBLASLt's block-scaled FP8 GEMM wants 16-byte aligned scale columns: M and K/128 multiples of 4
 # (measured on H100: other row counts are refused; 6 column groups run and compute a wrong result)
@@ -315,7 +293,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _scaled_mm_ok(q: Tensor, w: Tensor, out_dtype: torch.dtype) -> bool:
-    if not (q.is_cuda and _SCALED_MM[0] and _RECIPE[0] == "fast" and hasattr(torch, "_scaled_mm")):
+    if not (q.is_cuda and SCALED_MM and _RECIPE[0] == "fast" and hasattr(torch, "_scaled_mm")):
         return False
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
@@ -507,84 +485,3 @@ def scale_slice(name: str, dim: int, start: int, stop: int, full: int) -> tuple[
         raise ValueError(f"{name}: tensor-parallel slice [{start}, {stop}) of dim {dim} does not fall on FP8 "
                          f"{GROUP}-blocks")
     return dim, start // GROUP, cdiv(stop, GROUP)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the MoE experts
-
-
-GROUP_ROWS = 128  # the padded expert-group layout of experts_w8a8: each expert's rows start on a multiple of 128
-# (the CUDA kernels' row tiles divide it)
-
-
-def experts_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13: Tensor, w2: Tensor, s2: Tensor,
-                 act: Callable[[Tensor], Tensor], xq: Quantized | None = None,
-                 ue8m0: bool = False) -> tuple[Tensor, Tensor]:
-    """The routed expert outputs (N, D) in the model dtype, as the fork's fused MoE computes them: each routed copy
-    of a token's hidden state quantised per group (per row: the same numbers as quantising the token once), the w13
-    FP8 GEMM, SwiGLU in the model dtype, quantised again, the w2 FP8 GEMM. rows: the (token, choice) pairs in expert
-    order (N of them); ends: the expert groups' ends in that order (device tensor). Returns (y, dest): the outputs in
-    a padded layout and where each of the N rows sits in it (y[dest] is the (N, D) result; a caller that gathers
-    anyway composes dest into its own index instead).
-
-    act is the model's SwiGLU on the fused gate|up output (transformer._act: SiLU(gate) and its product with up each
-    rounded to the model dtype). The rows are laid out with each expert's group padded to GROUP_ROWS (zero rows), so
-    a GEMM tile never spans two experts: on CUDA one kernel per GEMM covers every expert (no host sync, no
-    per-expert launch), the first with act and the re-quantisation in its epilogue (the same bits as act and
-    quantize_act after it, tests/test_w8a8.py on CUDA): fp8_gluon's on Hopper, fp8_triton's elsewhere; on the CPU
-    one block-scaled GEMM per expert, then act, then the quantiser. xq: x already quantised (norm_quant). ue8m0:
-    both quantisers with power-of-two scales (the weights and their float32 block scales as the checkpoint's)."""
-    dest, tile_expert, a_rows = padded_layout(rows, k, ends)
-    kern = _triton() if x.is_cuda and _RECIPE[0] == "fast" else None
-    glu = _gluon(x.device) if kern is not None else None
-    if glu is not None and glu.fits(w13, w2):
-        # Hopper: the warp-specialised kernels (the Triton kernels' bits). A 16-bit model's w13 gathers each token's
-        # quantised row in its loads; a float32 model's tokens are quantised into their routed rows first
-        if x.dtype == torch.float32:
-            slots = torch.full((x.shape[0] * k,), -1, dtype=torch.int32, device=x.device)
-            slots[rows] = dest.to(torch.int32)
-            q, s = kern.quantize_scatter(x, slots.view(-1, k), a_rows, ue8m0=ue8m0)
-            aq, as_ = glu.w13_swiglu_quant(q, s, w13, s13, tile_expert, x.dtype, ue8m0=ue8m0)
-        else:
-            qt, st = (xq.q, xq.s) if xq is not None else quantize_act(x, ue8m0=ue8m0)
-            aq, as_ = glu.w13_swiglu_quant(qt, st.t(), w13, s13, tile_expert, x.dtype, a_rows, ue8m0=ue8m0)
-        return glu.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype), dest
-    # each token quantised once (the quantisation is per row); its routed copies are rows of that
-    qt, st = (xq.q, xq.s) if xq is not None else quantize_act(x, ue8m0=ue8m0)
-    if kern is not None and w13.shape[2] % GROUP == 0 and w2.shape[2] % GROUP == 0:
-        # w13, SwiGLU (act's arithmetic) and the re-quantisation in one kernel; the gather is in its loads
-        aq, as_ = kern.w13_swiglu_quant(qt, col_major(st), w13, s13, tile_expert, x.dtype, a_rows,
-                                        group_rows=GROUP_ROWS, ue8m0=ue8m0)
-        return kern.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype, group_rows=GROUP_ROWS), dest
-    tok = rows // k
-    q = torch.zeros((a_rows.numel(), x.shape[1]), dtype=FP8, device=x.device)
-    q[dest] = qt[tok]
-    s = torch.zeros((a_rows.numel(), st.shape[1]), dtype=torch.float32, device=x.device)
-    s[dest] = st[tok]
-    # one host sync per layer: each expert's GEMM takes its own row count (group j: the tiles of expert j)
-    bounds = (torch.searchsorted(tile_expert, torch.arange(1, w13.shape[0] + 1, device=x.device,
-                                                           dtype=torch.int32)) * GROUP_ROWS).tolist()
-    n = bounds[-1] if bounds else 0
-    h = fp8_grouped_mm(q[:n], s[:n], w13, s13, bounds, x.dtype)
-    aq, as_ = quantize_act(act(h), ue8m0=ue8m0)
-    return fp8_grouped_mm(aq, as_, w2, s2, bounds, x.dtype), dest
-
-
-def padded_layout(rows: Tensor, k: int, ends: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The routed rows laid out with each expert's group padded to GROUP_ROWS: (dest, tile_expert, a_rows). dest
-    (N,): where each of the N routed rows (in expert order) lands; tile_expert (n_alloc / GROUP_ROWS,) int32: each
-    row tile's expert (E for the tiles past the last group); a_rows (n_alloc,) int32: each padded row's token
-    (rows // k), -1 for a padding row. n_alloc is a bound on the padded rows known without a host sync."""
-    E, N = ends.numel(), rows.numel()
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
-    pends = padded.cumsum(0)
-    n_alloc = cdiv(N, GROUP_ROWS) * GROUP_ROWS + E * GROUP_ROWS
-    # each routed row: its expert's padded start + its place in the expert's group
-    grp = torch.repeat_interleave(torch.arange(E, device=rows.device), counts, output_size=N)
-    dest = torch.arange(N, device=rows.device) - (ends - counts)[grp] + (pends - padded)[grp]
-    tiles = torch.arange(0, n_alloc, GROUP_ROWS, device=rows.device)
-    tile_expert = torch.searchsorted(pends, tiles, right=True).to(torch.int32)
-    a_rows = torch.full((n_alloc,), -1, dtype=torch.int32, device=rows.device)
-    a_rows[dest] = (rows // k).to(torch.int32)
-    return dest, tile_expert, a_rows

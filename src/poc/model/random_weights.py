@@ -86,7 +86,7 @@ def _draw(name: str, shape, dtype: torch.dtype, device: torch.device, seed: int)
     norms N(1, 0.05), everything else N(0, 0.02)."""
     g = _stream(device, seed, name)
     if dtype == FP8:
-        return _fp8_payload(shape, device, g)
+        return fp8_payload(shape, device, g)
     if name.endswith("weight_scale_inv"):
         return torch.empty(shape, device=device, dtype=dtype).uniform_(0.9, 1.1, generator=g).mul_(0.02 / FP8_SPREAD)
     if name.endswith("norm.weight"):
@@ -94,7 +94,7 @@ def _draw(name: str, shape, dtype: torch.dtype, device: torch.device, seed: int)
     return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, 0.02, generator=g)
 
 
-def _fp8_payload(shape, device, g) -> torch.Tensor:
+def fp8_payload(shape, device, g) -> torch.Tensor:
     """float8_e4m3fn values N(0, FP8_SPREAD) clamped to the format's range."""
     return torch.empty(shape, device=device).normal_(0.0, FP8_SPREAD, generator=g).clamp_(-448, 448).to(FP8)
 
@@ -107,7 +107,7 @@ def _fp8_experts(name: str, experts: range, rows: int, cols: int, device,
     s = torch.empty(len(experts), -(-rows // 128), -(-cols // 128), device=device)
     for i, j in enumerate(experts):  # one expert at a time: the fp32 draw stays small
         g = _stream(device, seed, f"{name}.{j}")
-        w[i] = _fp8_payload((rows, cols), device, g)
+        w[i] = fp8_payload((rows, cols), device, g)
         s[i].uniform_(0.9, 1.1, generator=g)
     return w, s * (0.02 / FP8_SPREAD)
 

@@ -1,10 +1,10 @@
 """The MoE router's top-k: each token's k largest router probabilities and their experts.
 
-On CUDA a Triton kernel (model/route_triton.py) that selects exactly what torch.topk selects there (the largest
+On CUDA a Triton kernel (model/kernels/route_triton.py) that selects exactly what torch.topk selects there (the largest
 values, ties at the k-th broken towards the lower expert index), registered as the custom op `poc::route_topk` so
 that a compiled layer keeps it in its graph; elsewhere torch.topk. The order of the k within a token differs from
 torch's only among equal values and changes nothing downstream: the block sums a token's k terms exactly
-(transformer._combine) and renormalises them with an exact sum.
+(experts.combine) and renormalises them with an exact sum.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ _KERNELS: list = []  # [route_triton, or None without Triton], resolved once
 
 
 def kernels():
-    """The CUDA kernels (model/route_triton.py), or None where Triton is missing (CPU builds of torch)."""
+    """The CUDA kernels (model/kernels/route_triton.py), or None where Triton is missing (CPU builds of torch)."""
     if not _KERNELS:
         try:
-            from poc.model import route_triton
+            from poc.model.kernels import route_triton
         except ImportError:
             route_triton = None
         _KERNELS.append(route_triton)

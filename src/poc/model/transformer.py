@@ -14,7 +14,9 @@ from torch import Tensor, nn
 
 from poc.model import fp8, route
 from poc.model.config import ModelConfig
-from poc.model.fp8 import Fp8Linear, dequantize_blocks
+from poc.model.experts import dispatch_modules, dispatch_stacked
+from poc.model.fp8 import Fp8Linear
+from poc.model.numerics import add, mul, reflect, softmax, sum_exact
 
 # enable_gqa arrived in torch 2.5; before that the kv heads are repeated by hand
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -30,18 +32,7 @@ class RMSNorm(nn.Module):
         # normalise in fp32, round to the input dtype, then scale in the model dtype (HF and the v1 reference agree)
         y = x.float()
         y = y * torch.rsqrt(sum_exact(y.pow(2)) / y.shape[-1] + self.eps)
-        return _mul(y.to(x.dtype), self.weight)
-
-
-def sum_exact(t: Tensor) -> Tensor:
-    """Sum along the last dim (keepdim) accumulated in float64, returned in float32.
-
-    The terms here are squares or products of bf16/fp16 values (at most 22 significant bits), so their float64 sum is
-    exact for any realistic spread of magnitudes: every reduction order gives the same bits. Eager PyTorch and a
-    compiled graph (Triton's reduction tree) therefore agree exactly, where a float32 sum differs in the last bit
-    for about a third of the rows and the model's chaotic depth amplifies that. For float32 models it is simply a
-    more accurate sum. The float64 -> float32 rounding is written out so both paths round the same way."""
-    return t.double().sum(-1, keepdim=True).float()
+        return mul(y.to(x.dtype), self.weight)
 
 
 def rope_freqs(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> Tensor:
@@ -76,29 +67,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x (..., S, D) by the table rows (S, D); cos/sin are rounded to x's dtype first, the math is fp32."""
     cos, sin = cos.to(x.dtype).float(), sin.to(x.dtype).float()
     return (x.float() * cos + rotate_half(x).float() * sin).to(x.dtype)
-
-
-# Half-precision elementwise ops round where eager PyTorch rounds: a bf16/fp16 op computes in fp32 and rounds its
-# output once. They are written as plain ops in the model dtype, so a compiled graph keeps each op's rounding
-# (inductor's emulate_precision_casts rounds the output of every low-precision op, inside fused kernels too). An
-# explicit x.to(bf16).float() is avoided: older inductors fold that chain into x.float() and lose the rounding.
-
-
-def _mul(a: Tensor, b: Tensor) -> Tensor:
-    """a * b in a's dtype (computed in fp32, rounded once)."""
-    return a * b if a.dtype == b.dtype else (a.float() * b.float()).to(a.dtype)
-
-
-def _add(a: Tensor, b: Tensor) -> Tensor:
-    """a + b in a's dtype (computed in fp32, rounded once)."""
-    return a + b if a.dtype == b.dtype else (a.float() + b.float()).to(a.dtype)
-
-
-def reflect(x: Tensor, v: Tensor) -> Tensor:
-    """Householder reflection x - 2 (x.v) v along the last dim, in x's dtype (v a unit vector of that dtype),
-    rounding as the reference's plain tensor ops do: x*v, the sum, 2*dot*v and the difference."""
-    dot = sum_exact(_mul(x, v)).to(x.dtype)
-    return x - _mul(dot * 2, v)
 
 
 class Attention(nn.Module):
@@ -230,7 +198,7 @@ class MLP(nn.Module):
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(_mul(F.silu(g), u))  # silu of a bf16 tensor: fp32 math, one rounding
+        return self.down_proj(mul(F.silu(g), u))  # silu of a bf16 tensor: fp32 math, one rounding
 
 
 class MoE(nn.Module):
@@ -241,7 +209,8 @@ class MoE(nn.Module):
     `keep_experts(first, stop)`: the experts this rank holds (expert parallel); tokens routed elsewhere add
     nothing here, and with `group` set the fp32 partial sums are all-reduced over the ranks and rounded once.
     FP8 weights may stay FP8 in memory (`w13_scale`/`w2_scale`, 128x128 blocks): computed W8A8 (`w8a8`, the
-    validators' recipe: fp8.experts_w8a8) or dequantised per layer.
+    validators' recipe: experts.grouped_w8a8) or dequantised per layer. The block routes; model/experts.py
+    dispatches the routed tokens, computes the experts and combines their outputs.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -298,174 +267,26 @@ class MoE(nn.Module):
         B, S, D = x.shape
         x = x.reshape(B * S, D)  # (B, S, D) -> (T, D)
         # as transformers: softmax in fp32, top-k, renormalise in fp32, weights rounded to the model dtype
-        probs = _softmax(self.gate(x).float())  # (T, E)
-        weights, experts = route.topk(probs, self.top_k)  # (T, k): torch.topk's choice (a kernel on CUDA)
+        probs = softmax(self.gate(x).float())  # (T, E)
+        weights, index = route.topk(probs, self.top_k)  # (T, k): torch.topk's choice (a kernel on CUDA)
         if self.norm_topk_prob:
             weights = weights / sum_exact(weights)
         weights = weights.to(x.dtype)
+        E = self.gate.out_features
         if self.w13 is None:
-            out = _dispatch_modules(self, x, weights, experts)
+            mine = [self.experts[str(j)] for j in range(self.first, self.stop)]
+            out = dispatch_modules(x, weights, index, mine, self.first, E)
         else:
-            out = _dispatch_stacked(self, x, weights, experts, xq)
+            # the sum leaves the kernel in fp32 only where fp32 partials are all-reduced; otherwise rounded there
+            fp32 = self.group is not None and not self.reduce_in_model_dtype
+            out = dispatch_stacked(x, weights, index, self.w13, self.w2, E, self.first, w13_scale=self.w13_scale,
+                                   w2_scale=self.w2_scale, w8a8=self.w8a8, ue8m0=self.ue8m0, xq=xq, fast=self.fast,
+                                   out_dtype=torch.float32 if fp32 else x.dtype)
         if self.group is not None:  # each rank summed its own experts' terms: add the fp32 partials, round once
             if self.reduce_in_model_dtype:  # or round each rank's partial and add those (half the bytes)
                 out = out.to(x.dtype)
             torch.distributed.all_reduce(out, group=self.group)
         return out.to(x.dtype).view(B, S, D)
-
-
-def _softmax(z: Tensor) -> Tensor:
-    """Softmax over the last dim, written out (max, exp, exact sum, one division) so that eager PyTorch and a
-    compiled graph compute the same bits: a fused softmax kernel and Triton's sum differ in the order they add."""
-    e = torch.exp(z - z.amax(-1, keepdim=True))
-    return e / sum_exact(e)
-
-
-def _routed(moe: MoE, index: Tensor) -> tuple[Tensor, Tensor]:
-    """(rows, experts) of the (token, choice) pairs this rank serves, sorted by expert; rows index T*k."""
-    flat = index.reshape(-1)  # (T*k,): token t's choices at t*k ... t*k + k-1
-    if moe.first == 0 and moe.stop == moe.gate.out_features:
-        order = flat.argsort(stable=True)
-    else:
-        order = ((flat >= moe.first) & (flat < moe.stop)).nonzero().squeeze(1)
-        order = order[flat[order].argsort(stable=True)]
-    return order, flat[order] - moe.first
-
-
-@torch.compiler.disable
-def _dispatch_modules(moe: MoE, x: Tensor, weights: Tensor, index: Tensor) -> Tensor:
-    """Sum over each token's k chosen experts of weight * expert(token), one GEMM chain per expert (unfused).
-    Each weighted output is rounded to the model dtype; the k of a token are summed in fp32 (T, D), the caller
-    rounds once, as transformers' default (grouped_mm) and vLLM's fused MoE do. Data-dependent shapes: kept out of
-    compiled graphs."""
-    T, k = index.shape
-    rows, local = _routed(moe, index)
-    counts = torch.bincount(local, minlength=moe.stop - moe.first).tolist()
-    w = weights.reshape(-1)
-    out = x.new_zeros(T * k, x.shape[1])  # (T*k, D), in (token, choice) order; zero where another rank serves
-    start = 0
-    for j, n in enumerate(counts):
-        if n:
-            r = rows[start:start + n]
-            out[r] = _mul(moe.experts[str(moe.first + j)](x[r // k]), w[r, None])
-        start += n
-    return out.view(T, k, -1).double().sum(dim=1).float()  # (T*k, D) -> (T, k, D) -> (T, D), exact
-
-
-@torch.compiler.disable
-def _dispatch_stacked(moe: MoE, x: Tensor, weights: Tensor, index: Tensor, xq: fp8.Quantized | None = None) -> Tensor:
-    """As _dispatch_modules over the stacked experts: the (token, choice) pairs are sorted so that this rank's
-    experts come first, in expert order, and one grouped GEMM per projection (torch._grouped_mm on CUDA; elsewhere
-    one GEMM chain per expert) covers exactly those rows. With every expert here all shapes are static (no host
-    sync: rows past the last group get weight zero); under expert parallel one host sync per layer sizes the
-    gather to this rank's rows. FP8 weights run W8A8 (`moe.w8a8`) or are dequantised for the duration of this call.
-    With `moe.fast` (the engine compiles) the elementwise steps run as compiled kernels. xq: x quantised already
-    (norm_quant), for the W8A8 experts."""
-    T, k = index.shape
-    E, n_local = moe.gate.out_features, moe.stop - moe.first
-    key = torch.remainder(index.reshape(-1) - moe.first, E)  # this rank's experts -> 0 .. n_local-1, first
-    rows = key.argsort(stable=True)  # (T*k,) into (token, choice) order
-    pos = _positions(rows)  # (T*k,): where each (token, choice) pair sits in that order
-    ends = torch.searchsorted(key[rows], torch.arange(1, n_local + 1, device=x.device))  # group j: [ends[j-1], ends[j])
-    partial = n_local < E
-    if partial:  # expert parallel: one host sync per layer, then only this rank's rows are gathered and computed
-        n = int(ends[-1])
-        if n == 0:
-            return x.new_zeros(T, x.shape[1], dtype=torch.float32)
-        rows = rows[:n]
-    fast = moe.fast and x.is_cuda
-    act = _fast(_act, partial) if fast else _act
-    combine = _fast(_combine, partial) if fast else _combine
-    n_valid = ends[-1]
-    if moe.w8a8 and moe.w13_scale is not None and fp8.current_recipe() != "dequant":  # the validators' recipe
-        y, dest = fp8.experts_w8a8(x, rows, k, ends, moe.w13, moe.w13_scale, moe.w2, moe.w2_scale, act, xq,
-                                   ue8m0=moe.ue8m0)
-        # outputs in a padded layout: route each (token, choice) slot through dest; another rank's slots stay out
-        pos = torch.where(pos < n_valid, dest[pos.clamp(max=dest.numel() - 1)], y.shape[0])
-        n_valid = y.shape[0]
-    else:
-        y = _experts(moe, x[rows // k], ends, act)
-    # the sum leaves the kernel in fp32 only where fp32 partials are all-reduced; otherwise rounded there (fused)
-    out_dtype = torch.float32 if moe.group is not None and not moe.reduce_in_model_dtype else x.dtype
-    return combine(y, weights.reshape(-1), pos, n_valid, T, k, out_dtype)
-
-
-def _experts(moe: MoE, xs: Tensor, ends: Tensor, act) -> Tensor:
-    """The expert outputs (N, D) of the routed copies xs (N, D), grouped by expert (group j ends at ends[j]), on
-    weights in the model dtype (FP8 ones dequantised for the duration of this call)."""
-    w13, w2 = moe.w13, moe.w2
-    if moe.w13_scale is not None:
-        w13, w2 = dequantize_blocks(w13, moe.w13_scale, xs.dtype), dequantize_blocks(w2, moe.w2_scale, xs.dtype)
-    if _grouped_mm_ok(xs, w13):
-        offs = ends.to(torch.int32)
-        return torch._grouped_mm(act(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)), w2.transpose(1, 2),
-                                 offs=offs)  # (N, D); rows past ends[-1] are not computed
-    y = xs.new_zeros(xs.shape)
-    start = 0
-    for j, stop in enumerate(ends.tolist()):
-        if stop > start:
-            y[start:stop] = F.linear(act(F.linear(xs[start:stop], w13[j])), w2[j])
-        start = stop
-    return y
-
-
-def _act(h: Tensor) -> Tensor:
-    """SwiGLU on the fused gate|up output, rounding as the unfused MLP does."""
-    g, u = h.chunk(2, dim=-1)
-    return _mul(F.silu(g), u)
-
-
-def _positions(rows: Tensor) -> Tensor:
-    """The inverse permutation of `rows`: pos[rows[p]] = p."""
-    return torch.empty_like(rows).scatter_(0, rows, torch.arange(rows.numel(), device=rows.device))
-
-
-def _combine(y: Tensor, w: Tensor, pos: Tensor, n_valid: Tensor, T: int, k: int,
-             out_dtype: torch.dtype = torch.float32) -> Tensor:
-    """The block's output (T, D): for each token, the sum over its k choices of expert output times routing weight
-    (each product rounded to the model dtype, the sum exact: sum_exact's argument), as float32 rounded to
-    out_dtype.
-
-    y holds the expert outputs in expert-sorted order, one row per computed (token, choice) pair: all T*k of them,
-    or under expert parallel only this rank's first n_valid. pos maps each (token, choice) slot to its row of y;
-    slots at or past n_valid are another rank's and count as zero. Written as k gathers of whole rows added in
-    float64 (exact, so their order is free): a compiled graph makes it one elementwise kernel over (T, D) that reads
-    each token's k rows of y once, contiguously, and writes only the result. (As one (T, k, D) sum over k it was a
-    reduction kernel whose loads strided across the k rows: 4.9 ms against 0.9 at 64k tokens on the H100.)"""
-    pos, w = pos.view(T, k), w.view(T, k)
-    zero = torch.zeros((), dtype=y.dtype, device=y.device)
-    acc = None
-    for c in range(k):
-        p = pos[:, c]
-        term = torch.where((p < n_valid)[:, None], _mul(y[p.clamp(max=y.shape[0] - 1)], w[:, c, None]), zero)
-        acc = term.double() if acc is None else acc + term.double()
-    return acc.float().to(out_dtype)
-
-
-_FAST: dict = {}
-
-
-def _fast(fn, dynamic: bool = False):
-    """fn compiled once per process (the engine's compile settings); dynamic: one graph for any row count."""
-    if (fn, dynamic) not in _FAST:
-        from poc.model.compile import maybe_compile
-
-        _FAST[fn, dynamic] = maybe_compile(fn, True, dynamic=dynamic)
-    return _FAST[fn, dynamic]
-
-
-GROUPED_MM_ON_CPU = False  # tests switch the grouped GEMM on for CPU tensors (torch >= 2.9 has a CPU kernel)
-
-
-def _grouped_mm_ok(xs: Tensor, w: Tensor) -> bool:
-    """torch._grouped_mm: bf16 on Hopper or newer (or the CPU kernel when a test asks), 16-byte aligned rows."""
-    if xs.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
-        return False
-    if xs.shape[1] % 8 or w.shape[1] % 8:
-        return False
-    if xs.is_cuda:
-        return torch.cuda.get_device_capability(xs.device)[0] >= 9
-    return GROUPED_MM_ON_CPU
 
 
 class Block(nn.Module):
@@ -491,7 +312,7 @@ class Block(nn.Module):
             r, h = fp8.norm_quant(self.post_attention_layernorm, y, residual=res, keep=isinstance(self.mlp, MoE),
                                   ue8m0=self.mlp.reads_ue8m0())
         else:
-            r = _add(res, y)
+            r = add(res, y)
             h = self.post_attention_layernorm(r)
         return self.mlp(h), r
 
@@ -544,7 +365,7 @@ class Transformer(nn.Module):
         if v is not None:
             # both halves, in the model dtype, as the fork's hook does to vLLM's (hidden, residual) pair
             a, r = reflect(a, v), reflect(r, v)
-        return _add(a, r)
+        return add(a, r)
 
     def forward(self, h: Tensor, reflections: Tensor | None = None, last_only: bool = True,
                 logits: bool = False, step=None) -> Tensor:

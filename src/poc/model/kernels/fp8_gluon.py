@@ -1,12 +1,12 @@
-"""The experts' block-scaled FP8 GEMMs on Hopper, in Gluon: warp-specialised and persistent (`fp8.experts_w8a8`
+"""The experts' block-scaled FP8 GEMMs on Hopper, in Gluon: warp-specialised and persistent (`experts.grouped_w8a8`
 calls them on sm_90; `fp8_triton` holds the portable Triton kernels, which compute the same bits).
 
-One program per SM loops over 128-row x 256-column tiles of the padded row layout (`fp8.padded_layout`: each
+One program per SM loops over 128-row x 256-column tiles of the padded row layout (`experts.padded_layout`: each
 expert's rows start on a multiple of 128, so a tile never spans two experts; the tiles past the last group are
 skipped). The partitions share a ring of shared-memory stages:
 - a producer fills each 128-deep K block (the tile's A rows, two 128-row blocks of the expert's weight) and runs
   ahead across tile boundaries, so the next tile's loads overlap this tile's epilogue: one warp issuing TMA loads,
-  or, where w13 gathers its A rows from the tokens' quantised rows (16-bit models, as experts_w8a8 runs them), four
+  or, where w13 gathers its A rows from the tokens' quantised rows (16-bit models, as grouped_w8a8 runs them), four
   warps copying those rows with cp.async and the weight blocks by TMA;
 - two consumer warp groups take 64 rows each. Per K block and weight block: a zero-initialised wgmma (FP8 x FP8,
   float32), then the recipe's promotion `acc += p * s_a * s_b` (the activation group's scale per row, the weight
@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from poc.model.fp8_triton import FP_FUSION  # the promotion's FMA contraction as the Triton kernels: the same bits,
+from poc.model.kernels.fp8_triton import FP_FUSION  # the promotion's FMA contraction as the Triton kernels: the same bits,
 # whatever TRITON_DEFAULT_FP_FUSION the process runs with (compile.py sets it to 0 for inductor's kernels)
 
 GROUP = 128  # the K block, each weight block's rows and the activation group (fp8.GROUP, checked there)

@@ -1,4 +1,5 @@
-"""The W8A8 recipe's CUDA kernels, in Triton (`model/fp8.py` calls them on CUDA; it holds the recipe and the CPU path).
+"""The W8A8 recipe's CUDA kernels, in Triton (`model/fp8.py` and `model/experts.py` call them on CUDA; they hold the
+recipe and the CPU path).
 
 - `quantize`: the per-token-group activation quantiser, bit for bit the spec's formula in both scale formats
   (float32 `amax * (1/448)` with IEEE division: Triton's plain `/` on float32 is an approximation that can move a
@@ -7,10 +8,10 @@
 - `rmsnorm_quant`: the residual add, the model's RMSNorm and the quantiser in one pass over whole rows (the
   quantiser's code, so its bits), for `fp8.norm_quant`;
 - `grouped_gemm`: the experts' block-scaled FP8 GEMM, every expert in one launch over the padded row layout of
-  `fp8.experts_w8a8` (each expert's rows start on a multiple of `group_rows`, so a tile never spans two experts);
+  `experts.grouped_w8a8` (each expert's rows start on a multiple of `group_rows`, so a tile never spans two experts);
 - `w13_swiglu_quant`: the first expert GEMM with SwiGLU and the re-quantisation in its epilogue: each tile computes
   128 gate and the matching 128 up columns, rounds both to the model dtype, takes SiLU(gate) * up as
-  `transformer._act` rounds it, and quantises those 128 columns (one activation group) per row. The (rows, 2F)
+  `experts.swiglu` rounds it, and quantises those 128 columns (one activation group) per row. The (rows, 2F)
   intermediate and the (rows, F) activation never reach memory; the output is the FP8 input of the second GEMM.
 
 Importing this module needs Triton (present with CUDA builds of torch); `fp8` imports it only for CUDA tensors. It
@@ -118,7 +119,7 @@ def quantize(x: torch.Tensor, width: int, *, ld_align: int, ue8m0: bool = False)
 NORM_CONFIGS = [triton.Config({"ROWS": r}, num_warps=w) for r, w in ((1, 4), (2, 8), (4, 8))]
 
 
-def _norm_configs_that_fit(configs, nargs, **kw):
+def norm_configs_that_fit(configs, nargs, **kw):
     """The configs that hold at most 64 values of the tile per thread (sm_90 builds of more spill registers)."""
     block = kw.get("BLOCK_D") or nargs.get("BLOCK_D")
     fit = [c for c in configs if block is None or c.kwargs["ROWS"] * block <= 64 * 32 * c.num_warps]
@@ -127,7 +128,7 @@ def _norm_configs_that_fit(configs, nargs, **kw):
 
 # rows are independent: every config computes the same bits
 @triton.autotune(configs=NORM_CONFIGS, key=["D", "RES", "KEEP", "UE8M0"],
-                 prune_configs_by={"early_config_prune": _norm_configs_that_fit})
+                 prune_configs_by={"early_config_prune": norm_configs_that_fit})
 @triton.jit
 def fp8_rmsnorm_quant(x_ptr, res_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, M, eps, stride_sg, D: tl.constexpr,
                       RES: tl.constexpr, KEEP: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
