@@ -68,7 +68,7 @@ async def test_the_v1_model_a_job_left_is_released_after_the_idle_time(aiohttp_c
     from poc.server.app import create_app
     from poc.server.context import engine_key
 
-    from .test_server import v1_request
+    from .servers import v1_request
     from .servers import server_config, wait_status
 
     caplog.set_level(logging.INFO, logger="poc.server")
@@ -93,7 +93,7 @@ async def test_a_zero_idle_time_keeps_the_v1_model(aiohttp_client):
     from poc.server.app import create_app
     from poc.server.context import engine_key
 
-    from .test_server import v1_request
+    from .servers import v1_request
     from .servers import server_config, wait_status
 
     c = await aiohttp_client(create_app(server_config(v1_cache_idle=0)))
