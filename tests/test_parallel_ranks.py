@@ -473,6 +473,7 @@ def test_stage_timing_logs_forward_idle_and_host_time(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "Event", Event)
     r = ranks.Rank.__new__(ranks.Rank)
     r.stage, r._timing, r._prev_end, r._host_s = 1, collections.deque(), None, {}
+    r.cfg, r.clock = ranks.RankConfig(layout=Layout(1), backend="gloo", device_type="cpu", store_port=0), None
     with caplog.at_level(logging.WARNING, logger="poc.ranks"):
         for _ in range(2):
             t0 = time.perf_counter()

@@ -85,6 +85,62 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="poc-parent-watch", daemon=True).start()
 
 
+class JobClock:
+    """Where one rank's time went in one job, sent to the engine when the job ends (DistEngine logs it and keeps it:
+    `last_job_stats`): its forwards (device time: CUDA events around each forward, or the host clock on the CPU,
+    where a forward runs synchronously), the span from its first forward's start to its last one's end (busy =
+    forward / span: the share of the job its device computed), and on the host: waiting for commands (the leader:
+    `starved`, waits for the engine to deal the next batch, with nothing queued; the other ranks: the broadcast)
+    and waiting for results to report (the last stage)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.batches = self.starved = 0
+        self.forward_s = self.starved_s = self.command_s = self.report_s = 0.0
+        self.first = self.last = self.start = None  # first forward's start, last forward's end, the open one's start
+        self._pairs: collections.deque = collections.deque()  # CUDA: (start, end) events not yet added up
+
+    def _now(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def forward(self, which: int) -> None:
+        """Before (0) and after (1) a forward is launched."""
+        t = self._now()
+        if which == 0:
+            self.start = t
+            self.first = self.first if self.first is not None else t
+            return
+        self.batches += 1
+        self.last = t
+        if self.cuda:
+            self._pairs.append((self.start, t))
+            self.fold()
+        else:
+            self.forward_s += t - self.start
+
+    def fold(self, final: bool = False) -> None:
+        """Add up the forwards the device has finished (all of them when `final`: after a synchronize)."""
+        while self._pairs and (final or self._pairs[0][1].query()):
+            a, b = self._pairs.popleft()
+            self.forward_s += a.elapsed_time(b) / 1e3
+
+    def summary(self, rank: int, stage: int) -> dict:
+        if self.cuda and self.last is not None:
+            self.last.synchronize()
+            self.fold(final=True)
+        span = 0.0
+        if self.first is not None and self.last is not None:
+            span = self.first.elapsed_time(self.last) / 1e3 if self.cuda else self.last - self.first
+        return {"rank": rank, "stage": stage, "batches": self.batches, "forward_s": round(self.forward_s, 4),
+                "span_s": round(span, 4), "busy": round(self.forward_s / span, 4) if span > 0 else None,
+                "starved": self.starved, "starved_s": round(self.starved_s, 4), "command_s": round(self.command_s, 4),
+                "report_s": round(self.report_s, 4)}
+
+
 class Rank:
     def __init__(self, rank: int, cfg: RankConfig, conn: Connection):
         self.rank, self.cfg, self.conn = rank, cfg, conn
@@ -111,6 +167,8 @@ class Rank:
         self._profile_dir, self._profiled = os.environ.get("POC_RANK_PROFILE"), False
         timing = os.environ.get("POC_STAGE_TIMING") == "1" and self.device.type == "cuda"
         self._timing, self._prev_end, self._host_s = (collections.deque() if timing else None), None, {}
+        self.clock: JobClock | None = None  # the running job's (run_job)
+        self._starve_t0: float | None = None  # the leader found nothing queued: since when (a job's batch ends it)
 
     # ------------------------------------------------------------------------------------ setup
 
@@ -149,9 +207,15 @@ class Rank:
         while self.conn.poll(0):  # read ahead: an "end" that drops work cancels the batches queued before it
             self.pending.append(self.conn.recv())
         if not self.pending:
+            if self.clock is not None and self._starve_t0 is None:
+                self._starve_t0 = time.perf_counter()  # inside a job with nothing queued: the engine is behind
             if not self.conn.poll(HEARTBEAT_S):
                 return ("idle",)
             self.pending.append(self.conn.recv())
+            if self._starve_t0 is not None and self.pending[-1][0] == "batch" and self.clock is not None:
+                self.clock.starved += 1
+                self.clock.starved_s += time.perf_counter() - self._starve_t0
+        self._starve_t0 = None
         ends = [m for m in self.pending if m[0] == "end" and m[2]]
         if ends:
             jid = ends[0][1]
@@ -236,10 +300,12 @@ class Rank:
         if self._profile_dir and not self._profiled:  # POC_RANK_PROFILE: the first job's steady-state batches
             from poc.profiling import StepProfiler
             prof = StepProfiler(self._profile_dir, f"rank{self.rank}", self.device)
+        clock = self.clock = JobClock(self.device)
         while True:
             t0 = time.perf_counter()
             cmd = self.next_command()
             self._host("command", t0)
+            clock.command_s += time.perf_counter() - t0
             if cmd[0] == "idle":
                 continue
             if cmd[1] != job_id:
@@ -263,14 +329,28 @@ class Rank:
             while len(inflight) > (depth if cmd[0] == "batch" else 0):
                 self.report(job_id, job, opts, *inflight.popleft())
             self._host("report", t0)
+            clock.report_s += time.perf_counter() - t0
             if cmd[0] == "end":
                 if prof is not None:
                     prof.close()
                 break
+        self.clock = None
+        stats = self.gather_stats(clock.summary(self.rank, self.stage))
         if self.device.type == "cuda":  # for the server's memory check before the next job (poc.engine.memory)
             self.send(("memory", self.rank, free_bytes(self.device)))
         if self.is_reporter:
+            self.send(("stats", job_id, self.replica, stats))
             self.send(("done", job_id, self.replica))
+
+    def gather_stats(self, mine: dict) -> list[dict] | None:
+        """Every rank's JobClock summary of the job, at the replica's reporter (which sends them ahead of "done");
+        None elsewhere."""
+        if self.layout.group_size == 1:
+            return [mine]
+        reporter = self.layout.reporter(self.replica)
+        out = [None] * self.layout.group_size if self.rank == reporter else None
+        dist.gather_object(mine, out, dst=reporter, group=self.ctrl)
+        return out
 
     def launch_v2(self, job: V2Job, nonces: list[int]):
         """Queue one batch: host work first (seeds, the post-processing plan), then only device work."""
@@ -297,6 +377,10 @@ class Rank:
         seconds by step since the previous forward was launched (waiting for the command broadcast, making or
         receiving the input, launching the forward, the previous batch's send and report): a host that blocks
         shows here."""
+        if which == 1 and self.cfg.stage_delay_s:
+            time.sleep(self.cfg.stage_delay_s)  # a stand-in for device time (tests: RankConfig.stage_delay_s)
+        if self.clock is not None:
+            self.clock.forward(which)
         if self._timing is None:
             return
         ev = torch.cuda.Event(enable_timing=True)
