@@ -4,7 +4,7 @@ The server process never joins the process group. It starts `python -m poc.paral
 fresh interpreter: a spawned child would re-import the server's __main__, aiohttp and all), talks to them over
 authenticated local sockets, hands each replica's leader the job and then its batches of nonces, and merges the
 replicas' results into emit() in arrival order. Nonces are dealt from the job's one iterator, a batch at a time,
-to whichever replica has room: the replicas' streams are disjoint and together exactly the job's stream (the
+to whichever replica has room (batches_ahead: pp + 2 a replica): the replicas' streams are disjoint and together exactly the job's stream (the
 pow lattice, /pooled ranges, explicit lists alike), max_nonces stays exact, and a faster replica takes more.
 
 A rank that dies, fails or times out breaks the engine: the running job raises RankFailure (the server writes it
@@ -46,7 +46,15 @@ from poc.protocol import v1
 
 log = logging.getLogger("poc.parallel")
 
-DEPTH = 2  # batches handed to a replica ahead of its results (the leader launches i+1 while i is collected)
+
+
+def batches_ahead(layout: Layout) -> int:
+    """How many batches the engine keeps dealt and not yet reported, per replica: the pipeline's pp stages compute
+    one each, one more is the result on its way back through the consumer (emit) and one waits at the leader, so
+    the first stage's next batch is always there when it asks (the consumer's round trip is off the devices'
+    path). The same for every caller of run(): the server's routes and poc.bench."""
+    return layout.pp + 2
+
 SRC = str(Path(__file__).resolve().parents[2])  # the directory holding the poc package, for the ranks' sys.path
 
 
@@ -438,8 +446,9 @@ class DistEngine(EngineBase):
             return self._run(job, lambda seq, b, payload: emit(b), stop)
 
     def _run(self, job, on_result, stop: threading.Event, opts: dict | None = None) -> JobSummary:
-        """Deal batches of the job's nonces to the replicas, DEPTH ahead; stop/limits end the dealing, and every
-        batch a replica launched is still reported (the leaders drop batches not yet launched on a stop)."""
+        """Deal batches of the job's nonces to the replicas, batches_ahead() each (a result's replacement is dealt
+        before the result goes to the consumer); stop/limits end the dealing, and every batch a replica launched
+        is still reported (the leaders drop batches not yet launched on a stop)."""
         t0 = time.perf_counter()
         if isinstance(job, V1Job):
             self.check_v1(job.params)
@@ -459,7 +468,7 @@ class DistEngine(EngineBase):
         # the clock starts when a replica reports its model built ("started"): max_duration counts compute, not a
         # v1 model's build, as on one device; the batches dealt ahead meanwhile wait in the ranks' queues
         t_start, last = None, time.monotonic()
-        flight = JobFlight(L.replicas, DEPTH + L.pp - 1)
+        flight = JobFlight(L.replicas, batches_ahead(L))
 
         def post(r: int, msg) -> None:
             if not g.closing:  # a broken engine's ranks are gone; the results they sent before are still emitted
@@ -512,7 +521,7 @@ class DistEngine(EngineBase):
                               f"within {self.timeout:.0f} s of an error")
 
         try:
-            for _ in range(DEPTH + L.pp - 1):  # a pipeline of pp stages holds pp batches at once, plus one queued
+            for _ in range(flight.ahead):
                 for r in range(L.replicas):
                     deal(r)
             while not all(done):
@@ -540,12 +549,12 @@ class DistEngine(EngineBase):
                     b = BatchResult(index=batches, nonces=nonces, elapsed=time.perf_counter() - t_start,
                                     batch_seconds=secs, dist=payload.get("dist"),
                                     artifacts=payload.get("artifacts"), dropped=payload.get("dropped", []))
+                    n = flight.out[r]
+                    deal(r)  # first: the consumer's time (a stream line, a callback's spooling) is not the devices'
+                    flight.redealt(r, t_result, flight.out[r] > n)
                     t_emit = time.perf_counter()
                     on_result(seq, b, payload)
                     flight.emit_s += time.perf_counter() - t_emit
-                    n = flight.out[r]
-                    deal(r)
-                    flight.redealt(r, t_result, flight.out[r] > n)
                 elif msg[0] == "stats":
                     flight.ranks += [x for x in msg[3] or [] if x is not None]
                 elif msg[0] == "done":
