@@ -87,12 +87,24 @@ def candidates(n_gpus: int):
                 yield g // pp, pp, n_gpus // g
 
 
+def need_bytes(cfg, tp: int, pp: int, dtype_bytes: int, fp8: str | None, batch: int = FIT_BATCH,
+               seq_len: int = FIT_SEQ) -> tuple[int, int]:
+    """(weights, activations) one GPU of a tp x pp group holds for a batch of this shape."""
+    return (rank_weight_bytes(cfg, tp, pp, dtype_bytes, fp8),
+            memory.v2_estimate(cfg, batch, seq_len, dtype_bytes, tp=tp, cuda=True, fused=True).device_total)
+
+
+def room_bytes(total_bytes: int, headroom: float = 0.9) -> float:
+    """What a layout may plan on of a GPU with `total_bytes`."""
+    return headroom * (total_bytes - RESERVE)
+
+
 def choose(cfg, gpus: list[Gpu], dtype_bytes: int, fp8: str | None = None, headroom: float = 0.9) -> Choice:
     """The first candidate layout that splits the model and fits the smallest GPU; InputError when none does."""
     if not gpus:
         return Choice(1, 1, 1, "no GPU visible: one process")
     cap = min(g.total_bytes for g in gpus)
-    room = headroom * (cap - RESERVE)
+    room = room_bytes(cap, headroom)
     skipped = []
     for tp, pp, replicas in candidates(len(gpus)):
         name = label(tp, pp, replicas)
@@ -101,8 +113,7 @@ def choose(cfg, gpus: list[Gpu], dtype_bytes: int, fp8: str | None = None, headr
         except InputError as e:
             skipped.append(f"not {name} ({e.message.split(': ', 1)[-1]})")
             continue
-        w = rank_weight_bytes(cfg, tp, pp, dtype_bytes, fp8)
-        act = memory.v2_estimate(cfg, FIT_BATCH, FIT_SEQ, dtype_bytes, tp=tp, cuda=True, fused=True).device_total
+        w, act = need_bytes(cfg, tp, pp, dtype_bytes, fp8)
         if w + act > room:
             skipped.append(f"not {name} ({w / GiB:.1f} GiB of weights a GPU)")
             continue
@@ -132,14 +143,20 @@ def for_model(model: str | None, dtype: str = "auto", fp8_experts: str = "keep",
     """choose() for a server's --model (a checkpoint directory or random:<preset>[:fp8]) on `gpus` (default: the
     visible ones). Without a model (PoC v1 only: each request brings its own, which one GPU holds) every GPU is a
     replica."""
-    from poc.dtypes import BYTES
-    from poc.model.fp8 import fp8_mode
-    from poc.model.random_weights import random_spec
-
     gpus = detect_gpus() if gpus is None else gpus
     if not model:
         n = max(1, len(gpus))
         return Choice(1, 1, n, f"no --model (PoC v1: one GPU holds a request's model): {label(1, 1, n)}")
+    cfg, dtype_bytes, fp8 = model_shape(model, dtype, fp8_experts)
+    return choose(cfg, gpus, dtype_bytes, fp8)
+
+
+def model_shape(model: str, dtype: str = "auto", fp8_experts: str = "keep"):
+    """(ModelConfig, bytes per model-dtype element, fp8 kind for layer_bytes) of a --model, read without loading."""
+    from poc.dtypes import BYTES
+    from poc.model.fp8 import fp8_mode
+    from poc.model.random_weights import random_spec
+
     spec = random_spec(model)
     if spec is not None:
         cfg, fp8 = spec
@@ -152,4 +169,4 @@ def for_model(model: str | None, dtype: str = "auto", fp8_experts: str = "keep",
     kind = None
     if fp8:
         kind = "w8a8" if fp8_mode() == "w8a8" else ("experts" if fp8_experts == "keep" else None)
-    return choose(cfg, gpus, BYTES[name], kind)
+    return cfg, BYTES[name], kind
