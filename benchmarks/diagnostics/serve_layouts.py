@@ -11,8 +11,9 @@ own noise), and PoC v1 with two replicas.
 Each layout starts model_server.py (the flags in LAYOUTS; `auto` is `--layout auto`, named here by the layout it
 resolves to: one already measured in this run is not measured again) with `--compile-at-start` of the job's shape
 run for N batches: before the readiness line the server's engine runs N batches with nothing consuming them and logs
-its own rate (warm_start: timed as poc.bench times it, on the same rank processes the routes then use). Then, in this
-order (the first job is the node's: a fresh server whose shape was compiled at start):
+its own rate (warm_start: timed as poc.bench times it, on the same rank processes the routes then use; with
+--bench-process also poc.bench's run_engine in a process of its own, before the server). Then, in this order (the
+first job is the node's: a fresh server whose shape was compiled at start):
 - /api/v1/pow/init/generate with `batch_size` and `url` (a receiver here counts the artifacts POSTed to it):
   generation runs until /api/v1/pow/status says N batches were processed, then /stop; the rate from its status
   polls, the time from the request to the first callback POST, the artifacts delivered;
@@ -57,7 +58,7 @@ LAYOUTS = {"one": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "rep2": ["--re
 DIMS = {"one": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "rep2": (1, 1, 2), "tp4": (4, 1, 1), "pp4": (1, 4, 1),
         "rep2tp2": (2, 1, 2), "rep2pp2": (1, 2, 2), "rep4": (1, 1, 4)}  # (tp, pp, replicas)
 SMOKE = dict(device="cpu", model="random:tiny-4l", dtype="float32", seq=16, batch=4, timed=4, compare=16,
-             layouts=["one", "pp4", "tp2", "rep2pp2", "auto"], v1="tiny")
+             layouts=["one", "pp4", "tp2", "rep2pp2", "auto"], v1="tiny", bench_process=True)
 PIPELINE = re.compile(r"job (\d+) pipeline: (\{.*\})\s*$")
 ENGINE_ALONE = re.compile(r"compile at start: .*, ([\d.]+) s.*the engine alone after the first batch: ([\d.]+) nonces/s")
 
@@ -198,6 +199,34 @@ print(json.dumps(out))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def bench_process(a, dims: tuple[int, int, int], batch: int, env: dict) -> dict:
+    """poc.bench's measurement (run_engine: the same batches, timed from the first result) on make_engine of this
+    layout in a process of its own: the model built and compiled (from the shared cache) once more."""
+    code = """
+import json, sys
+sys.path.insert(0, %r)
+from poc.bench import BH, PK, run_engine
+from poc.engine.jobs import V2Job
+from poc.parallel.engine import make_engine
+from poc.protocol import v1
+a = json.loads(sys.argv[1])
+tp, pp, rep = a["dims"]
+e = make_engine(a["device"], model_dir=a["model"], dtype=a["dtype"], tp=tp, pp=pp, replicas=rep, compile="auto")
+e.load()
+r = run_engine(e, V2Job(BH, PK, 1, a["seq"], 12, v1.worker_nonces(0, 0, 1), a["batch"]), 1, a["n"] - 1)
+r["pipeline"] = getattr(e, "last_job_stats", None)
+e.close()
+print(json.dumps(r))
+""" % str(ROOT / "src")
+    arg = json.dumps({"device": a.device, "model": a.model, "dtype": a.dtype, "dims": dims, "seq": a.seq,
+                      "batch": batch, "n": (1 + a.timed) * dims[2]})
+    out = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, timeout=a.timeout,
+                         env={**os.environ, **env})
+    if out.returncode:
+        raise RuntimeError(f"poc.bench process failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_layout(a, name: str, extra: list[str], batch: int, groups: int, tmp: Path, rx: Receiver, env: dict,
                keep_below: int) -> tuple[dict, dict]:
     n = (1 + a.timed) * groups
@@ -309,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compare", type=int, default=256, help="nonces 0..N-1 compared against one GPU")
     ap.add_argument("--layouts", nargs="+", default=["one", "tp2", "pp2", "rep2"], choices=list(LAYOUTS))
     ap.add_argument("--no-pow", dest="pow", action="store_false", help="skip the callback path")
+    ap.add_argument("--bench-process", action="store_true",
+                    help="also poc.bench's run_engine on the layout in a process of its own (one more model build)")
     ap.add_argument("--v1", choices=("mainnet", "tiny", "none"), default="mainnet",
                     help="PoC v1 with two replicas against one GPU: MainNet params (fp16), a tiny model, or skip")
     ap.add_argument("--timeout", type=float, default=900.0, help="per server start and per job")
@@ -364,7 +395,11 @@ def main(argv: list[str] | None = None) -> None:
             groups = dims[2] if dims else 1
             keep = a.compare if name.startswith("one") or "one" in a.layouts else 0
             try:
+                bench = bench_process(a, dims, batch, env) if a.bench_process and dims else None
                 row, vec = run_layout(a, name, extra, batch, groups, tmp, rx, env, keep)
+                if bench is not None:
+                    row["bench_nonces_per_s"] = bench["nonces_per_s"]
+                    row["bench_busy"] = busy(bench.get("pipeline"))
             except Exception as e:  # noqa: BLE001 - one layout's failure is a row; the others still run
                 log = tmp / f"{name}.log"
                 row = {"protocol": "v2", "run": name, "args": shlex.join(extra), "error": f"{type(e).__name__}: {e}"[:500],
