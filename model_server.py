@@ -8,10 +8,10 @@ poc.serve; an installed wheel has it as the `poc-server` console script (same fl
 
 Each flag can also be set by an environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_SERVED_MODEL_NAME
 (comma-separated), POC_DTYPE, POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR, POC_TP, POC_PP, POC_REPLICAS, POC_LAYOUT,
-POC_COMPILE, POC_FP8_EXPERTS, POC_COMPILE_AT_START); the flag wins. README.md's Configuration table says what each does. Without
---model it serves PoC v1 (the random model is built from each request's params); with --model (a directory, or a
-Hugging Face repo id found in the local cache, offline) it loads that checkpoint at start and serves PoC v2 for it,
-and v1. --compile-at-start runs one batch of each listed shape through the engine (compiled on CUDA) before the
+POC_COMPILE, POC_FP8_EXPERTS, POC_COMPILE_AT_START); the flag wins. README.md's Configuration table says what each
+does. Without --model it serves PoC v1 (the random model is built from each request's params); with --model (a
+directory, or a Hugging Face repo id found in the local cache, offline) it loads that checkpoint at start and serves
+PoC v2 for it, and v1. --layout auto picks --tp/--pp/--replicas from the model and the visible GPUs. --compile-at-start runs one batch of each listed shape through the engine (compiled on CUDA) before the
 one "Application startup complete." line it logs when it can take work. SIGTERM stops the jobs, ends open streams
 with a final line and exits 0. An unrecoverable start-up failure (bad flags, an unusable --spool-dir, a repo id not
 in the cache: exit 2; the port in use: exit 1; the --model checkpoint failing to load: exit 3 within seconds, or

@@ -60,7 +60,8 @@ DIMS = {"one": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "rep2": (1, 1, 2),
 SMOKE = dict(device="cpu", model="random:tiny-4l", dtype="float32", seq=16, batch=4, timed=4, compare=16,
              layouts=["one", "pp4", "tp2", "rep2pp2", "auto"], v1="tiny", bench_process=True)
 PIPELINE = re.compile(r"job (\d+) pipeline: (\{.*\})\s*$")
-ENGINE_ALONE = re.compile(r"compile at start: .*, ([\d.]+) s.*the engine alone after the first batch: ([\d.]+) nonces/s")
+ENGINE_ALONE = re.compile(r"compile at start: .*, ([\d.]+) s.*the engine alone after the first batch: "
+                          r"([\d.]+) nonces/s")
 
 
 class Receiver:
@@ -384,10 +385,10 @@ def main(argv: list[str] | None = None) -> None:
                 save()
                 continue
             need = info["need_gib"].get(name)
-            if need and info["room_gib"] is not None and (need[0] + need[1] > info["room_gib"] or need[2] > info["gpus"]):
+            room = info["room_gib"]
+            if need and room is not None and (need[0] + need[1] > room or need[2] > info["gpus"]):
                 why = (f"{need[2]} GPUs, {info['gpus']} visible" if need[2] > info["gpus"] else
-                       f"{need[0]:.1f} GiB of weights + {need[1]:.1f} GiB for the batch a GPU, {info['room_gib']:.1f} "
-                       "GiB usable")
+                       f"{need[0]:.1f} GiB of weights + {need[1]:.1f} GiB for the batch a GPU, {room:.1f} GiB usable")
                 res["rows"].append({"protocol": "v2", "run": name, "args": shlex.join(extra), "skipped": why})
                 print(json.dumps(res["rows"][-1]), flush=True)
                 save()
@@ -402,7 +403,8 @@ def main(argv: list[str] | None = None) -> None:
                     row["bench_busy"] = busy(bench.get("pipeline"))
             except Exception as e:  # noqa: BLE001 - one layout's failure is a row; the others still run
                 log = tmp / f"{name}.log"
-                row = {"protocol": "v2", "run": name, "args": shlex.join(extra), "error": f"{type(e).__name__}: {e}"[:500],
+                row = {"protocol": "v2", "run": name, "args": shlex.join(extra),
+                       "error": f"{type(e).__name__}: {e}"[:500],
                        "log_tail": log.read_text(errors="replace")[-2000:] if log.exists() else None}
                 vec = {}
             vectors[name] = vec

@@ -4,8 +4,9 @@ The server process never joins the process group. It starts `python -m poc.paral
 fresh interpreter: a spawned child would re-import the server's __main__, aiohttp and all), talks to them over
 authenticated local sockets, hands each replica's leader the job and then its batches of nonces, and merges the
 replicas' results into emit() in arrival order. Nonces are dealt from the job's one iterator, a batch at a time,
-to whichever replica has room (batches_ahead: pp + 2 a replica): the replicas' streams are disjoint and together exactly the job's stream (the
-pow lattice, /pooled ranges, explicit lists alike), max_nonces stays exact, and a faster replica takes more.
+to whichever replica has room (batches_ahead: pp + 2 a replica): the replicas' streams are disjoint and together
+exactly the job's stream (the pow lattice, /pooled ranges, explicit lists alike), max_nonces stays exact, and a
+faster replica takes more.
 
 A rank that dies, fails or times out breaks the engine: the running job raises RankFailure (the server writes it
 as the stream's error line), the other ranks are killed, /health reads state == "broken", and restart() (or a new
@@ -45,7 +46,7 @@ from poc.parallel.layout import Layout, RankConfig
 from poc.protocol import v1
 
 log = logging.getLogger("poc.parallel")
-
+SRC = str(Path(__file__).resolve().parents[2])  # the directory holding the poc package, for the ranks' sys.path
 
 
 def batches_ahead(layout: Layout) -> int:
@@ -54,8 +55,6 @@ def batches_ahead(layout: Layout) -> int:
     the first stage's next batch is always there when it asks (the consumer's round trip is off the devices'
     path). The same for every caller of run(): the server's routes and poc.bench."""
     return layout.pp + 2
-
-SRC = str(Path(__file__).resolve().parents[2])  # the directory holding the poc package, for the ranks' sys.path
 
 
 class RankFailure(RuntimeError):
@@ -141,9 +140,10 @@ class JobFlight:
 
     def summary(self) -> dict:
         red = sorted(self.redeal)
+        per = zip(self.results, self.area, self.span, self.low)
         return {"ahead": self.ahead,
-                "replicas": [{"results": n, "mean_in_flight": round(a / s, 3) if s > 0 else None,
-                              "min_in_flight": lo} for n, a, s, lo in zip(self.results, self.area, self.span, self.low)],
+                "replicas": [{"results": n, "mean_in_flight": round(a / s, 3) if s > 0 else None, "min_in_flight": lo}
+                             for n, a, s, lo in per],
                 "redeal_ms": ({"p50": round(1e3 * red[len(red) // 2], 3), "max": round(1e3 * red[-1], 3)}
                               if red else None),
                 "emit_s": round(self.emit_s, 4), "ranks": self.ranks}

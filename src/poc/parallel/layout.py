@@ -112,4 +112,4 @@ class RankConfig:
     compile_v1: bool = False  # torch.compile of the decoder layer (and v2's input generator) in the ranks
     compile_v2: bool = False
     fp8_experts: str | None = None  # FP8 checkpoint experts: keep (default) or dequant
-    stage_delay_s: float = 0.0  # tests and CPU smoke runs: seconds slept after each forward, standing in for device time
+    stage_delay_s: float = 0.0  # tests: seconds slept after each forward, standing in for device time

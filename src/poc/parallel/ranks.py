@@ -471,11 +471,11 @@ class Rank:
             self._host_s[name] = self._host_s.get(name, 0.0) + time.perf_counter() - t0
 
     def _mark(self, which: int) -> None:
-        """POC_STAGE_TIMING=1 (CUDA): events around this rank's forward; logged when the batch is collected, with
-        the idle time since the previous batch's forward ended (a pipeline stage waiting for its input) and the host
-        seconds by step since the previous forward was launched (waiting for the command broadcast, making or
-        receiving the input, launching the forward, the previous batch's send and report): a host that blocks
-        shows here."""
+        """Before (0) and after (1) this rank's forward is launched: the job's JobClock; the stand-in device time of
+        CPU tests (RankConfig.stage_delay_s); with POC_STAGE_TIMING=1 (CUDA) events logged once the device has run
+        them, with the idle time since the previous batch's forward ended (a pipeline stage waiting for its input)
+        and the host seconds by step since the previous forward was launched (waiting for the command, making the
+        inputs, launching the forward): a host that blocks shows here."""
         if which == 1 and self.cfg.stage_delay_s:
             time.sleep(self.cfg.stage_delay_s)  # a stand-in for device time (tests: RankConfig.stage_delay_s)
         if self.clock is not None:

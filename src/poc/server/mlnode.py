@@ -12,8 +12,9 @@ between: its MLNode client (decentralized-api/mlnodeclient) calls them on the no
 
 One process plays both roles the MLNode and its vLLM backends play: every /api/v1/inference/pow route fills the
 defaults the MLNode fills (params.k_dim 12, group_id 0 of n_groups 1: this server is the one backend; a missing
-batch_size, 32 in the MLNode, is the batch that serves the loaded model best, as /api/v1/pow picks it), maps the node's stat_test names (p_value_threshold is what spec-v2 calls fraud_threshold: fraud when the
-p-value is under it), hands the request to the /api/v1/pow service (server/pow.py, the one implementation), and
+batch_size, 32 in the MLNode, is the batch that serves the loaded model best, as /api/v1/pow picks it), maps the
+node's stat_test names (p_value_threshold is what spec-v2 calls fraud_threshold: fraud when the p-value is under
+it), hands the request to the /api/v1/pow service (server/pow.py, the one implementation), and
 answers in the MLNode's shapes (decentralized-api/mlnodeclient/poc_v2_requests.go decodes them): the one backend
 is reported under this server's port. A request id is the /api/v1/pow one, the same in the callback's
 `request_id`; the MLNode's "<port>:<id>" form is accepted on read-back too.
