@@ -419,7 +419,7 @@ class ServerProcess:
 
 
 class TwoReplicaEngine:
-    """What DistEngine does with two replicas, made deterministic: batches are dealt in nonce order, DEPTH=2
+    """What DistEngine does with two replicas, made deterministic: batches are dealt in nonce order, two
     ahead, to replicas A and B; results arrive in completion order. A is stuck on its first batch while B races
     ahead (A completes only when B has nothing left); a stop reports each replica's launched batch and drops its
     queued one (A's, the job's third batch, lies before B's launched one). The launched batches are reported

@@ -280,13 +280,14 @@ async def test_the_v2_cycle_as_the_node_drives_it(aiohttp_client, aiohttp_server
     assert r.status == 200 and st["status"] == "IDLE" and len(st["backends"]) == 1
     # InitGenerateV2
     req = init_generate_v2(f"{base}/qwen3")
-    assert '"k_dim"' not in go_marshal(req) and '"batch_size"' not in go_marshal(req)  # the MLNode fills them
+    assert '"k_dim"' not in go_marshal(req) and '"batch_size"' not in go_marshal(req)  # left to the MLNode
     r = await go_post(client, "/api/v1/inference/pow/init/generate", req)
     assert r.status == 200, await r.text()
     d = go_decode(await r.text(), PoCInitGenerateResponseV2, ["status"])
     assert d["status"] == "OK" and d["backends"] == 1 and d["n_groups"] == 1
     assert [x["status"] for x in d["results"]] == ["OK"] and not d["errors"]
     gen = client.app[pow_key].gen
+    # k_dim as the MLNode fills it; batch_size the served model's (default_v2_batch: 32 on the CPU, as the MLNode)
     assert (gen.init.batch_size, gen.init.k_dim, gen.init.group_id, gen.init.n_groups) == (32, 12, 0, 1)
     # GetPowStatusV2 while generating: StartPoCNodeCommandV2 skips a restart on "GENERATING"
     st = go_decode(await (await go_get(client, "/api/v1/inference/pow/status")).text(), PoCStatusResponseV2,

@@ -156,3 +156,42 @@ def test_the_cuda_estimate_covers_the_peaks_measured_on_the_h100(file, workload,
     assert peak <= est.device_total, (est.describe(), row["peak_gpu_gib"])
     if row["compile"]:
         assert est.device_total <= 2 * peak, (est.describe(), row["peak_gpu_gib"])
+
+
+def test_default_v2_batch_fills_64k_tokens_within_the_memory_estimate():
+    """A v2 request without batch_size (a Gonka node sends none) gets 64k tokens a forward (batch 64 at seq_len
+    1024) on CUDA, halved until the memory estimate of the loaded model on this layout fits the tightest GPU; on
+    the CPU the protocol's 32."""
+    from poc.engine.base import TOKENS_PER_BATCH, ModelInfo
+    from poc.model.config import PRESETS
+    from poc.parallel.engine import DistEngine
+
+    cfg = PRESETS["qwen3-235b-a22b"]
+
+    def engine(free_gib: float, **layout) -> DistEngine:
+        e = DistEngine("cpu", world=4, **layout)  # as the CUDA engine would be: no rank is started here
+        e.device, e.compile_v2 = torch.device("cuda", 0), True
+        e.v2 = ModelInfo(cfg, "qwen3-235b-a22b", torch.bfloat16)
+        e.rank_free = {r: int(free_gib * GiB) for r in range(4)}
+        return e
+
+    assert TOKENS_PER_BATCH == 64 * 1024
+    roomy = engine(60, pp=4)
+    assert roomy.default_v2_batch(1024) == 64 and roomy.default_v2_batch(4096) == 16
+    assert roomy.default_v2_batch(16) == 4096 and roomy.default_v2_batch(16, cap=1000) == 512
+    for free in (6, 10, 14):  # what a 235B stage leaves free of an H100, and less
+        for layout in (dict(pp=4), dict(tp=4)):
+            e = engine(free, **layout)
+            b = e.default_v2_batch(1024)
+            assert b & (b - 1) == 0 and 1 <= b <= 64, (free, layout, b)
+            e.check_v2_memory(b, 1024)  # fits
+            if b < 64:
+                with pytest.raises(InputError):
+                    e.check_v2_memory(2 * b, 1024)  # the next power of two does not
+    # a pipeline stage computes whole layers, a tp rank a quarter of each: on as little memory, a smaller batch
+    assert engine(6, pp=4).default_v2_batch(1024) < engine(6, tp=4).default_v2_batch(1024)
+    assert engine(24, pp=4).default_v2_batch(1024) == 64  # a 235B stage on an H100 (~24 GiB left): batch 64
+    assert engine(0.001, pp=4).default_v2_batch(1024) == 1  # nothing fits: 1, and the job's own check says why
+    cpu = DistEngine("cpu", world=2, tp=2)
+    cpu.v2 = ModelInfo(PRESETS["tiny"], "tiny", torch.float32)
+    assert cpu.default_v2_batch(1024) == 32

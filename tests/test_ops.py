@@ -408,6 +408,46 @@ def test_compile_at_start_setting_is_parsed_and_checked():
         assert words in e.value.message, (bad, e.value.message)
 
 
+def test_compile_at_start_batches_time_the_engine_alone(caplog):
+    """"batches": N runs N batches of the shape and logs the engine's own rate after the first (what
+    benchmarks/diagnostics/serve_layouts.py compares the routes with)."""
+    import logging
+    import time
+
+    from poc.engine.jobs import BatchResult, JobSummary
+    from poc.errors import InputError
+    from poc.server import warm_start
+    from poc.server.config import parse_args
+
+    (shape,) = parse_args(["--model", "m", "--compile-at-start",
+                           '[{"batch_size": 4, "params": {"seq_len": 16}, "batches": 5}]'], env={}).compile_at_start
+    assert shape.batches == 5 and warm_start._job(shape).limits.max_nonces == 20
+    with pytest.raises(InputError, match="batches must be an integer in 1..1000"):
+        parse_args(["--model", "m", "--compile-at-start", '[{"batch_size": 4, "params": {"seq_len": 16}, '
+                                                           '"batches": 0}]'], env={})
+
+    class FakeEngine:
+        compile_v1 = compile_v2 = False
+
+        def require_v2(self):
+            return type("Info", (), {"cfg": type("Cfg", (), {"max_seq_len": 64, "dim": 64})})()
+
+        def run(self, job, emit, stop, claim=None):
+            n = 0
+            while n < job.limits.max_nonces:
+                time.sleep(0.02)
+                emit(BatchResult(index=n // 4 + 1, nonces=list(range(n, n + 4)), elapsed=0.0, batch_seconds=0.02))
+                n += 4
+            return JobSummary("max_nonces", n // 4, n, 0.1)
+
+    with caplog.at_level(logging.INFO, logger="poc.server"):
+        warm_start.run(FakeEngine(), (shape,))
+    line = next(m for m in caplog.messages if "compile at start:" in m)
+    assert "20 nonces in 5 batch(es)" in line, line
+    rate = float(line.split("the engine alone after the first batch: ")[1].split()[0])
+    assert 50 < rate < 210, line  # 16 nonces over 4 steps of ~0.02 s: ~200/s, less on a loaded machine
+
+
 async def test_compile_at_start_runs_its_batches_before_the_readiness_line(tmp_path):
     """On the CPU compile is off: the batches run all the same, through the engine, before the line."""
     s = ServerProcess(tmp_path / "s.log", "--model", QWEN3, "--spool-dir", str(tmp_path / "sp"),

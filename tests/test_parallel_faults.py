@@ -143,7 +143,7 @@ def test_a_failing_nonce_iterator_still_emits_the_batches_launched():
     e = _simulated(batch_s=0.05)
 
     def nonces():
-        yield from range(16)  # the 4 batches dealt ahead (DEPTH 2 x 2 replicas), then the iterator fails
+        yield from range(24)  # the 6 batches dealt ahead (batches_ahead 3 x 2 replicas), then the iterator fails
         raise ValueError("nonce source failed")
 
     out = []
@@ -267,7 +267,7 @@ def test_a_rank_failing_a_batch_reports_the_batch_it_had_in_flight(tmp_path, mon
         seen = []
 
         def nonces():
-            yield from range(8)  # seqs 1, 3 to replica 0 and 2, 4 to replica 1 (DEPTH 2), then the bad batch
+            yield from range(8)  # seqs 1, 3 to replica 0 and 2, 4 to replica 1, then the bad batches (5 and 6)
             while True:
                 yield 10**9
 

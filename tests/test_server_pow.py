@@ -131,6 +131,27 @@ async def test_queue_fifo_results_callbacks_and_stop_keeps_results(client, sink)
     await wait_status(client)
 
 
+async def test_a_request_without_batch_size_gets_the_engines_default(client, sink):
+    """The node sends no batch_size: /init/generate and /generate (explicit nonces) take the engine's
+    default_v2_batch for the request's seq_len (the loaded model on its layout); a given batch_size is kept."""
+    from poc.server.context import engine_key
+
+    engine = client.server.app[engine_key]
+    asked = []
+    engine.default_v2_batch = lambda seq_len, headroom, cap: asked.append((seq_len, headroom, cap)) or 5
+    body = {k: v for k, v in gen_body([]).items() if k not in ("nonces", "batch_size")}
+    r = await client.post(f"{POW}/init/generate", json={**body, "url": sink.url})
+    assert r.status == 200, await r.text()
+    app = client.server.app
+    assert app[pow_key].gen.init.batch_size == 5 and asked == [(P2["seq_len"], 0.9, 4096)]
+    await client.post(f"{POW}/stop")
+    await wait_status(client)
+    r = await client.post(f"{POW}/generate", json={**gen_body(range(7), wait=True), "batch_size": None})
+    assert r.status == 200 and len((await r.json())["artifacts"]) == 7 and len(asked) == 2
+    r = await client.post(f"{POW}/generate", json=gen_body(range(7), wait=True))  # batch_size 3: kept
+    assert r.status == 200 and len(asked) == 2
+
+
 async def test_init_generate_status_busy_and_stop_delivers_everything(client, sink):
     body = {k: v for k, v in gen_body([]).items() if k != "nonces"}
     body.update(batch_size=4, url=sink.url)

@@ -24,9 +24,13 @@ from poc.engine import memory
 from poc.engine.jobs import BatchResult, JobSummary, V1Job, V2Job
 from poc.errors import InputError
 from poc.model.config import ModelConfig
-from poc.protocol import v1
+from poc.protocol import v1, v2
 
 STATES = ("loading", "ready", "busy", "broken")
+# tokens a forward of a v2 batch without a batch_size in its request: where throughput stops growing with the batch
+# (one H100: W6Q 7,423 -> 7,478/min from 64 to 128 nonces of 1024; four H200: W7P 1,501 -> 1,507 from 64 to 96,
+# W7 tp=4 2,042 -> 2,113 from 32 to 64), so batch 64 at seq_len 1024 (benchmarks/README.md)
+TOKENS_PER_BATCH = 1 << 16
 
 
 class Busy(RuntimeError):
@@ -239,3 +243,19 @@ class EngineBase(abc.ABC):
                                  fused=cuda and self.compile_v2)
         memory.check_fits(est, self.device, headroom=headroom, field="params.seq_len", free=self.free_bytes(),
                           ranks=ranks)
+
+    def default_v2_batch(self, seq_len: int, headroom: float = 0.9, cap: int = 4096) -> int:
+        """The batch size of a PoC v2 job whose request gives none (a Gonka node sends none): on CUDA the largest
+        power of two with at most TOKENS_PER_BATCH tokens (batch x seq_len) whose memory estimate fits the loaded
+        model on this engine's layout (check_v2_memory: a tp rank's share of the activations, the tightest GPU's
+        free memory as the ranks report it), at most `cap`; on the CPU the protocol's default (32)."""
+        if self.device.type != "cuda":
+            return max(1, min(cap, v2.DEFAULT_BATCH_SIZE))
+        b = 1 << max(0, min(cap, max(1, TOKENS_PER_BATCH // max(1, seq_len))).bit_length() - 1)
+        while b > 1:
+            try:
+                self.check_v2_memory(b, seq_len, headroom)
+                return b
+            except InputError:
+                b //= 2
+        return 1

@@ -105,7 +105,10 @@ def v1_estimate(p: v1.V1Params, batch_size: int, dtype: str, *, tp: int = 1, pp:
 def v2_estimate(cfg, batch_size: int, seq_len: int, dtype_bytes: int = 4, *, tp: int = 1, cuda: bool = False,
                 fused: bool = False) -> Estimate:
     """The checkpoint is already loaded: only activations count (cfg is a poc.model ModelConfig; dtype_bytes the
-    loaded model's: float32 on CPU by default), one rank's share with tensor parallelism."""
+    loaded model's: float32 on CPU by default), one rank's share with tensor parallelism. A pipeline stage also
+    holds the (B, S, D) inputs of the batches it has taken ahead (at most the engine's pp + 2: 3 GiB for the 235B
+    at batch 64); the activation terms' margin covers them (a Qwen3-MoE batch of 64k tokens is estimated at about
+    2.5x what it measures: W6Q's peak, benchmarks/h100)."""
     return Estimate(activations=activation_bytes(batch_size, seq_len, cfg.dim, ffn_width(cfg), cfg.n_heads,
                                                  dtype_bytes, tp=tp, fused=fused, math_attention=not cuda))
 

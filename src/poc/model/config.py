@@ -225,6 +225,9 @@ PRESETS = {
     # the shape of golden/v2_tiny/qwen3
     "tiny": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=256,
                         norm_eps=1e-6, rope_theta=1e6, qk_norm=True, family="qwen3", torch_dtype="float32"),
+    # tiny with four layers: a pipeline of up to four stages (the CPU tests and smoke runs of pp=4)
+    "tiny-4l": ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=256,
+                           norm_eps=1e-6, rope_theta=1e6, qk_norm=True, family="qwen3", torch_dtype="float32"),
     "qwen3-0.6b": ModelConfig(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,
                               vocab_size=151936, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, tie_embeddings=True,
                               max_seq_len=40960, family="qwen3", torch_dtype="bfloat16"),

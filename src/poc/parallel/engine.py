@@ -4,8 +4,9 @@ The server process never joins the process group. It starts `python -m poc.paral
 fresh interpreter: a spawned child would re-import the server's __main__, aiohttp and all), talks to them over
 authenticated local sockets, hands each replica's leader the job and then its batches of nonces, and merges the
 replicas' results into emit() in arrival order. Nonces are dealt from the job's one iterator, a batch at a time,
-to whichever replica has room: the replicas' streams are disjoint and together exactly the job's stream (the
-pow lattice, /pooled ranges, explicit lists alike), max_nonces stays exact, and a faster replica takes more.
+to whichever replica has room (batches_ahead: pp + 2 a replica): the replicas' streams are disjoint and together
+exactly the job's stream (the pow lattice, /pooled ranges, explicit lists alike), max_nonces stays exact, and a
+faster replica takes more.
 
 A rank that dies, fails or times out breaks the engine: the running job raises RankFailure (the server writes it
 as the stream's error line), the other ranks are killed, /health reads state == "broken", and restart() (or a new
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import json
 import logging
 import os
 import queue
@@ -44,9 +46,15 @@ from poc.parallel.layout import Layout, RankConfig
 from poc.protocol import v1
 
 log = logging.getLogger("poc.parallel")
-
-DEPTH = 2  # batches handed to a replica ahead of its results (the leader launches i+1 while i is collected)
 SRC = str(Path(__file__).resolve().parents[2])  # the directory holding the poc package, for the ranks' sys.path
+
+
+def batches_ahead(layout: Layout) -> int:
+    """How many batches the engine keeps dealt and not yet reported, per replica: the pipeline's pp stages compute
+    one each, one more is the result on its way back through the consumer (emit) and one waits at the leader, so
+    the first stage's next batch is always there when it asks (the consumer's round trip is off the devices'
+    path). The same for every caller of run(): the server's routes and poc.bench."""
+    return layout.pp + 2
 
 
 class RankFailure(RuntimeError):
@@ -82,13 +90,72 @@ class _Ranks:
                 c.close()
 
 
+class JobFlight:
+    """The engine's view of one job's pipelines: per replica, the batches dealt and not yet reported (in flight),
+    time-weighted from the replica's first result until its dealing ends (the steady state: before it the first
+    batches fill the pipeline, after it they drain), and the least in flight just after a result's replacement
+    was dealt (what the dealing keeps); the time from a result's arrival to its replacement being dealt (the
+    engine's part of the round trip; the consumer's emit comes after the deal); with each rank's JobClock
+    (poc.parallel.ranks) added at the end: `summary()` is DistEngine.last_job_stats."""
+
+    def __init__(self, replicas: int, ahead: int):
+        self.ahead = ahead
+        self.out = [0] * replicas
+        self.steady = [False] * replicas
+        self.t = [0.0] * replicas
+        self.area = [0.0] * replicas
+        self.span = [0.0] * replicas
+        self.low: list[int | None] = [None] * replicas
+        self.results = [0] * replicas
+        self.redeal: list[float] = []  # seconds from a result's arrival to its replacement's deal
+        self.emit_s = 0.0
+        self.ranks: list[dict] = []
+
+    def _tick(self, r: int, now: float) -> None:
+        if self.steady[r]:
+            self.area[r] += self.out[r] * (now - self.t[r])
+            self.span[r] += now - self.t[r]
+        self.t[r] = now
+
+    def dealt(self, r: int) -> None:
+        self._tick(r, time.perf_counter())
+        self.out[r] += 1
+
+    def reported(self, r: int) -> None:
+        self._tick(r, time.perf_counter())
+        self.out[r] -= 1
+        self.results[r] += 1
+        if self.results[r] == 1:
+            self.steady[r] = True
+
+    def redealt(self, r: int, t_result: float, dealt: bool) -> None:
+        """After a result of replica r arrived at t_result: its replacement was dealt (or the dealing has ended)."""
+        if dealt and self.steady[r]:
+            self.redeal.append(time.perf_counter() - t_result)
+            self.low[r] = self.out[r] if self.low[r] is None else min(self.low[r], self.out[r])
+
+    def ended(self, r: int) -> None:
+        self._tick(r, time.perf_counter())
+        self.steady[r] = False
+
+    def summary(self) -> dict:
+        red = sorted(self.redeal)
+        per = zip(self.results, self.area, self.span, self.low)
+        return {"ahead": self.ahead,
+                "replicas": [{"results": n, "mean_in_flight": round(a / s, 3) if s > 0 else None, "min_in_flight": lo}
+                             for n, a, s, lo in per],
+                "redeal_ms": ({"p50": round(1e3 * red[len(red) // 2], 3), "max": round(1e3 * red[-1], 3)}
+                              if red else None),
+                "emit_s": round(self.emit_s, 4), "ranks": self.ranks}
+
+
 class DistEngine(EngineBase):
     """The engine interface (EngineBase) over layout.world rank processes."""
 
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto", tp: int = 1,
                  pp: int = 1, world: int | None = None, timeout: float = 300.0, start_timeout: float = 180.0,
                  log_level: str | None = None, compile: bool | str = False, fp8_experts: str | None = None,
-                 fp8_scales: str | None = None):
+                 fp8_scales: str | None = None, stage_delay: float = 0.0):
         super().__init__(loading=bool(model_dir))
         self.device = resolve_device(device)
         if self.device.type == "cuda":
@@ -108,6 +175,8 @@ class DistEngine(EngineBase):
         self.compile = self.compile_v2
         self.fp8_experts = fp8_experts
         self.fp8_scales = fp8_scales
+        self.stage_delay = stage_delay  # tests and CPU smoke runs: seconds a rank sleeps after each forward
+        self.last_job_stats: dict | None = None  # the last job's pipeline figures (JobFlight.summary)
         self._ranks: _Ranks | None = None
         self._job_ids = itertools.count(1)
 
@@ -144,7 +213,7 @@ class DistEngine(EngineBase):
             cfg = RankConfig(layout=L, backend="nccl" if cuda else "gloo", device_type=self.device.type,
                              store_port=0, timeout_s=self.timeout, threads=threads, log_level=self.log_level,
                              compile_v1=self.compile_v1, compile_v2=self.compile_v2, fp8_experts=self.fp8_experts,
-                             fp8_scales=self.fp8_scales)
+                             fp8_scales=self.fp8_scales, stage_delay_s=self.stage_delay)
             g.send(0, cfg)
             msg = self._recv(g.conns[0], g, deadline)
             if msg[0] != "store":
@@ -388,8 +457,9 @@ class DistEngine(EngineBase):
             return self._run(job, lambda seq, b, payload: emit(b), stop)
 
     def _run(self, job, on_result, stop: threading.Event, opts: dict | None = None) -> JobSummary:
-        """Deal batches of the job's nonces to the replicas, DEPTH ahead; stop/limits end the dealing, and every
-        batch a replica launched is still reported (the leaders drop batches not yet launched on a stop)."""
+        """Deal batches of the job's nonces to the replicas, batches_ahead() each (a result's replacement is dealt
+        before the result goes to the consumer); stop/limits end the dealing, and every batch a replica launched
+        is still reported (the leaders drop batches not yet launched on a stop)."""
         t0 = time.perf_counter()
         if isinstance(job, V1Job):
             self.check_v1(job.params)
@@ -409,6 +479,7 @@ class DistEngine(EngineBase):
         # the clock starts when a replica reports its model built ("started"): max_duration counts compute, not a
         # v1 model's build, as on one device; the batches dealt ahead meanwhile wait in the ranks' queues
         t_start, last = None, time.monotonic()
+        flight = JobFlight(L.replicas, batches_ahead(L))
 
         def post(r: int, msg) -> None:
             if not g.closing:  # a broken engine's ranks are gone; the results they sent before are still emitted
@@ -420,6 +491,7 @@ class DistEngine(EngineBase):
             for r in range(L.replicas):
                 if not ended[r]:
                     ended[r] = True
+                    flight.ended(r)
                     post(r, ("end", jid, drop))
 
         def over_time() -> bool:
@@ -444,6 +516,7 @@ class DistEngine(EngineBase):
                 return end_all("exhausted", False)
             taken += len(nonces)
             post(r, ("batch", jid, next(seqs), nonces))
+            flight.dealt(r)
 
         def finish_on_error() -> None:
             """emit failed: end the job on the ranks so they stay in step (the results still arriving have no
@@ -459,7 +532,7 @@ class DistEngine(EngineBase):
                               f"within {self.timeout:.0f} s of an error")
 
         try:
-            for _ in range(DEPTH + L.pp - 1):  # a pipeline of pp stages holds pp batches at once, plus one queued
+            for _ in range(flight.ahead):
                 for r in range(L.replicas):
                     deal(r)
             while not all(done):
@@ -477,16 +550,24 @@ class DistEngine(EngineBase):
                 if msg[0] == "started":
                     t_start = t_start or time.perf_counter()
                 elif msg[0] == "result":
+                    t_result = time.perf_counter()
                     _, _, r, seq, payload, secs = msg
                     payload["replica"] = r
                     nonces = payload.pop("nonces")
                     computed += len(nonces)
                     batches += 1
+                    flight.reported(r)
                     b = BatchResult(index=batches, nonces=nonces, elapsed=time.perf_counter() - t_start,
                                     batch_seconds=secs, dist=payload.get("dist"),
                                     artifacts=payload.get("artifacts"), dropped=payload.get("dropped", []))
+                    n = flight.out[r]
+                    deal(r)  # first: the consumer's time (a stream line, a callback's spooling) is not the devices'
+                    flight.redealt(r, t_result, flight.out[r] > n)
+                    t_emit = time.perf_counter()
                     on_result(seq, b, payload)
-                    deal(r)
+                    flight.emit_s += time.perf_counter() - t_emit
+                elif msg[0] == "stats":
+                    flight.ranks += [x for x in msg[3] or [] if x is not None]
                 elif msg[0] == "done":
                     done[msg[2]] = True
         except RankFailure:
@@ -499,6 +580,8 @@ class DistEngine(EngineBase):
             raise failure
         if reason == "exhausted" and lim.max_nonces is not None and computed >= lim.max_nonces:
             reason = "max_nonces"
+        self.last_job_stats = flight.summary()
+        log.info("job %d pipeline: %s", jid, json.dumps(self.last_job_stats, separators=(",", ":")))
         return JobSummary(reason=reason or "exhausted", batches=batches, computed=computed,
                           elapsed=time.perf_counter() - t0)
 

@@ -113,3 +113,4 @@ class RankConfig:
     compile_v2: bool = False
     fp8_experts: str | None = None  # FP8 checkpoint experts: keep (default) or dequant
     fp8_scales: str | None = None  # FP8 checkpoint W8A8 scale format: ue8m0 (default) or float32
+    stage_delay_s: float = 0.0  # tests: seconds slept after each forward, standing in for device time

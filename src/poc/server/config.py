@@ -3,13 +3,14 @@
     python model_server.py [--host 127.0.0.1] [--port 18000] [--model DIR] [--served-model-name NAME ...]
                            [--dtype auto|float16|bfloat16|float32]
                            [--device cpu|cuda] [--log-level info] [--spool-dir spool]
-                           [--tp 1] [--pp 1] [--replicas 1] [--compile auto|on|off] [--fp8-experts keep|dequant]
-                           [--fp8-scales ue8m0|float32]
+                           [--tp 1] [--pp 1] [--replicas 1] [--layout auto] [--compile auto|on|off]
+                           [--fp8-experts keep|dequant] [--fp8-scales ue8m0|float32]
 
 Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_SERVED_MODEL_NAME (comma-separated), POC_DTYPE,
-POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR, POC_TP, POC_PP, POC_REPLICAS, POC_COMPILE, POC_FP8_EXPERTS, POC_FP8_SCALES)
-> default. Environment only: POC_API_TOKEN, SIGNER_PUBKEY, POC_ALLOWED_ORIGINS, POC_OUTBOUND_ALLOW, POC_ALLOWED_CLIENTS
-(comma-separated), POC_V1_CACHE_IDLE (seconds). The other fields are limits and timings; tests override them directly.
+POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR, POC_TP, POC_PP, POC_REPLICAS, POC_LAYOUT, POC_COMPILE, POC_FP8_EXPERTS,
+POC_FP8_SCALES) > default. Environment only: POC_API_TOKEN, SIGNER_PUBKEY, POC_ALLOWED_ORIGINS, POC_OUTBOUND_ALLOW,
+POC_ALLOWED_CLIENTS (comma-separated), POC_V1_CACHE_IDLE (seconds). The other fields are limits and timings; tests
+override them directly.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from poc.errors import InputError
 DTYPE_CHOICES = ("auto", *dtypes.NAMES)
 ENV = {"host": "POC_HOST", "port": "POC_PORT", "model": "POC_MODEL", "dtype": "POC_DTYPE", "device": "POC_DEVICE",
        "log_level": "POC_LOG_LEVEL", "spool_dir": "POC_SPOOL_DIR", "tp": "POC_TP", "pp": "POC_PP",
-       "replicas": "POC_REPLICAS", "compile": "POC_COMPILE",
+       "replicas": "POC_REPLICAS", "layout": "POC_LAYOUT", "compile": "POC_COMPILE",
        "fp8_experts": "POC_FP8_EXPERTS", "fp8_scales": "POC_FP8_SCALES", "served_model_name": "POC_SERVED_MODEL_NAME",
        "compile_at_start": "POC_COMPILE_AT_START"}
 DEFAULT_SPOOL_DIR = "spool"  # relative to the working directory (start_server.sh: the checkout, beside ./logs)
@@ -43,6 +44,7 @@ class ServerConfig:
     tp: int = 1
     pp: int = 1
     replicas: int = 1  # on CUDA: 0 = as many as the visible GPUs allow
+    layout: str = ""  # "auto": tp, pp and replicas picked from the model and the GPUs (poc.parallel.auto)
     compile: str = "auto"  # torch.compile on CUDA: auto = on (both protocols; compute.compile_flags), off
     fp8_experts: str = "keep"  # a Qwen3-MoE FP8 checkpoint's experts: keep (FP8 in memory) or dequant (at load)
     fp8_scales: str = "ue8m0"  # an FP8 checkpoint's W8A8 scale format: ue8m0 (Hopper validators) or float32
@@ -112,6 +114,11 @@ class ServerConfig:
                 raise InputError(f"--{k} must be >= 1, got {getattr(self, k)}", k)
         if self.replicas < 0:
             raise InputError(f"--replicas must be >= 0, got {self.replicas}", "replicas")
+        if self.layout not in ("", "auto"):
+            raise InputError(f"--layout must be auto (or left out), got {self.layout!r}", "layout")
+        if self.layout == "auto" and (self.tp, self.pp, self.replicas) != (1, 1, 1):
+            raise InputError(f"--layout auto picks tp, pp and replicas itself: leave out --tp {self.tp}, --pp "
+                             f"{self.pp}, --replicas {self.replicas}", "layout")
         if self.fp8_experts not in ("keep", "dequant"):
             raise InputError(f"--fp8-experts must be keep or dequant, got {self.fp8_experts!r}", "fp8_experts")
         if self.fp8_scales not in ("ue8m0", "float32"):
@@ -175,6 +182,9 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
                     help=f"where undelivered callbacks and orchestrator results wait (env {ENV['spool_dir']})")
     for k, default in (("tp", d.tp), ("pp", d.pp), ("replicas", d.replicas)):
         ap.add_argument(f"--{k}", default=env.get(ENV[k], default), help=f"(env {ENV[k]})")
+    ap.add_argument("--layout", default=env.get(ENV["layout"], d.layout), metavar="auto",
+                    help="auto: the fastest layout of replicas x pp x tp that fits the model on the visible GPUs, "
+                         f"instead of --tp/--pp/--replicas (env {ENV['layout']})")
     ap.add_argument("--compile", default=env.get(ENV["compile"], d.compile),
                     help=f"torch.compile on CUDA (same bits as eager, ~2.7x faster v2): auto = on, off (env {ENV['compile']})")
     ap.add_argument("--fp8-experts", default=env.get(ENV["fp8_experts"], d.fp8_experts),
@@ -219,6 +229,7 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
                         allowed_clients=env_list("POC_ALLOWED_CLIENTS"), v1_cache_idle=v1_cache_idle,
                         host=a.host, port=port, model=a.model, served_model_name=tuple(a.served_model_name),
                         dtype=a.dtype, device=a.device, log_level=level,
-                        spool_dir=a.spool_dir, compile=str(a.compile),
-                        fp8_experts=str(a.fp8_experts), fp8_scales=str(a.fp8_scales), fatal_keepalive=keepalive in ("1", "true"),
+                        spool_dir=a.spool_dir, compile=str(a.compile), layout=str(a.layout).strip().lower(),
+                        fp8_experts=str(a.fp8_experts), fp8_scales=str(a.fp8_scales),
+                        fatal_keepalive=keepalive in ("1", "true"),
                         compile_at_start=shapes, **par)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +33,8 @@ sender_key = web.AppKey("callbacks", CallbackSender)
 listening_key = web.AppKey("listening", asyncio.Event)
 tasks_key = web.AppKey("tasks", dict)  # background tasks by name
 freed_key = web.AppKey("freed", asyncio.Event)  # set on the loop whenever the engine's device lock is released
+
+log = logging.getLogger("poc.server")
 
 
 def track_streams(app: web.Application, key: web.AppKey, end: Callable[[object], None]) -> None:
@@ -60,6 +63,15 @@ def check_v1_memory(app: web.Application, params: v1.V1Params, batch_size: int, 
 
 def check_v2_memory(app: web.Application, batch_size: int, seq_len: int) -> None:
     app[engine_key].check_v2_memory(batch_size, seq_len, headroom=app[config_key].memory_headroom)
+
+
+def default_v2_batch(app: web.Application, seq_len: int) -> int:
+    """The batch size of a v2 request that gives none: the engine's rule for the loaded model and layout
+    (EngineBase.default_v2_batch), within max_batch_size and the memory headroom."""
+    cfg = app[config_key]
+    b = app[engine_key].default_v2_batch(seq_len, cfg.memory_headroom, cfg.max_batch_size)
+    log.info("no batch_size in the request: batch %d for seq_len %d (the served model's default)", b, seq_len)
+    return b
 
 
 def claim_device(app: web.Application, owner: str) -> Claim:

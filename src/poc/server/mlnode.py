@@ -11,9 +11,10 @@ between: its MLNode client (decentralized-api/mlnodeclient) calls them on the no
     POST /api/v1/inference/pow/stop             {"status", "results", ...}     -> /api/v1/pow/stop
 
 One process plays both roles the MLNode and its vLLM backends play: every /api/v1/inference/pow route fills the
-defaults the MLNode fills (batch_size 32, params.k_dim 12, group_id 0 of n_groups 1: this server is the one
-backend), maps the node's stat_test names (p_value_threshold is what spec-v2 calls fraud_threshold: fraud when the
-p-value is under it), hands the request to the /api/v1/pow service (server/pow.py, the one implementation), and
+defaults the MLNode fills (params.k_dim 12, group_id 0 of n_groups 1: this server is the one backend; a missing
+batch_size, 32 in the MLNode, is the batch that serves the loaded model best, as /api/v1/pow picks it), maps the
+node's stat_test names (p_value_threshold is what spec-v2 calls fraud_threshold: fraud when the p-value is under
+it), hands the request to the /api/v1/pow service (server/pow.py, the one implementation), and
 answers in the MLNode's shapes (decentralized-api/mlnodeclient/poc_v2_requests.go decodes them): the one backend
 is reported under this server's port. A request id is the /api/v1/pow one, the same in the callback's
 `request_id`; the MLNode's "<port>:<id>" form is accepted on read-back too.
@@ -42,7 +43,6 @@ from poc.server.pow import BODY_KEY, pow_key
 log = logging.getLogger("poc.mlnode")
 
 V2 = "/api/v1/inference/pow"
-MLNODE_BATCH_SIZE = 32  # pow_v2_routes.py: the batch_size the node leaves out
 MLNODE_K_DIM = 12  # its params.k_dim default
 # the node's stat_test names -> spec-v2's (stat_test of poc_v2_requests.go: dist_threshold, p_mismatch,
 # p_value_threshold); fraud is declared when the binomial p-value is under the threshold, in both
@@ -140,8 +140,8 @@ def _v2_body(body: dict) -> dict:
     out = dict(body)
     if "params" in out:
         out["params"] = _params(out["params"])
-    if out.get("batch_size") is None:
-        out["batch_size"] = MLNODE_BATCH_SIZE
+    if out.get("batch_size") is None:  # the node sends none: the served model's batch (EngineBase.default_v2_batch)
+        out.pop("batch_size", None)
     for k in ("url", "poc_stronger_rng", "wait", "validation", "stat_test"):
         if k in out and out[k] is None:
             del out[k]  # Go's omitted pointer / zero value

@@ -34,8 +34,8 @@ from poc.errors import InputError
 from poc.logs import describe
 from poc.protocol import v1, v2
 from poc.server import schemas
-from poc.server.context import (check_v1_memory, check_v2_memory, claim_device, config_key, engine_key, new_runner,
-                                require_ready, sender_key, served_model, tasks_key, wait_claim)
+from poc.server.context import (check_v1_memory, check_v2_memory, claim_device, config_key, default_v2_batch,
+                                engine_key, new_runner, require_ready, sender_key, served_model, tasks_key, wait_claim)
 from poc.server.results import v1_hits, v2_body
 from poc.server.stream import JobRunner, collect, json_text
 from poc.server.vast import validate_v1
@@ -363,6 +363,8 @@ class PowService:
             self.v1_init, self.v1_phase = init, "GENERATING"
             return ok("GENERATING")
         init = schemas.parse_pow_v2_init(body, self.cfg, served_model(self.app))
+        if init.batch_size is None:
+            init.batch_size = default_v2_batch(self.app, init.seq_len)
         check_v2_memory(self.app, init.batch_size, init.seq_len)
         self._refuse_if_generating()
         await self._start_generation("v2", init, init.job(), f"v2 pow generation node {init.node_id}/{init.node_count} "
@@ -437,6 +439,8 @@ class PowService:
         body = await self._body(request)
         require_ready(self.app)
         req = schemas.parse_pow_v2_generate(body, self.cfg, served_model(self.app))
+        if req.batch_size is None:
+            req.batch_size = default_v2_batch(self.app, req.seq_len)
         check_v2_memory(self.app, req.batch_size, req.seq_len)
         if req.wait:
             # 409 at once while generation runs, never a blocking wait (§f 11); a queued job steps aside

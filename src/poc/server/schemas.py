@@ -449,7 +449,7 @@ class PowV2Init:
     node_count: int
     group_id: int
     n_groups: int
-    batch_size: int
+    batch_size: int | None  # None: not in the request (the server's default_v2_batch, filled before job())
     seq_len: int
     k_dim: int
     url: str | None
@@ -474,7 +474,7 @@ def parse_pow_v2_init(body: dict, cfg: ServerConfig, served: ServedModel | None)
     bh, height, pk = get_header(body)
     node_id, node_count, group_id, n_groups = get_node(body, bounded=False)
     return PowV2Init(bh, height, pk, node_id, node_count, group_id, n_groups,
-                     get_batch_size(body, cfg, default=v2.DEFAULT_BATCH_SIZE), seq_len, k_dim, get_url(body, policy=url_policy_of(cfg)),
+                     get_batch_size(body, cfg, default=None), seq_len, k_dim, get_url(body, policy=url_policy_of(cfg)),
                      get_bool(body, "poc_stronger_rng", default=False))
 
 
@@ -488,7 +488,7 @@ class PowV2Generate:
     nonces: list[int]
     seq_len: int
     k_dim: int
-    batch_size: int
+    batch_size: int | None  # None: not in the request (the server's default_v2_batch, filled before job())
     wait: bool
     url: str | None
     stronger_rng: bool
@@ -510,7 +510,7 @@ def parse_pow_v2_generate(body: dict, cfg: ServerConfig, served: ServedModel | N
     node_count = get_int(body, "node_count", lo=1, hi=MAX_INT64)
     nonces = get_nonces(body, "nonces", cfg.max_request_nonces)
     req = PowV2Generate(bh, height, pk, node_id, node_count, nonces, seq_len, k_dim,
-                        get_batch_size(body, cfg, default=v2.DEFAULT_BATCH_SIZE), get_bool(body, "wait", default=False),
+                        get_batch_size(body, cfg, default=None), get_bool(body, "wait", default=False),
                         get_url(body, policy=url_policy_of(cfg)), get_bool(body, "poc_stronger_rng", default=False))
     val = body.get("validation")
     if val is not None:

@@ -8,7 +8,10 @@ SPEC is a comma-separated list of
     v2:BATCH:SEQ_LEN     the --model checkpoint (PoC v2) at that batch size and seq_len (k_dim 12)
     v1:BATCH             PoC v1 at gonka's MainNet params (what worker.py benchmarks by default), float16
 or a JSON list of {"batch_size": N, "params": {...}} objects, `params` as in a /generate request (v1: every key; v2:
-seq_len and k_dim, its model is the served one) and an optional "dtype" for v1. scripts/docker_entrypoint.sh sets
+seq_len and k_dim, its model is the served one), an optional "dtype" for v1 and an optional "batches" (default 1): run
+that many batches and log the engine's own rate after the first (nonces/s from the first batch's result to the
+last's, as poc.bench times them: the engine alone on this server's devices, before any route runs;
+benchmarks/diagnostics/serve_layouts.py reads it). scripts/docker_entrypoint.sh sets
 it on a Vast worker to the PyWorker benchmark's shape. The batches use worker.py's benchmark block hash, so the v1
 model that the warm-up builds is the one the PyWorker's benchmark then uses. Compiled kernels also land in the
 on-disk caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR): a restart with the cache kept compiles much faster.
@@ -38,6 +41,7 @@ class WarmShape:
     batch_size: int
     params: str  # the params object as JSON (v1: every key; v2: seq_len, k_dim): hashable, as ServerConfig is
     dtype: str = "float16"  # v1 only
+    batches: int = 1  # more than 1: timed, the engine's rate logged
 
     def label(self) -> str:
         p = json.loads(self.params)
@@ -88,11 +92,14 @@ def _from_short(item: str) -> WarmShape:
 
 
 def _from_json(item: dict) -> WarmShape:
-    extra = sorted(set(item) - {"batch_size", "params", "dtype"})
+    extra = sorted(set(item) - {"batch_size", "params", "dtype", "batches"})
     if extra or "params" not in item or not isinstance(item["params"], dict):
-        raise InputError(f"{FLAG}: each item is {{\"batch_size\", \"params\", optional \"dtype\"}}, got {item!r}",
-                         "compile_at_start")
+        raise InputError(f"{FLAG}: each item is {{\"batch_size\", \"params\", optional \"dtype\", \"batches\"}}, "
+                         f"got {item!r}", "compile_at_start")
     batch, p = _batch(item.get("batch_size"), item), item["params"]
+    n = item.get("batches", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1000:
+        raise InputError(f"{FLAG}: batches must be an integer in 1..1000 in {item!r}", "compile_at_start")
     if "dim" in p:  # v1, as /generate tells them apart
         from poc.protocol.v1 import V1Params
 
@@ -100,12 +107,12 @@ def _from_json(item: dict) -> WarmShape:
         dtype = item.get("dtype", "float16")
         if dtype not in V1_DTYPES:
             raise InputError(f"{FLAG}: dtype must be one of {', '.join(V1_DTYPES)}, got {dtype!r}", "compile_at_start")
-        return WarmShape("v1", batch, json.dumps(params.to_json()), dtype)
+        return WarmShape("v1", batch, json.dumps(params.to_json()), dtype, n)
     seq, k = p.get("seq_len"), p.get("k_dim", 12)
     for name, v in (("seq_len", seq), ("k_dim", k)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InputError(f"{FLAG}: params.{name} must be a positive integer in {item!r}", "compile_at_start")
-    return WarmShape("v2", batch, json.dumps({"seq_len": seq, "k_dim": k}))
+    return WarmShape("v2", batch, json.dumps({"seq_len": seq, "k_dim": k}), batches=n)
 
 
 def _job(shape: WarmShape):
@@ -114,7 +121,7 @@ def _job(shape: WarmShape):
     from poc.engine.jobs import Limits, V1Job, V2Job
 
     p = json.loads(shape.params)
-    limits = Limits(max_nonces=shape.batch_size, max_duration=None)  # one full batch: the shape that compiles
+    limits = Limits(max_nonces=shape.batch_size * shape.batches, max_duration=None)  # full batches: the compiled shape
     if shape.protocol == "v2":
         return V2Job(BLOCK_HASH, PUBLIC_KEY, 1, p["seq_len"], p["k_dim"], itertools.count(), shape.batch_size,
                      limits=limits)
@@ -138,9 +145,19 @@ def run(engine, shapes: tuple[WarmShape, ...], claim=None) -> None:
                 if p["seq_len"] > cfg.max_seq_len or p["k_dim"] > cfg.dim:
                     raise InputError(f"seq_len {p['seq_len']} / k_dim {p['k_dim']} past the model's "
                                      f"max_position_embeddings {cfg.max_seq_len} / hidden size {cfg.dim}")
-            summary = engine.run(_job(s), lambda _batch: None, threading.Event(), claim=claim)
+            times, sizes = [], []
+
+            def emit(b) -> None:
+                times.append(time.perf_counter())
+                sizes.append(len(b.nonces))
+
+            summary = engine.run(_job(s), emit, threading.Event(), claim=claim)
         except Exception as e:
             log.warning("compile at start: %s failed %s; serving without it", s.label(), describe(e))
             continue
-        log.info("compile at start: %s, %d nonces in %d batch(es), %.1f s%s", s.label(), summary.computed,
-                 summary.batches, time.perf_counter() - t0, "" if compiled else " (compile is off: run, not compiled)")
+        rate = ""
+        if len(times) >= 3:  # the steady rate: after the first result, which carries the compile
+            rate = f"; the engine alone after the first batch: {sum(sizes[1:]) / (times[-1] - times[0]):.3f} nonces/s"
+        log.info("compile at start: %s, %d nonces in %d batch(es), %.1f s%s%s", s.label(), summary.computed,
+                 summary.batches, time.perf_counter() - t0, "" if compiled else " (compile is off: run, not compiled)",
+                 rate)
