@@ -240,9 +240,20 @@ class EngineBase(abc.ABC):
         info = self.require_v2()
         cuda = self.device.type == "cuda"
         est = memory.v2_estimate(info.cfg, batch_size, seq_len, info.dtype.itemsize, tp=tp, cuda=cuda,
-                                 fused=cuda and self.compile_v2)
+                                 fused=cuda and self.compile_v2, w8a8=self.v2_w8a8())
         memory.check_fits(est, self.device, headroom=headroom, field="params.seq_len", free=self.free_bytes(),
                           ranks=ranks)
+
+    def v2_w8a8(self) -> bool:
+        """Whether the loaded v2 model is an FP8 checkpoint computed W8A8 (its experts' activations are FP8)."""
+        from poc.model.fp8 import fp8_mode
+        from poc.model.random_weights import random_spec
+
+        info = self.v2
+        if info is None:
+            return False
+        spec = random_spec(getattr(self, "model_dir", None))
+        return (info.cfg.fp8_block is not None or bool(spec and spec[1])) and fp8_mode() == "w8a8"
 
     def default_v2_batch(self, seq_len: int, headroom: float = 0.9, cap: int = 4096) -> int:
         """The batch size of a PoC v2 job whose request gives none (a Gonka node sends none): on CUDA the largest

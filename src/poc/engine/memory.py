@@ -64,13 +64,21 @@ def activation_bytes(batch: int, seq_len: int, dim: int, ffn_dim: int, n_heads: 
     return batch * seq_len * (5 * ffn_dim * b // tp + (4 * b + temps) * dim + scores)
 
 
-def ffn_width(cfg) -> int:
+def ffn_width(cfg, w8a8: bool = False) -> int:
     """The MLP width a token goes through: the dense ffn_dim, or for a Qwen3-MoE layer its k routed experts' rows
-    (k * moe_ffn_dim) plus the gathered inputs and outputs of those rows (2 * k * dim, in ffn units of 5 values)."""
+    (k * moe_ffn_dim) plus the gathered inputs and outputs of those rows (2 * k * dim, in ffn units of 5 values).
+    w8a8: the W8A8 experts on CUDA (fp8.experts_w8a8), which gather their input in the first GEMM's loads and write
+    its output quantised (one byte a value): per routed row the model-dtype output of the second GEMM (dim values)
+    and the FP8 intermediate (moe_ffn_dim bytes), in the same ffn units (5 values of the model dtype, 10 bytes).
+    Checked against the 30B-A3B shape at batch 64, seq 1024 (benchmarks/h100/W6Q.json): peak 32.1 GiB on one H100,
+    the weights about 28 (poc.parallel.auto.rank_weight_bytes), so about 4 GiB of activations; this estimate 4.4."""
     if not getattr(cfg, "n_experts", 0):
         return cfg.ffn_dim
     k = cfg.n_experts_per_tok
-    sparse = k * cfg.moe_ffn_dim + (2 * k * cfg.dim + 4) // 5
+    if w8a8:
+        sparse = (k * (2 * cfg.dim + cfg.moe_ffn_dim) + 9) // 10
+    else:
+        sparse = k * cfg.moe_ffn_dim + (2 * k * cfg.dim + 4) // 5
     dense = any(not cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     return max(sparse, cfg.ffn_dim if dense else 0)
 
@@ -103,13 +111,14 @@ def v1_estimate(p: v1.V1Params, batch_size: int, dtype: str, *, tp: int = 1, pp:
 
 
 def v2_estimate(cfg, batch_size: int, seq_len: int, dtype_bytes: int = 4, *, tp: int = 1, cuda: bool = False,
-                fused: bool = False) -> Estimate:
+                fused: bool = False, w8a8: bool = False) -> Estimate:
     """The checkpoint is already loaded: only activations count (cfg is a poc.model ModelConfig; dtype_bytes the
     loaded model's: float32 on CPU by default), one rank's share with tensor parallelism. A pipeline stage also
     holds the (B, S, D) inputs of the batches it has taken ahead (at most the engine's pp + 2: 3 GiB for the 235B
     at batch 64); the activation terms' margin covers them (a Qwen3-MoE batch of 64k tokens is estimated at about
-    2.5x what it measures: W6Q's peak, benchmarks/h100)."""
-    return Estimate(activations=activation_bytes(batch_size, seq_len, cfg.dim, ffn_width(cfg), cfg.n_heads,
+    2.5x what it measures: W6Q's peak, benchmarks/h100). w8a8: an FP8 checkpoint's W8A8 experts on CUDA (ffn_width)."""
+    return Estimate(activations=activation_bytes(batch_size, seq_len, cfg.dim, ffn_width(cfg, w8a8 and cuda),
+                                                 cfg.n_heads,
                                                  dtype_bytes, tp=tp, fused=fused, math_attention=not cuda))
 
 

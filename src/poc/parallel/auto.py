@@ -91,7 +91,8 @@ def need_bytes(cfg, tp: int, pp: int, dtype_bytes: int, fp8: str | None, batch: 
                seq_len: int = FIT_SEQ) -> tuple[int, int]:
     """(weights, activations) one GPU of a tp x pp group holds for a batch of this shape."""
     return (rank_weight_bytes(cfg, tp, pp, dtype_bytes, fp8),
-            memory.v2_estimate(cfg, batch, seq_len, dtype_bytes, tp=tp, cuda=True, fused=True).device_total)
+            memory.v2_estimate(cfg, batch, seq_len, dtype_bytes, tp=tp, cuda=True, fused=True,
+                               w8a8=fp8 == "w8a8").device_total)
 
 
 def room_bytes(total_bytes: int, headroom: float = 0.9) -> float:
