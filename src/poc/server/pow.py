@@ -488,9 +488,13 @@ class PowService:
         return web.json_response(body, dumps=json_text)
 
     async def stop(self, request: web.Request) -> web.Response:
+        await self.stop_all()
+        return ok("STOPPED")
+
+    async def stop_all(self) -> None:
+        """POST /stop: generation (its batches still delivered), the queue and the v1 init."""
         await self._stop_all("stopped")
         self.v1_init = None
-        return ok("STOPPED")
 
     # ------------------------------------------------------------------------------------ queue
 

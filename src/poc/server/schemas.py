@@ -35,7 +35,7 @@ class ParamsMismatch(InputError):
     def __init__(self, requested: dict, served: "ServedModel | None"):
         names = served.names if served else []
         why = (f"params.model {_short(requested.get('model'))} is not served here (serving {', '.join(names)})" if names
-               else "no PoC v2 model is loaded: start the server with --model DIR")
+               else "no PoC v2 model is loaded: start the server with --model, or POST /api/v1/inference/up")
         super().__init__(why, "params.model", status=409)
         self.requested, self.deployed = requested, {"model": names, "seq_len": None, "k_dim": None}
 
@@ -50,6 +50,8 @@ class ServedModel:
     # its absolute path, and the Hub repo id of a Hugging Face cache snapshot
     max_seq_len: int  # the model's max_position_embeddings
     hidden: int
+    ids: tuple[str, ...] = ()  # the model ids an OpenAI /v1/models list shows, as vLLM would: the served names,
+    # else the Hub repo id of a cache snapshot, else the model as given
 
     @classmethod
     def of(cls, model_arg: str, cfg, served_names=()) -> "ServedModel":
@@ -58,7 +60,8 @@ class ServedModel:
         repo = hub_repo_id(p)
         if repo:
             names.append(repo)
-        return cls(list(dict.fromkeys(names)), cfg.max_seq_len, cfg.dim)
+        ids = tuple(dict.fromkeys(served_names)) or (repo or model_arg,)
+        return cls(list(dict.fromkeys(names)), cfg.max_seq_len, cfg.dim, ids)
 
 
 def hub_repo_id(path: Path) -> str | None:
