@@ -154,3 +154,26 @@ class Sink:
             assert time.monotonic() - t0 < timeout, self.got
             await asyncio.sleep(0.02)
         return self.got[kind]
+
+
+def hub_cache(root, repo_id: str, src=None, rev: str = "0123456789abcdef0123456789abcdef01234567", skip=()):
+    """A model in a Hugging Face hub cache laid out as huggingface_hub writes it: models--Org--Name/blobs/<hash>,
+    snapshots/<rev>/<file> a link to its blob, refs/main naming <rev>. The files come from the checkpoint
+    directory `src` (those named in `skip` left out: a partial download). Returns the snapshot directory."""
+    import hashlib
+    from pathlib import Path
+
+    repo = Path(root) / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / rev
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snap.mkdir(parents=True)
+    for f in sorted(Path(src).iterdir()) if src is not None else ():
+        if f.name in skip:
+            continue
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snap / f.name).symlink_to(Path("..", "..", "blobs", blob.name))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(rev)
+    return snap

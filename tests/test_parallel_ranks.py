@@ -132,6 +132,30 @@ def test_random_weight_models_on_the_ranks(dist_engine, spec):
         dist_engine.v2 = None
 
 
+def test_switch_model_replaces_the_checkpoint_on_the_ranks(dist_engine, reference, tmp_path):
+    """POST /api/v1/inference/up's engine step: the live ranks take the next checkpoint; one that fails to load
+    breaks the engine with no model (the ranks are gone), and the next switch starts fresh ranks."""
+    dist_engine.preflight(str(v2_checkpoint("llama")))
+    dist_engine.switch_model(str(v2_checkpoint("llama")))
+    assert (dist_engine.state, dist_engine.v2.name) == ("ready", "llama")
+    assert np.linalg.norm(dist_engine.v2_vectors(BH, PK, NONCES, SEQ, K, batch_size=4) - reference["llama"],
+                          axis=1).max() < 1e-5
+    if dist_engine.label != "tp2":  # the failure path once: it restarts the ranks (seconds)
+        return
+    bad = tmp_path / "broken"
+    bad.mkdir()
+    (bad / "config.json").write_bytes((v2_checkpoint("llama") / "config.json").read_bytes())
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    with pytest.raises(RankFailure):
+        dist_engine.switch_model(str(bad))
+    assert dist_engine.state == "broken" and dist_engine.v2 is None
+    assert "not a valid safetensors file" in dist_engine.broken_reason
+    dist_engine.switch_model(str(v2_checkpoint("qwen3")))
+    assert (dist_engine.state, dist_engine.v2.name) == ("ready", "qwen3")
+    assert np.linalg.norm(dist_engine.v2_vectors(BH, PK, NONCES, SEQ, K, batch_size=4) - reference["qwen3"],
+                          axis=1).max() < 1e-5
+
+
 def test_random_spec_errors():
     from poc.errors import InputError
     from poc.model.random_weights import random_spec

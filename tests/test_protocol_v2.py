@@ -147,6 +147,12 @@ def test_artifacts_drop_non_finite():
     assert [a["nonce"] for a in arts] == [7] and bad == [8, 9]
 
 
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P[Bin(n, p) >= k], summed directly."""
+    import math
+    return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
+
+
 def test_validation_rules():
     arts = {a["nonce"]: a["vector_b64"] for a in G["models"]["qwen3"]["artifacts"]}
     nonces = sorted(arts)
@@ -163,11 +169,26 @@ def test_validation_rules():
     del bad[5]
     r = v2.validate(arts, bad, nonces, 12, st)
     assert r["n_mismatch"] == 6 and sorted(r["mismatch_nonces"]) == [0, 1, 2, 3, 4, 5] and r["fraud_detected"]
-    # a nonce the validator could not compute is neither honest nor a mismatch
+    assert [x["nonce"] for x in r["per_nonce"] if x["mismatch"]] == [0, 1, 2, 3, 4, 5]
+    assert [x["dist"] is None for x in r["per_nonce"]] == [False, True, True, True, True, True, False, False]
+    # a nonce the validator could not compute is neither honest nor a mismatch: it leaves the sample (plugin 0.1.3)
     mine = dict(arts)
     del mine[7]
-    r = v2.validate(mine, arts, nonces, 12, st)
-    assert r["n_total"] == 7 and r["unverified_nonces"] == [7]
+    r = v2.validate(mine, bad, nonces, 12, st)
+    assert (r["n_total"], r["n_excluded"], r["excluded_nonces"], r["n_mismatch"]) == (7, 1, [7], 6)
+    assert [x["nonce"] for x in r["per_nonce"]] == list(range(7))
+    assert r["p_value"] == pytest.approx(binomial_tail(6, 7, st.p_mismatch))  # over the 7 scored nonces
+    # more than 10% of the request unscored (at least one is tolerated): the validator gives no verdict
+    del mine[6]
+    with pytest.raises(v2.NoVerdict, match="2 of 8"):
+        v2.validate(mine, arts, nonces, 12, st)
+    many = {n: arts[n % 8] for n in range(30)}
+    assert v2.validate({n: v for n, v in many.items() if n not in (1, 2, 3)}, many, list(range(30)), 12,
+                       st)["n_excluded"] == 3  # int(30 * 0.1) = 3
+    with pytest.raises(v2.NoVerdict):
+        v2.validate({n: v for n, v in many.items() if n not in (1, 2, 3, 4)}, many, list(range(30)), 12, st)
+    with pytest.raises(v2.NoVerdict, match="none of the 1"):  # one nonce, none scored: no verdict over nothing
+        v2.validate({}, {0: arts[0]}, [0], 12, st)
     # thresholds from spec-v2 §d: 100 nonces, 2 mismatches -> p = 0.0046 (fraud at 0.01)
     from poc.protocol.stats import fraud_test
     p, fraud = fraud_test(2, 100, 0.001, 0.01)

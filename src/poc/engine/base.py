@@ -2,7 +2,8 @@
 `DistEngine` (poc.parallel.engine) both implement `EngineBase`, and the server reads nothing else.
 
 - Life cycle: `state` is loading | ready | busy | broken. `start_loading()` and `load()` move it, `mark_broken()`
-  and a device failure (`is_device_failure`: a CUDA error leaves the device unusable) end it.
+  and a device failure (`is_device_failure`: a CUDA error leaves the device unusable) end it. `switch_model()`
+  replaces the loaded checkpoint by another (`preflight()` first checks that it can be served).
 - One device lock: `try_claim(owner)` gives one `Claim` or None; a job runs under a claim taken before it
   (`run(..., claim=)`, the server admits a request so) or under one it takes itself (`Busy` when held).
 - Model info and memory: `v2` (name, config, dtype of the loaded checkpoint), and `check_v1_memory` /
@@ -148,6 +149,28 @@ class EngineBase(abc.ABC):
 
     @abc.abstractmethod
     def _load(self) -> None: ...
+
+    def preflight(self, model_dir: str) -> ModelConfig:
+        """The checkpoint's config, checked as far as it can be without loading (InputError when it cannot be
+        served here): run before `switch_model`, so a bad choice leaves the loaded model in place."""
+        return ModelConfig.from_hf(model_dir)
+
+    def switch_model(self, model_dir: str, dtype: str | None = None) -> None:
+        """Unload the loaded checkpoint and load `model_dir` in its place (blocking: a thread, under the caller's
+        claim; `dtype` replaces the --dtype flag when given). A failure breaks the engine with the reason and leaves
+        it holding no model (never the old one half unloaded); a later switch may load another."""
+        self.start_loading()
+        self.clear_broken()
+        self.v2 = None
+        self._unload()
+        self.model_dir = model_dir
+        if dtype is not None:
+            self.dtype_flag = dtype
+        self.load()
+
+    @abc.abstractmethod
+    def _unload(self) -> None:
+        """Free what the loaded checkpoint holds (before another is loaded)."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -8,6 +8,7 @@ runs on a helper thread while the device computes the current one.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import time
@@ -80,6 +81,12 @@ class Engine(EngineBase):
         name = Path(self.model_dir).name
         self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile_v2)
         self.load_seconds = time.perf_counter() - t0
+
+    def _unload(self) -> None:
+        self.v2 = None
+        gc.collect()  # the model's tensors go now, before the next checkpoint is read
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _warmup(self) -> None:
         tiny = v1.V1Params(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=64, ffn_dim_multiplier=None,

@@ -375,6 +375,17 @@ class DistEngine(EngineBase):
 
     v2_dtype_arg = Engine.v2_dtype_arg
 
+    def preflight(self, model_dir: str) -> ModelConfig:
+        cfg = super().preflight(model_dir)
+        self.layout.check_config(cfg, f"model {Path(model_dir).name}")  # an uneven split, before the ranks go
+        return cfg
+
+    def _unload(self) -> None:
+        """Live ranks drop their checkpoint when they get the next one ("load" frees it first); ranks a failure
+        killed are cleared, and `_load` starts fresh ones."""
+        if self._ranks is not None and self._ranks.closing:
+            self._shutdown(graceful=False)
+
     def _wait_all(self, g: _Ranks, kind: str, n: int, limit: float) -> list:
         out, last = [], time.monotonic()
         while len(out) < n:

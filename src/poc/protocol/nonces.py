@@ -4,7 +4,8 @@
 - pow (v1 and v2): node_nonces(node_id, node_count, group_id, n_groups) = Lattice(node_id + group_id·node_count,
   n_groups·node_count), and stride_nonces(start, ...) the same from the first of its nonces >= start;
 - /pooled: range_nonces(a, b, g, G) = Lattice(a + g, G, end=b).
-Nonces are int64 on the chain and on the device: MAX_NONCE ends every job.
+Nonces are int64 on the device: MAX_NONCE ends every job. A Gonka node stores PoC v2 nonces as int32, so its
+generation ends at MAX_INT32.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Iterator
 from poc.errors import InputError
 
 MAX_NONCE = (1 << 63) - 1  # int64
+MAX_INT32 = (1 << 31) - 1  # the node's artifact store keys nonces by int32
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,9 @@ def range_nonces(range_start: int, range_end: int, gpu_id: int = 0, n_gpus: int 
     return iter(Lattice(range_start + gpu_id, n_gpus, range_end))
 
 
-def stride_nonces(start: int, node_id: int, node_count: int, group_id: int, n_groups: int) -> Iterator[int]:
-    """The node's nonces (pow's layout) from `start` on, up to MAX_NONCE.
+def stride_nonces(start: int, node_id: int, node_count: int, group_id: int, n_groups: int,
+                  end: int = MAX_NONCE) -> Iterator[int]:
+    """The node's nonces (pow's layout) from `start` on, up to `end` (inclusive).
 
     start_nonce does not shift the lattice: it skips the node's nonces below it, so nodes stay disjoint
     whatever start each one is given, and a job resumes exactly at the `next_nonce` a previous one reported.
@@ -68,7 +71,7 @@ def stride_nonces(start: int, node_id: int, node_count: int, group_id: int, n_gr
     base = node_id + group_id * node_count
     stride = node_count * n_groups
     k = max(0, -(-(start - base) // stride))  # ceil((start - base) / stride)
-    return iter(Lattice(base + k * stride, stride, MAX_NONCE))
+    return iter(Lattice(base + k * stride, stride, end))
 
 
 def upto_max_nonce(nonces: Iterator[int]) -> Iterator[int]:

@@ -244,6 +244,13 @@ def artifacts(nonces: Sequence[int], vecs: torch.Tensor) -> tuple[list[dict], li
 # validation (§d), with the reference's leniencies fixed (§f 8)
 
 
+MAX_UNSCORED_FRAC = 0.1  # past this share of a request left unscored the validator itself is suspect: no verdict
+
+
+class NoVerdict(ValueError):
+    """Too many requested nonces could not be scored by the validator: it gives no verdict at all."""
+
+
 @dataclass
 class StatTest:
     dist_threshold: float = DEFAULT_DIST_THRESHOLD
@@ -253,32 +260,39 @@ class StatTest:
 
 def validate(computed: dict[int, str], received: dict[int, str], nonces: Sequence[int], k_dim: int,
              stat: StatTest) -> dict:
-    """Compare received artifacts with the validator's own.
+    """Compare received artifacts with the validator's own, as the deployed validators score them (the vLLM plugin
+    0.1.3): a nonce the validator could not compute (NaN/Inf, so no artifact) proves nothing either way and leaves
+    the sample (`excluded_nonces`; `n_total` counts the scored nonces); more of them than 10% of the request (at
+    least one is always tolerated, as there) raises NoVerdict, as does a request with no nonce scored at all (the
+    node would read n_total 0 as a failed validation).
 
-    Unlike the reference (which skips them yet counts them in n_total), a missing, empty or undecodable
-    received vector is a mismatch, as is one of the wrong length or with a non-finite component. A nonce
-    the validator itself could not compute (NaN) proves nothing either way: it leaves n_total and is listed
-    in `unverified_nonces`.
+    Unlike the plugin (which skips them yet counts them in n_total), a missing, empty or undecodable received
+    vector is a mismatch, as is one of the wrong length or with a non-finite component (spec-v2 §f 8).
+    `per_nonce` gives each scored nonce's L2 distance (None when the received vector is unusable) and verdict.
     """
-    mismatch, unverified, n_total = [], [], 0
+    excluded = [n for n in nonces if computed.get(n) is None]
+    if len(excluded) > max(1, int(len(nonces) * MAX_UNSCORED_FRAC)):
+        raise NoVerdict(f"{len(excluded)} of {len(nonces)} nonces could not be computed by this validator (more "
+                        f"than {MAX_UNSCORED_FRAC:.0%}): no verdict")
+    if len(excluded) == len(nonces):
+        raise NoVerdict(f"none of the {len(nonces)} nonces could be computed by this validator: no verdict")
+    mismatch, per_nonce = [], []
     for n in nonces:
         mine = computed.get(n)
         if mine is None:
-            unverified.append(n)
             continue
-        n_total += 1
-        theirs = received.get(n) or ""
+        dist = None
         try:
-            b = decode(theirs)
+            b = decode(received.get(n) or "")
+            if len(b) == k_dim and np.isfinite(b).all():
+                dist = float(np.linalg.norm(decode(mine) - b))
         except (ValueError, TypeError):
+            pass
+        bad = dist is None or dist > stat.dist_threshold
+        if bad:
             mismatch.append(n)
-            continue
-        if len(b) != k_dim or not np.isfinite(b).all():
-            mismatch.append(n)
-            continue
-        a = decode(mine)
-        if float(np.linalg.norm(a - b)) > stat.dist_threshold:
-            mismatch.append(n)
+        per_nonce.append({"nonce": n, "dist": dist, "mismatch": bad})
+    n_total = len(per_nonce)
     p, fraud = fraud_test(len(mismatch), n_total, stat.p_mismatch, stat.fraud_threshold)
-    return {"n_total": n_total, "n_mismatch": len(mismatch), "mismatch_nonces": mismatch, "p_value": p,
-            "fraud_detected": fraud, "unverified_nonces": unverified}
+    return {"n_total": n_total, "n_mismatch": len(mismatch), "mismatch_nonces": mismatch, "per_nonce": per_nonce,
+            "p_value": p, "fraud_detected": fraud, "n_excluded": len(excluded), "excluded_nonces": excluded}

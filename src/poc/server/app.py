@@ -19,7 +19,7 @@ from poc.engine.base import EngineBase
 from poc.engine.engine import Engine
 from poc.errors import InputError
 from poc.logs import describe
-from poc.server import mlnode, pooled, pow, security, v1cache, vast, warmup
+from poc.server import gpu, mlnode, models, pooled, pow, security, v1cache, vast, warmup
 from poc.server.config import ServerConfig
 from poc.server.context import (config_key, engine_key, freed_key, listening_key, metrics_key, runners_key,
                                 sender_key, tasks_key, watch_releases)
@@ -77,6 +77,8 @@ def create_app(config: ServerConfig) -> web.Application:
     vast.setup(app)
     pow.setup(app)
     mlnode.setup(app)  # the MLNode's routes, on top of /api/v1/pow
+    models.setup(app)  # the inference side a node checks (/v1/models), redeploys (/api/v1/inference/up), the cache
+    gpu.setup(app)
     pooled.setup(app)
     warmup.setup(app)
     from poc.server.scrape import AppCollector

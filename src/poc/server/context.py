@@ -54,7 +54,8 @@ def require_ready(app: web.Application) -> None:
     if engine.state == "loading":
         raise InputError("the model is still loading: retry when GET /health says ready", None, status=503)
     if engine.state == "broken":
-        raise InputError(f"the engine is broken ({engine.broken_reason}): restart the server", None, status=503)
+        raise InputError(f"the engine is broken ({engine.broken_reason}): restart the server, or load a model with "
+                         "POST /api/v1/inference/up", None, status=503)
 
 
 def check_v1_memory(app: web.Application, params: v1.V1Params, batch_size: int, dtype: str) -> None:
@@ -124,11 +125,14 @@ def new_runner(app: web.Application, job, claim: Claim, label: str, borrowed: bo
 
 
 def served_model(app: web.Application) -> ServedModel | None:
+    """The loaded checkpoint's names; --served-model-name names the --model one only (POST /api/v1/inference/up
+    may have loaded another from the Hugging Face cache: its repo id names it)."""
     engine = app[engine_key]
     if engine.v2 is None:
         return None
     cfg = app[config_key]
-    return ServedModel.of(cfg.model, engine.v2.cfg, cfg.served_model_name)
+    names = cfg.served_model_name if engine.model_dir == cfg.model else ()
+    return ServedModel.of(engine.model_dir, engine.v2.cfg, names)
 
 
 def fp8_numerics(app: web.Application) -> dict | None:
@@ -152,4 +156,4 @@ def model_label(app: web.Application) -> str | None:
     engine = app[engine_key]
     if engine.v2 is not None:
         return engine.v2.name
-    return Path(app[config_key].model).name if app[config_key].model else None
+    return Path(engine.model_dir).name if engine.model_dir else None  # loading, or failed to load

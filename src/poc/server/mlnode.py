@@ -12,19 +12,21 @@ between: its MLNode client (decentralized-api/mlnodeclient) calls them on the no
 
 One process plays both roles the MLNode and its vLLM backends play: every /api/v1/inference/pow route fills the
 defaults the MLNode fills (params.k_dim 12, group_id 0 of n_groups 1: this server is the one backend; a missing
-batch_size, 32 in the MLNode, is the batch that serves the loaded model best, as /api/v1/pow picks it), maps the
-node's stat_test names (p_value_threshold is what spec-v2 calls fraud_threshold: fraud when the p-value is under
-it), hands the request to the /api/v1/pow service (server/pow.py, the one implementation), and
-answers in the MLNode's shapes (decentralized-api/mlnodeclient/poc_v2_requests.go decodes them): the one backend
-is reported under this server's port. A request id is the /api/v1/pow one, the same in the callback's
-`request_id`; the MLNode's "<port>:<id>" form is accepted on read-back too.
+batch_size, 32 in the MLNode, is the batch that serves the loaded model best, as /api/v1/pow picks it), drops the
+node's stat_test.p_value_threshold as the MLNode does (fraud_threshold, 0.01 unless given, decides: the verdict the
+network gives), hands the request to the /api/v1/pow service (server/pow.py, the one implementation), and answers
+in the MLNode's shapes (decentralized-api/mlnodeclient/poc_v2_requests.go decodes them): the one backend is
+reported under this server's port. A request id is the /api/v1/pow one, the same in the callback's `request_id`;
+the MLNode's "<port>:<id>" form is accepted on read-back too. The inference side the node also checks (/health,
+/v1/models, /api/v1/inference/up) is server/models.py; the GPU routes are server/gpu.py.
 
 State (what the node's broker reads, decentralized-api/mlnodeclient/client.go): "POW" while PoC v1 is initialized
 (generating or validating, until /stop), as the MLNode's PoW manager; "INFERENCE" when a --model checkpoint is
 loaded and no v1 work is on (the MLNode runs PoC v2 inside its vLLM, so a node expects INFERENCE around v2 PoC;
 `poc_status` says what PoC v2 is doing); "STOPPED" otherwise (v1 only and idle, still loading, or broken). Never
 "TRAIN". This server serves no inference: `poc_validation_inference` is false (the capability the node's gateway
-reads), and the node's `inference_port` must point at a real inference server if the node should serve any.
+reads). The node's inference URL may point here too: /health and /v1/models answer for the loaded checkpoint
+(its broker marks a node FAILED unless they do), though no chat completion is served.
 """
 
 from __future__ import annotations
@@ -37,16 +39,13 @@ from aiohttp import web
 import poc
 from poc.errors import InputError
 from poc.server import schemas
-from poc.server.context import config_key, engine_key, runners_key
+from poc.server.context import config_key, engine_key, runners_key, served_model
 from poc.server.pow import BODY_KEY, pow_key
 
 log = logging.getLogger("poc.mlnode")
 
 V2 = "/api/v1/inference/pow"
 MLNODE_K_DIM = 12  # its params.k_dim default
-# the node's stat_test names -> spec-v2's (stat_test of poc_v2_requests.go: dist_threshold, p_mismatch,
-# p_value_threshold); fraud is declared when the binomial p-value is under the threshold, in both
-STAT_TEST_NAMES = {"p_value_threshold": "fraud_threshold"}
 
 
 def setup(app: web.Application) -> None:
@@ -77,25 +76,33 @@ def node_state(app: web.Application) -> str:
 
 
 async def state(request: web.Request) -> web.Response:
+    """The node's StateResponse {state, version, poc_validation_inference}, plus what the MLNode adds in INFERENCE."""
     app = request.app
     engine = app[engine_key]
     pow_state = _json(await app[pow_key].status(request))["status"]  # LOADING, GENERATING, VALIDATING or IDLE
+    served = served_model(app)
     body = {"state": node_state(app), "version": poc.__version__,
             "poc_status": "NO_BACKENDS" if engine.state in ("loading", "broken") else _aggregate(pow_state),
-            "loaded_model": engine.v2.name if engine.v2 is not None else None,
+            "inference_healthy": engine.state in ("ready", "busy") and served is not None,
+            "loaded_model": served.ids[0] if served is not None else None,
             "poc_validation_inference": False}
     return web.json_response(body)
 
 
-async def stop_all(request: web.Request) -> web.Response:
-    """The node's Stop(): no body, and it does not read the answer, so this must really stop (and say 200)."""
-    app = request.app
-    await app[pow_key].stop(request)  # generation, the queue and the v1 init
+async def stop_work(app: web.Application, why: str) -> None:
+    """Stop every job: PoC generation, the queue and the v1 init, and any /generate, /pooled or /warmup job (the
+    MLNode's stop ends all its work too). What was computed is still delivered."""
+    await app[pow_key].stop_all()
     others = list(app[runners_key])
-    for r in others:  # /generate streams, /pooled and /warmup jobs: the MLNode's stop ends all its work too
+    for r in others:
         r.stop("stopped")
     if others:
-        log.info("POST /api/v1/stop: stopped %d other job(s)", len(others))
+        log.info("%s: stopped %d other job(s)", why, len(others))
+
+
+async def stop_all(request: web.Request) -> web.Response:
+    """The node's Stop(): no body, and it does not read the answer, so this must really stop (and say 200)."""
+    await stop_work(request.app, "POST /api/v1/stop")
     return web.json_response({"status": "OK"})
 
 
@@ -165,20 +172,16 @@ async def init_generate(request: web.Request) -> web.Response:
 
 
 async def generate(request: web.Request) -> web.Response:
+    """The node's stat_test {dist_threshold, p_mismatch, p_value_threshold} is read as the MLNode reads it: its
+    StatTestModel has no p_value_threshold, so the key is dropped and fraud_threshold (0.01 unless given) decides.
+    Every deployed validator so decides at 0.01; applying the node's p_value_threshold (0.05 by default) would give
+    verdicts the network does not."""
     app = request.app
     body = await schemas.read_json(request, app[config_key].max_body_bytes)
     b = _v2_body(body)
     st = b.get("stat_test")
-    if isinstance(st, dict):
-        st = dict(st)
-        for theirs, ours in STAT_TEST_NAMES.items():
-            if theirs in st:
-                v = st.pop(theirs)
-                if ours in st and st[ours] != v:
-                    raise InputError(f"stat_test.{theirs} and stat_test.{ours} are the same threshold: give one",
-                                     f"stat_test.{theirs}")
-                st[ours] = v
-        b["stat_test"] = st
+    if isinstance(st, dict) and "p_value_threshold" in st:
+        b["stat_test"] = {k: v for k, v in st.items() if k != "p_value_threshold"}
     request[BODY_KEY] = b
     return await app[pow_key].generate(request)
 

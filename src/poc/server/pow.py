@@ -10,8 +10,10 @@ spinning loop or an endless retry); duplicate nonces are refused; `wait: true` w
 the device is a 409 at once, not a wait; NaN-dropped nonces are reported and not counted as processed; /stop
 delivers what was computed (every batch is spooled as it is computed and released to the sender, completed results
 stay readable for result_ttl) instead of discarding it; validation scores missing or undecodable vectors as
-mismatches (protocol.v2.validate). As in the reference, the background queue yields: /init/generate and `wait: true`
-take the device from a queued job, which goes back to the head of the queue and runs again once the device is free.
+mismatches, and leaves out of the sample the nonces it could not compute itself, as the deployed plugin does
+(protocol.v2.validate: past 10% of them, no verdict). As in the reference, the background queue yields:
+/init/generate and `wait: true` take the device from a queued job, which goes back to the head of the queue and runs
+again once the device is free.
 """
 
 from __future__ import annotations
@@ -95,11 +97,13 @@ class _Gated:
 
 class Generation:
     """One generation loop on the device. Each batch is spooled as it arrives (a record held under this
-    generation's id: durable at once, so a kill -9 loses none); every callback_interval seconds, and once more when
-    it ends (stop, shutdown or error), what was held is released and goes to {url}/generated merged, as the
-    reference posts (clients/callbacks.py). When the sender has no room for the url (its cap per destination),
-    the computation pauses: the batches already in flight wait here, in order, and go to the sender as room opens
-    (records delivered or moved to the dead-letter file), then the engine resumes. Nothing is dropped."""
+    generation's id: durable at once, so a kill -9 loses none). The first batch is released as soon as it is
+    stored (the chain weighs what a node committed early in the PoC window: the node's early-share guard); then
+    every callback_interval seconds, and once more when it ends (stop, shutdown or error), what was held is
+    released and goes to {url}/generated merged, as the reference posts (clients/callbacks.py). When the sender
+    has no room for the url (its cap per destination), the computation pauses: the batches already in flight wait
+    here, in order, and go to the sender as room opens (records delivered or moved to the dead-letter file), then
+    the engine resumes. Nothing is dropped."""
 
     def __init__(self, app: web.Application, protocol: str, init, runner: JobRunner, gate: _Gated | None = None):
         self.app, self.protocol, self.init, self.runner = app, protocol, init, runner
@@ -133,11 +137,16 @@ class Generation:
     async def _run(self) -> None:
         interval = self.app[config_key].callback_interval
         last = time.monotonic()
+        first = True  # the first batch goes out at once: the chain judges early work (the node's early-share guard)
         try:
             async with contextlib.aclosing(self.runner.events()) as events:
                 async for kind, item in events:
                     if kind == "batch":
-                        self.spool(item)
+                        if self.spool(item) and first and (item.artifacts or self.protocol == "v1"):
+                            first = False
+                            await self.app[sender_key].stored()
+                            self.app[sender_key].release(self.id)
+                            last = time.monotonic()
                     elif kind == "done" and item.reason == "error":
                         self.error = f"{item.error_type}: {item.error}"
                     if time.monotonic() - last >= interval:
@@ -183,21 +192,22 @@ class Generation:
             log.info("generation %s resumes", self.id[:8])
             self.gate.resume.set()
 
-    def spool(self, b: BatchResult) -> None:
-        """Hand one computed batch to the callback sender, held until the next release (nothing is discarded)."""
+    def spool(self, b: BatchResult) -> bool:
+        """Hand one computed batch to the callback sender, held until the next release (nothing is discarded);
+        True when it went to the sender now (not to the backlog, and not empty)."""
         url = self.init.url
         if url is None:
-            return
+            return False
         i = self.init
         if self.protocol == "v2":
             if not b.artifacts and not b.dropped:
-                return
+                return False
             payload = {"public_key": i.public_key, "block_hash": i.block_hash, "block_height": i.block_height,
                        "node_id": i.node_id, **v2_body(b, i.k_dim)}
         else:
             nonces, dist = v1_hits(b, i.r_target)
             if not nonces:
-                return
+                return False
             payload = v1.ProofBatch(i.public_key, i.block_hash, i.block_height, nonces, dist, i.node_id).to_json()
         sender = self.app[sender_key]
         if self.backlog or not sender.room(url):  # in order behind what already waits
@@ -205,8 +215,9 @@ class Generation:
             self._pause()
             if self._drain is None:
                 self._drain = asyncio.create_task(self._drain_backlog(), name=f"pow-generation-drain-{self.id[:8]}")
-            return
+            return False
         sender.submit("generated", url, payload, f"{self.id}-{next(self.seq)}", merge=self.id)
+        return True
 
     def stats(self) -> dict:
         s = self.runner.stats
@@ -481,9 +492,13 @@ class PowService:
         return web.json_response(body, dumps=json_text)
 
     async def stop(self, request: web.Request) -> web.Response:
+        await self.stop_all()
+        return ok("STOPPED")
+
+    async def stop_all(self) -> None:
+        """POST /stop: generation (its batches still delivered), the queue and the v1 init."""
         await self._stop_all("stopped")
         self.v1_init = None
-        return ok("STOPPED")
 
     # ------------------------------------------------------------------------------------ queue
 
@@ -566,7 +581,10 @@ class PowService:
                 out["dropped_nonces"] = dropped
             return out
         computed = {a["nonce"]: a["vector_b64"] for a in arts}
-        return v2.validate(computed, req.received, req.nonces, req.k_dim, req.stat)
+        try:
+            return v2.validate(computed, req.received, req.nonces, req.k_dim, req.stat)
+        except v2.NoVerdict as e:  # the queued job fails with it (no callback); a wait=true request gets the 503
+            raise InputError(str(e), "nonces", status=503) from None
 
     async def _validate_v1(self, job: QueuedJob, claim) -> dict:
         batch, init = job.request
@@ -587,7 +605,10 @@ class PowService:
             return
         head = {"request_id": job.id, "block_hash": req.block_hash, "block_height": req.block_height,
                 "public_key": req.public_key, "node_id": req.node_id}
-        sender.submit("validated" if req.received is not None else "generated", req.url, {**head, **job.result},
+        # a verdict's callback leaves out per_nonce (evidence for GET /generate/{id}), as the plugin's does: it stays
+        # one small record whatever the sample size
+        body = {k: v for k, v in job.result.items() if k != "per_nonce"}
+        sender.submit("validated" if req.received is not None else "generated", req.url, {**head, **body},
                       job.id, force=True)
 
 

@@ -19,7 +19,7 @@ from poc import dtypes
 from poc.engine.jobs import Limits, V1Job, V2Job
 from poc.errors import InputError
 from poc.protocol import v1, v2
-from poc.protocol.nonces import MAX_NONCE, stride_nonces, upto_max_nonce, worker_nonces
+from poc.protocol.nonces import MAX_INT32, MAX_NONCE, stride_nonces, upto_max_nonce, worker_nonces
 from poc.server import bigjson
 from poc.server.config import ServerConfig
 
@@ -37,7 +37,7 @@ class ParamsMismatch(InputError):
     def __init__(self, requested: dict, served: "ServedModel | None"):
         names = served.names if served else []
         why = (f"params.model {_short(requested.get('model'))} is not served here (serving {', '.join(names)})" if names
-               else "no PoC v2 model is loaded: start the server with --model DIR")
+               else "no PoC v2 model is loaded: start the server with --model, or POST /api/v1/inference/up")
         super().__init__(why, "params.model", status=409)
         self.requested, self.deployed = requested, {"model": names, "seq_len": None, "k_dim": None}
 
@@ -52,6 +52,8 @@ class ServedModel:
     # its absolute path, and the Hub repo id of a Hugging Face cache snapshot
     max_seq_len: int  # the model's max_position_embeddings
     hidden: int
+    ids: tuple[str, ...] = ()  # the model ids an OpenAI /v1/models list shows, as vLLM would: the served names,
+    # else the Hub repo id of a cache snapshot, else the model as given
 
     @classmethod
     def of(cls, model_arg: str, cfg, served_names=()) -> "ServedModel":
@@ -60,7 +62,8 @@ class ServedModel:
         repo = hub_repo_id(p)
         if repo:
             names.append(repo)
-        return cls(list(dict.fromkeys(names)), cfg.max_seq_len, cfg.dim)
+        ids = tuple(dict.fromkeys(served_names)) or (repo or model_arg,)
+        return cls(list(dict.fromkeys(names)), cfg.max_seq_len, cfg.dim, ids)
 
 
 def hub_repo_id(path: Path) -> str | None:
@@ -456,11 +459,13 @@ class PowV2Init:
     stronger_rng: bool
 
     def job(self) -> V2Job:
+        """Until /stop, or the last nonce inside int32 (the node stores nonces as int32: past it they would wrap)."""
         return V2Job(block_hash=self.block_hash, public_key=self.public_key, block_height=self.block_height,
                      seq_len=self.seq_len, k_dim=self.k_dim,
-                     nonces=stride_nonces(0, self.node_id, self.node_count, self.group_id, self.n_groups),
+                     nonces=stride_nonces(0, self.node_id, self.node_count, self.group_id, self.n_groups,
+                                          end=MAX_INT32),
                      batch_size=self.batch_size, stronger_rng=self.stronger_rng,
-                     limits=Limits(max_nonces=None, max_duration=None))  # until /stop
+                     limits=Limits(max_nonces=None, max_duration=None))
 
     def status_config(self) -> dict:
         return {"block_hash": self.block_hash, "block_height": self.block_height, "public_key": self.public_key,
@@ -473,6 +478,10 @@ def parse_pow_v2_init(body: dict, cfg: ServerConfig, served: ServedModel | None)
     seq_len, k_dim = parse_v2_params(body["params"], served)
     bh, height, pk = get_header(body)
     node_id, node_count, group_id, n_groups = get_node(body, bounded=False)
+    first = node_id + group_id * node_count
+    if first > MAX_INT32:  # the node would store every nonce of this lattice wrapped (int32): refuse it now
+        raise InputError(f"the first nonce of this node, node_id + group_id*node_count = {first}, is past the int32 "
+                         f"range (max {MAX_INT32}) the Gonka node stores PoC v2 nonces in", "node_id")
     return PowV2Init(bh, height, pk, node_id, node_count, group_id, n_groups,
                      get_batch_size(body, cfg, default=None), seq_len, k_dim, get_url(body, policy=url_policy_of(cfg)),
                      get_bool(body, "poc_stronger_rng", default=False))
