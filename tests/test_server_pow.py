@@ -242,6 +242,14 @@ async def test_init_generate_preempts_a_running_queued_job(big_queue_client, sin
     await sink.wait("generated")
     r = await client.post(f"{POW}/stop")
     assert (await (await client.get(f"{POW}/generate/{rid}")).json())["status"] == "cancelled"
+    assert client.app[pow_key]._running is None  # the queue was emptied before generation freed the device
+    # shutdown while a queued job runs: the job stops after its batch and the server closes (no hang)
+    r = await client.post(f"{POW}/generate", json=gen_body(range(5000), batch_size=1))
+    rid = (await r.json())["request_id"]
+    await wait_job(client, rid, "running")
+    svc = client.app[pow_key]
+    await asyncio.wait_for(client.close(), 30)
+    assert svc.jobs[rid].status == "cancelled" and svc._worker.done()
 
 
 async def test_generate_wait_goes_before_the_queue(big_queue_client):

@@ -121,6 +121,9 @@ async def inference_up(request: web.Request) -> web.Response:
         await asyncio.to_thread(engine.preflight, path)
     except InputError as e:
         raise InputError(f"model {model} cannot be served here: {e.message}", "model", status=409) from None
+    except (OSError, ValueError, KeyError, TypeError) as e:  # an unreadable or malformed config.json
+        raise InputError(f"model {model} cannot be served here: its config does not read ({describe(e)})", "model",
+                         status=409) from None
     if engine.state == "loading":  # another redeploy began while this one looked in the cache
         raise InputError("a model is loading: retry when GET /health says ready", None, status=409)
     if args:
@@ -176,15 +179,16 @@ async def _switch(app: web.Application, model: str, path: str, dtype: str | None
 # the model cache (the MLNode's /api/v1/models routes, read-only here)
 
 
-def _model_arg(request: web.Request, body: dict) -> dict:
+def _model_arg(body: dict) -> dict:
+    """The MLNode's Model {hf_repo, hf_commit}, checked (a Hub repo id; a commit hash or branch name, or null)."""
     repo = hub.check_repo_id(body.get("hf_repo"), "hf_repo")
     return {"hf_repo": repo, "hf_commit": hub.check_revision(body.get("hf_commit"))}
 
 
 async def _model_body(request: web.Request) -> dict:
     if request.method == "GET":
-        return _model_arg(request, dict(request.query))
-    return _model_arg(request, await schemas.read_json(request, request.app[config_key].max_body_bytes))
+        return _model_arg(dict(request.query))
+    return _model_arg(await schemas.read_json(request, request.app[config_key].max_body_bytes))
 
 
 async def model_status(request: web.Request) -> web.Response:

@@ -45,6 +45,7 @@ from poc.server.vast import validate_v1
 log = logging.getLogger("poc.pow")
 
 PREFIX = "/api/v1/pow"
+SHUTDOWN_JOB_WAIT = 30.0  # seconds shutdown waits for a stopped queued job to end its batch in flight
 BODY_KEY = web.RequestKey("pow_body", dict)  # a body another route already read and translated (server/mlnode.py)
 
 
@@ -290,18 +291,26 @@ class PowService:
         """SIGTERM: stop generation (releasing its spooled batches to the sender) and the queue."""
         self._closing = True
         await self._stop_all("shutdown")
+        # a queued job just stopped ends after its batch in flight: the worker is cancelled once it is idle, never
+        # inside the job (Python 3.11's wait_for can swallow a cancel that meets a result: the task would then hang)
+        deadline = time.monotonic() + SHUTDOWN_JOB_WAIT
+        while self._running is not None and time.monotonic() < deadline:
+            self._job_ended.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._job_ended.wait(), max(0.0, deadline - time.monotonic()))
         if self._worker is not None:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
 
     async def _stop_all(self, reason: str) -> None:
-        if self.gen is not None and self.gen.active:
-            await self.gen.stop(reason)
+        # the queue first: while generation stops and frees the device, the worker must not start a queued job
         now = time.monotonic()
         while self.queue:
             j = self.queue.popleft()
             j.status, j.finished_at = "cancelled", now
             self.queued_nonces -= j.n_nonces
+        if self.gen is not None and self.gen.active:
+            await self.gen.stop(reason)
         for j in self.jobs.values():
             if j.status == "running" and j.runner is not None:
                 j.status = "cancelled"
