@@ -70,7 +70,7 @@ def apply_tp(model: Transformer, tp_rank: int, tp_size: int, group: "dist.Proces
     all-reduces its float32 partial sums over the same group (expert parallel: this rank keeps experts
     expert_range(E, tp_rank, tp_size), the router stays whole). Without a group (tests), the caller sums the
     partial outputs; a MoE block then returns its partial sum rounded to the model dtype (exact in float32; sum
-    fp32 partials, e.g. from transformer._dispatch_modules, to match one device in half precision).
+    fp32 partials, e.g. from experts.dispatch_modules, to match one device in half precision).
     o_proj's bias stays on tp rank 0 only, so it is added once.
     """
     cfg = model.cfg
