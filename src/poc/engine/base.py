@@ -267,16 +267,26 @@ class EngineBase(abc.ABC):
         memory.check_fits(est, self.device, headroom=headroom, field="params.seq_len", free=self.free_bytes(),
                           ranks=ranks)
 
-    def v2_w8a8(self) -> bool:
-        """Whether the loaded v2 model is an FP8 checkpoint computed W8A8 (its experts' activations are FP8)."""
-        from poc.model.fp8 import fp8_mode
+    def v2_fp8(self) -> dict | None:
+        """How the loaded v2 model's FP8 weights are computed: {"forward": "w8a8" | "dequant", "scales": "ue8m0" |
+        "float32" (W8A8's scale format; None for dequant)}; None without a model or for one that is not an FP8
+        checkpoint (a directory's quantization_config, or random:<preset>:fp8)."""
+        from poc.model.fp8 import fp8_mode, scale_format
         from poc.model.random_weights import random_spec
 
-        info = self.v2
-        if info is None:
-            return False
+        if self.v2 is None:
+            return None
         spec = random_spec(getattr(self, "model_dir", None))
-        return (info.cfg.fp8_block is not None or bool(spec and spec[1])) and fp8_mode() == "w8a8"
+        if self.v2.cfg.fp8_block is None and not (spec and spec[1]):
+            return None
+        forward = fp8_mode()
+        return {"forward": forward,
+                "scales": scale_format(getattr(self, "fp8_scales", None)) if forward == "w8a8" else None}
+
+    def v2_w8a8(self) -> bool:
+        """Whether the loaded v2 model is an FP8 checkpoint computed W8A8 (its experts' activations are FP8)."""
+        fp8 = self.v2_fp8()
+        return fp8 is not None and fp8["forward"] == "w8a8"
 
     def default_v2_batch(self, seq_len: int, headroom: float = 0.9, cap: int = 4096) -> int:
         """The batch size of a PoC v2 job whose request gives none (a Gonka node sends none): on CUDA the largest

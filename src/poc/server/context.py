@@ -135,23 +135,6 @@ def served_model(app: web.Application) -> ServedModel | None:
     return ServedModel.of(engine.model_dir, engine.v2.cfg, names)
 
 
-def fp8_numerics(app: web.Application) -> dict | None:
-    """How the loaded model's FP8 weights are computed: {"forward": "w8a8" | "dequant", "scales": "ue8m0" |
-    "float32" (W8A8's scale format; None for dequant)}; None for a model that is not an FP8 checkpoint."""
-    engine = app[engine_key]
-    if engine.v2 is None:
-        return None
-    from poc.model.fp8 import fp8_mode
-    from poc.model.random_weights import random_spec
-
-    cfg = app[config_key]
-    spec = random_spec(cfg.model)
-    if engine.v2.cfg.fp8_block is None and not (spec is not None and spec[1]):
-        return None
-    forward = fp8_mode()
-    return {"forward": forward, "scales": cfg.fp8_scales if forward == "w8a8" else None}
-
-
 def model_label(app: web.Application) -> str | None:
     engine = app[engine_key]
     if engine.v2 is not None:

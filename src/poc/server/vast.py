@@ -17,7 +17,7 @@ from poc.errors import InputError
 from poc.logs import describe
 from poc.protocol import v1
 from poc.server import schemas
-from poc.server.context import (admit, config_key, engine_key, fp8_numerics, metrics_key, model_label, new_runner,
+from poc.server.context import (admit, config_key, engine_key, metrics_key, model_label, new_runner,
                                 require_ready, runners_key, sender_key, served_model)
 from poc.server.metrics import CONTENT_TYPE
 from poc.server.results import V1Lines, V2Lines
@@ -49,7 +49,7 @@ async def health(request: web.Request) -> web.Response:
     body = {"status": "healthy" if ok else state, "state": state, "model": model_label(app), "device": str(engine.device),
             "cuda_broken": engine.state == "broken" and engine.device.type == "cuda",
             "job": (_job_json(runners[0]) if runners else None)}
-    numerics = fp8_numerics(app)
+    numerics = engine.v2_fp8()
     if numerics is not None:  # an FP8 checkpoint: which arithmetic (README: POC_FP8, POC_FP8_SCALES)
         body["fp8"] = numerics
     if engine.state == "broken":
