@@ -354,9 +354,11 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     info = probe(a)
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [f"CUDA_VISIBLE_DEVICES={cvd}"] if cvd is not None else []  # the GPUs of a host this run had
     res = {"model": a.model, "dtype": a.dtype, "seq_len": a.seq, "batch": a.batch, "timed": a.timed,
-           "command": " ".join(["python benchmarks/diagnostics/serve_layouts.py",
-                                shlex.join(argv if argv is not None else sys.argv[1:])]),
+           "command": " ".join(visible + ["python benchmarks/diagnostics/serve_layouts.py",
+                                          shlex.join(argv if argv is not None else sys.argv[1:])]),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": info["device"], "gpus": info["gpus"],
            "torch": info["torch"], "auto": info["auto"][3], "rows": [], "l2_vs_one": {}, "scaling_vs_one": {}}
     print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
