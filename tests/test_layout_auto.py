@@ -1,4 +1,4 @@
-"""--layout auto (poc.parallel.auto): the layout picked from the model's shape and the GPUs' memory, on fake GPUs."""
+"""--layout auto (poc.engine.auto): the layout picked from the model's shape and the GPUs' memory, on fake GPUs."""
 
 import logging
 
@@ -7,8 +7,8 @@ import pytest
 from poc.engine.engine import Engine
 from poc.errors import InputError
 from poc.model.config import PRESETS
-from poc.parallel import auto
-from poc.parallel.auto import GiB, Gpu
+from poc.engine import auto
+from poc.engine.auto import GiB, Gpu
 from poc.server.app import create_app
 from poc.server.config import ServerConfig, parse_args
 from poc.server.context import engine_key

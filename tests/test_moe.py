@@ -203,7 +203,7 @@ def moe_ckpt(tmp_path_factory):
 def test_tensor_parallel_uneven_expert_split_is_refused(moe_ckpt):
     """tp=2 of 3 experts: refused by apply_tp, by the layout check the engine runs before any process starts, and by
     DistEngine.load (no rank process started), each naming n_experts=3 and tp=2."""
-    from poc.parallel.engine import DistEngine
+    from poc.engine.dist import DistEngine
     from poc.parallel.layout import Layout
     from poc.parallel.tp import apply_tp
 

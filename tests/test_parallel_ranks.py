@@ -17,7 +17,7 @@ from poc.engine.base import Busy
 from poc.engine.engine import Engine
 from poc.engine.jobs import Limits, V1Job, V2Job
 from poc.errors import InputError
-from poc.parallel.engine import DistEngine, RankFailure, make_engine, world_for
+from poc.engine.dist import DistEngine, RankFailure, make_engine, world_for
 from poc.parallel.layout import Layout
 from poc.protocol import v1, v2
 
@@ -494,7 +494,7 @@ def test_stage_timing_logs_forward_idle_and_host_time(monkeypatch, caplog):
     import collections
     import logging
 
-    from poc.parallel import ranks
+    from poc.engine import ranks
 
     class Event:
         def __init__(self, enable_timing=False):
@@ -536,7 +536,7 @@ def test_rank_log_lines_are_one_line_and_defused(capsys):
     """A rank's log goes to the same file the PyWorker reads: no "Error:"/"Traceback" on a handled event."""
     import logging
 
-    from poc.parallel import ranks
+    from poc.engine import ranks
 
     root = logging.getLogger()
     saved = root.handlers[:], root.level

@@ -267,7 +267,7 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
 
 def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: int, compile: bool) -> list[dict]:
     """A workload over tp GPUs through the DistEngine (rank processes, NCCL), random weights made by each rank."""
-    from poc.parallel.engine import make_engine
+    from poc.engine.dist import make_engine
 
     w = WORKLOADS[name]
     spec = f"random:{w['model']}" + (":fp8" if w.get("fp8") else "")

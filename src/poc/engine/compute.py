@@ -3,7 +3,7 @@
 `V1Compute` holds a random model for (params, block_hash, dtype); `V2Compute` holds a loaded checkpoint.
 Both split a batch into `prepare` (host work: seeds, numpy RNG; safe to run on another thread while the
 device is busy with the previous batch) and `launch`/`collect` (device work), so the runner can overlap them.
-The same classes run in the rank processes (poc.parallel.ranks) on a pipeline stage's part of the model: a
+The same classes run in the rank processes (poc.engine.ranks) on a pipeline stage's part of the model: a
 `Stage` says whether this part makes the inputs (first), post-processes (last, and the reporter among the
 last stage's tp ranks), and how activations come from the previous stage and go to the next. One device
 holding the whole model is the default Stage().

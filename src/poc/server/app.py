@@ -31,18 +31,18 @@ log = logging.getLogger("poc.server")
 def _make_engine(config: ServerConfig) -> EngineBase:
     """One device in this process (Engine), or rank processes over torch.distributed when the config asks for
     tensor/pipeline parallelism or several replicas (poc.parallel, imported only then). --layout auto: the layout
-    poc.parallel.auto picks for the model on the visible GPUs (one device on the CPU), logged with its reasons."""
+    poc.engine.auto picks for the model on the visible GPUs (one device on the CPU), logged with its reasons."""
     if config.layout == "auto":
         import dataclasses
 
-        from poc.parallel import auto
+        from poc.engine import auto
 
         gpus = auto.detect_gpus() if config.device in (None, "", "auto") or config.device.startswith("cuda") else []
         choice = auto.for_model(config.model, config.dtype, config.fp8_experts, gpus)
         log.info("--layout auto: %s", choice.why)
         config = dataclasses.replace(config, layout="", tp=choice.tp, pp=choice.pp, replicas=choice.replicas)
     if config.tp * config.pp > 1 or config.replicas != 1:
-        from poc.parallel.engine import make_engine
+        from poc.engine.dist import make_engine
 
         return make_engine(config.device, config.model, config.dtype, tp=config.tp, pp=config.pp,
                            replicas=config.replicas or None, compile=config.compile,

@@ -1,6 +1,6 @@
 """DistEngine: the Engine interface over replicas x pp x tp rank processes, and make_engine().
 
-The server process never joins the process group. It starts `python -m poc.parallel.ranks` once per rank (a
+The server process never joins the process group. It starts `python -m poc.engine.ranks` once per rank (a
 fresh interpreter: a spawned child would re-import the server's __main__, aiohttp and all), talks to them over
 authenticated local sockets, hands each replica's leader the job and then its batches of nonces, and merges the
 replicas' results into emit() in arrival order. Nonces are dealt from the job's one iterator, a batch at a time,
@@ -96,7 +96,7 @@ class JobFlight:
     batches fill the pipeline, after it they drain), and the least in flight just after a result's replacement
     was dealt (what the dealing keeps); the time from a result's arrival to its replacement being dealt (the
     engine's part of the round trip; the consumer's emit comes after the deal); with each rank's JobClock
-    (poc.parallel.ranks) added at the end: `summary()` is DistEngine.last_job_stats."""
+    (poc.engine.ranks) added at the end: `summary()` is DistEngine.last_job_stats."""
 
     def __init__(self, replicas: int, ahead: int):
         self.ahead = ahead
@@ -203,7 +203,7 @@ class DistEngine(EngineBase):
         log.info("starting %d rank processes: %d replica(s) x pp=%d x tp=%d on %s", L.world, L.replicas, L.pp,
                  L.tp, "cuda" if cuda else "cpu")
         try:
-            g.procs = [subprocess.Popen([sys.executable, "-m", "poc.parallel.ranks", addr, str(r)], env=env,
+            g.procs = [subprocess.Popen([sys.executable, "-m", "poc.engine.ranks", addr, str(r)], env=env,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL) for r in range(L.world)]
             deadline = time.monotonic() + self.start_timeout
             conns = self._accept(listener, g, deadline)

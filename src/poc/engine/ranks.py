@@ -1,6 +1,6 @@
 """The rank process: one per device; every rank runs the same loop (SPMD), as under torchrun.
 
-    python -m poc.parallel.ranks HOST:PORT RANK      (DistEngine starts these; the auth key comes in $POC_RANK_KEY)
+    python -m poc.engine.ranks HOST:PORT RANK      (DistEngine starts these; the auth key comes in $POC_RANK_KEY)
 
 A rank connects back to the engine, joins the process group (NCCL on CUDA, gloo on CPU) and waits for commands.
 Only each replica's leader (first stage, tp rank 0) reads commands from the engine: a job (a few seeds and a
