@@ -208,7 +208,7 @@ import json, sys
 sys.path.insert(0, %r)
 from poc.bench import BH, PK, run_engine
 from poc.engine.jobs import V2Job
-from poc.engine.dist import make_engine
+from poc.engine.factory import make_engine
 from poc.protocol import v1
 a = json.loads(sys.argv[1])
 tp, pp, rep = a["dims"]

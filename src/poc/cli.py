@@ -98,7 +98,7 @@ def run(argv: list[str]) -> int:
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise InputError(f"--{flag} must be positive, got {getattr(args, flag)}", flag)
     par = dict(tp=args.tp, pp=args.pp, replicas=args.replicas)
-    # torch (via poc.engine.dist) is imported only after every check that needs no device: a bad argument is
+    # torch (via poc.engine.factory) is imported only after every check that needs no device: a bad argument is
     # answered in well under a second (tests/test_ops.py checks the imports, scripts/startup_time.py the time)
 
     if args.protocol == "v1":
@@ -109,7 +109,7 @@ def run(argv: list[str]) -> int:
         except json.JSONDecodeError as e:
             raise InputError(f"--params is not valid JSON: {e}", "params") from None
         params = V1Params.from_json(obj)
-        from poc.engine.dist import make_engine
+        from poc.engine.factory import make_engine
 
         engine = make_engine(args.device, **par)
         try:
@@ -138,7 +138,7 @@ def run(argv: list[str]) -> int:
                              f"{args.seq_len}", "seq_len")
         if not 1 <= args.k_dim <= hidden:
             raise InputError(f"--k-dim must be in [1, {hidden}] (the model's hidden size), got {args.k_dim}", "k_dim")
-        from poc.engine.dist import make_engine
+        from poc.engine.factory import make_engine
 
         engine = make_engine(args.device, model_dir=args.model, dtype=args.dtype, **par)
         try:

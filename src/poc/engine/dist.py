@@ -1,4 +1,4 @@
-"""DistEngine: the Engine interface over replicas x pp x tp rank processes, and make_engine().
+"""DistEngine: the Engine interface over replicas x pp x tp rank processes (poc.engine.factory picks it).
 
 The server process never joins the process group. It starts `python -m poc.engine.ranks` once per rank (a
 fresh interpreter: a spawned child would re-import the server's __main__, aiohttp and all), talks to them over
@@ -643,37 +643,6 @@ class DistEngine(EngineBase):
                      Limits(max_nonces=None, max_duration=None))
 
 
-def world_for(device: torch.device, tp: int, pp: int, replicas: int | None = None, devices: int | None = None) -> int:
-    """How many ranks: on CUDA every usable GPU (or `devices` of them, or `replicas` groups), whole groups of
-    tp x pp only; on CPU tp x pp x replicas (default 1) processes."""
-    group = tp * pp
-    if device.type != "cuda":
-        return group * (replicas or 1)
-    have = torch.cuda.device_count()
-    n = devices or have
-    if n > have:
-        raise InputError(f"--devices {n} but only {have} GPUs are visible", "devices")
-    if replicas:
-        n = min(n, replicas * group)
-    if n < group:
-        raise InputError(f"tp={tp} x pp={pp} needs {group} GPUs; {n} are usable", "tp")
-    if n % group:
-        log.warning("%d GPUs do not split into groups of tp x pp = %d: using %d", n, group, n - n % group)
-    return n - n % group
-
-
 def _model_config(model_dir: str) -> ModelConfig:
     spec = random_spec(model_dir)
     return spec[0] if spec else ModelConfig.from_hf(model_dir)
-
-
-def make_engine(device: str | None = None, model_dir: str | None = None, dtype: str = "auto", tp: int = 1,
-                pp: int = 1, replicas: int | None = None, devices: int | None = None, **kw) -> Engine | DistEngine:
-    """An Engine in this process when one device does everything, else a DistEngine over world ranks."""
-    dev = resolve_device(device)
-    world = world_for(dev, tp, pp, replicas, devices)
-    if world == 1:
-        compile_ = kw.pop("compile", False)
-        return Engine(device=device, model_dir=model_dir, dtype=dtype, compile=compile_,
-                      fp8_experts=kw.pop("fp8_experts", None), fp8_scales=kw.pop("fp8_scales", None))
-    return DistEngine(device=device, model_dir=model_dir, dtype=dtype, tp=tp, pp=pp, world=world, **kw)
