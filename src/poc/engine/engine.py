@@ -64,20 +64,12 @@ class Engine(EngineBase):
             self._executor = make_executor(self.v1_input_workers)
         if not self.model_dir:
             return
-        from poc.model.random_weights import random_model, random_spec
-        from poc.model.weights import load_model, resolve_dtype
+        from poc.parallel.build import build
 
         t0 = time.perf_counter()
-        dtype = self.v2_dtype_arg()
-        spec = random_spec(self.model_dir)
-        if spec is None:
-            model, cfg = load_model(self.model_dir, dtype=dtype, device=self.device, with_head=False, progress=True,
-                                    fp8_experts=self.fp8_experts, fp8_scales=self.fp8_scales)
-        else:  # random weights of a preset shape (random:<preset>[:fp8]): benchmarks and demos
-            cfg, fp8 = spec
-            model = random_model(cfg, resolve_dtype(dtype, cfg), self.device, fp8_experts=fp8,
-                                 fp8_scales=self.fp8_scales)
-        model.eval()
+        # a checkpoint directory, or random weights of a preset shape (random:<preset>[:fp8]): benchmarks and demos
+        model, cfg = build(self.model_dir, self.v2_dtype_arg(), self.device, progress=True,
+                           fp8_experts=self.fp8_experts, fp8_scales=self.fp8_scales)
         name = Path(self.model_dir).name
         self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile_v2)
         self.load_seconds = time.perf_counter() - t0
