@@ -22,7 +22,7 @@ import torch
 from poc.engine import memory
 from poc.engine.base import EngineBase
 from poc.engine.compute import DTYPE_NAMES, DTYPES, V1Compute, V2Compute, compile_flags, resolve_device
-from poc.engine.jobs import BatchResult, JobSummary, V1Job, take
+from poc.engine.jobs import BatchResult, Dealer, JobSummary, V1Job
 from poc.model.random_init import BuildStopped
 from poc.protocol import v1
 
@@ -156,14 +156,12 @@ class Engine(EngineBase):
                 return comp.prepare(job.block_hash, job.public_key, nonces, job.seq_len, job.k_dim, job.stronger_rng)
 
         lim = job.limits
-        taken = computed = batches = 0
+        computed = batches = 0
+        dealer = Dealer(job)  # the engines' dealing rule; this loop holds its batches_ahead(): prepared, run, collected
         t_start = time.perf_counter()  # the duration limit counts compute, not the model build
 
         def submit_next():
-            nonlocal taken
-            n = job.batch_size if lim.max_nonces is None else min(job.batch_size, lim.max_nonces - taken)
-            nonces = take(job.nonces, n) if n > 0 else []
-            taken += len(nonces)
+            nonces = dealer.next()
             return self._prep_pool.submit(prepare, nonces) if nonces else None
 
         def finish(inflight) -> None:
