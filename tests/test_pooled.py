@@ -663,10 +663,10 @@ async def test_pooled_with_replicas_out_of_order_covers_the_range_once(aiohttp_c
     """A new public key mid-range stops the job and continues the range under it. With replicas, the last result
     to arrive is not the furthest nonce computed, and dropped batches may lie before a computed one: the resumed
     job must compute exactly the nonces not yet computed (no hole, no batch twice)."""
+    from poc.engine import factory
     from poc.engine.engine import Engine
-    from poc.server import app as app_mod
 
-    monkeypatch.setattr(app_mod, "Engine", TwoReplicaEngine.make(Engine))
+    monkeypatch.setattr(factory, "Engine", TwoReplicaEngine.make(Engine))
     orch.connect_reply = {"status": "ok", "block_hash": BH, "block_height": 7, "params": PARAMS_A, "r_target": R}
     orch.ready_reply = {"public_key": "key-A", "nonce_range_start": 0, "nonce_range_end": 4999}
 

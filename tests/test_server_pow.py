@@ -79,11 +79,12 @@ async def test_results_keep_the_request_order_when_batches_arrive_out_of_order(a
     """Replicas deliver batches in completion order: /generate's artifacts and /validate's distances still follow
     the request's nonces (each distance scored against its own nonce's claim)."""
     from poc.engine.engine import Engine
-    from poc.server import app as app_mod, vast
+    from poc.engine import factory
+    from poc.server import vast
 
     from .fakes import ReversedArrivalEngine
 
-    monkeypatch.setattr(app_mod, "Engine", ReversedArrivalEngine.make(Engine))
+    monkeypatch.setattr(factory, "Engine", ReversedArrivalEngine.make(Engine))
     monkeypatch.setattr(vast, "VALIDATE_BATCH_SIZE", 5)  # 16 nonces: 4 batches
     c = await aiohttp_client(create_app(server_config(model=QWEN3)))
     await wait_status(c)
