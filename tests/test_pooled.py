@@ -600,7 +600,7 @@ async def test_pow_generation_spools_each_batch_as_computed_so_a_kill9_mid_inter
 
 async def test_pow_generation_posts_merged_batches_every_interval(aiohttp_client, tmp_path):
     """Each batch is spooled as it arrives, but the receiver gets one merged POST per callback_interval."""
-    from poc.server.pow import pow_key
+    from poc.server.pow_service import pow_key
 
     from .fakes import LoopbackApp
     sink = Sink()

@@ -37,7 +37,7 @@ from poc.logs import describe
 from poc.server import schemas
 from poc.server.config import DTYPE_CHOICES
 from poc.server.context import config_key, engine_key, metrics_key, served_model, tasks_key, wait_claim
-from poc.server.mlnode import stop_work
+from poc.server.pow_service import stop_every_job
 
 log = logging.getLogger("poc.models")
 
@@ -152,7 +152,7 @@ async def _switch(app: web.Application, model: str, path: str, dtype: str | None
     engine = app[engine_key]
     old = served_model(app)
     old_name = old.ids[0] if old else "no model"
-    await stop_work(app, f"POST /api/v1/inference/up {model}")
+    await stop_every_job(app, f"POST /api/v1/inference/up {model}")
     try:
         claim = await asyncio.wait_for(wait_claim(app, f"inference/up {model}"), CLAIM_TIMEOUT)
     except asyncio.TimeoutError:

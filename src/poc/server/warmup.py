@@ -30,7 +30,7 @@ from poc.server import schemas
 from poc.server.context import config_key, engine_key, new_runner, sender_key, track_streams
 from poc.server.security import url_policy
 from poc.server.stream import NdjsonWriter, pump
-from poc.server.vast import admit_job, parse_generate
+from poc.server.jobs import admit_job, parse_generate
 
 log = logging.getLogger("poc.warmup")
 UNREACHABLE = "callback unreachable"  # what the stream says of any failure: the detail is only logged
