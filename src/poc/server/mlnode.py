@@ -49,17 +49,11 @@ V2 = "/api/v1/inference/pow"
 MLNODE_K_DIM = 12  # its params.k_dim default
 
 
+routes = web.RouteTableDef()
+
+
 def setup(app: web.Application) -> None:
-    r = app.router
-    r.add_get("/api/v1/state", state)
-    r.add_post("/api/v1/stop", stop_all)
-    r.add_get("/api/v1/versions", versions)
-    r.add_get("/api/v1/pow/versions", versions)
-    r.add_post(f"{V2}/init/generate", init_generate)
-    r.add_post(f"{V2}/generate", generate)
-    r.add_get(f"{V2}/generate/{{request_id:.+}}", generate_result)
-    r.add_get(f"{V2}/status", status)
-    r.add_post(f"{V2}/stop", stop_v2)
+    app.add_routes(routes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -75,6 +69,7 @@ def node_state(app: web.Application) -> str:
     return "STOPPED"
 
 
+@routes.get("/api/v1/state")
 async def state(request: web.Request) -> web.Response:
     """The node's StateResponse {state, version, poc_validation_inference}, plus what the MLNode adds in INFERENCE."""
     app = request.app
@@ -89,12 +84,15 @@ async def state(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
+@routes.post("/api/v1/stop")
 async def stop_all(request: web.Request) -> web.Response:
     """The node's Stop(): no body, and it does not read the answer, so this must really stop (and say 200)."""
     await stop_every_job(request.app, "POST /api/v1/stop")
     return web.json_response({"status": "OK"})
 
 
+@routes.get("/api/v1/versions")
+@routes.get("/api/v1/pow/versions")
 async def versions(request: web.Request) -> web.Response:
     """What the MLNode's capability probe reads from a backend (vllm_version, poc_validation_inference) and what
     its own /api/v1/versions answers (version): one object for both routes."""
@@ -144,6 +142,7 @@ def _v2_body(body: dict) -> dict:
     return out
 
 
+@routes.post(f"{V2}/init/generate")
 async def init_generate(request: web.Request) -> web.Response:
     app = request.app
     body = await schemas.read_json(request, app[config_key].max_body_bytes)
@@ -159,6 +158,7 @@ async def init_generate(request: web.Request) -> web.Response:
                               "results": [{"port": _port(request), "status": "OK"}], "errors": None})
 
 
+@routes.post(f"{V2}/generate")
 async def generate(request: web.Request) -> web.Response:
     """The node's stat_test {dist_threshold, p_mismatch, p_value_threshold} is read as the MLNode reads it: its
     StatTestModel has no p_value_threshold, so the key is dropped and fraud_threshold (0.01 unless given) decides.
@@ -173,6 +173,7 @@ async def generate(request: web.Request) -> web.Response:
     return web.json_response(await app[pow_key].generate(b), dumps=json_text)
 
 
+@routes.get(f"{V2}/generate/{{request_id:.+}}")
 async def generate_result(request: web.Request) -> web.Response:
     """The /api/v1/pow result, under the id the caller used (ours, or the MLNode's "<port>:<id>")."""
     app = request.app
@@ -187,6 +188,7 @@ def _aggregate(pow_state: str) -> str:
     return pow_state if pow_state in ("GENERATING", "IDLE") else "MIXED"
 
 
+@routes.get(f"{V2}/status")
 async def status(request: web.Request) -> web.Response:
     app = request.app
     engine = app[engine_key]
@@ -197,6 +199,7 @@ async def status(request: web.Request) -> web.Response:
                              dumps=json_text)
 
 
+@routes.post(f"{V2}/stop")
 async def stop_v2(request: web.Request) -> web.Response:
     await request.app[pow_key].stop_all()
     return web.json_response({"status": "OK", "results": [{"port": _port(request), "status": "stopped"}],

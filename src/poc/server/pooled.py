@@ -64,11 +64,15 @@ KEY_COMMANDS = ("switch_job", "compute")  # the config commands that move the pu
 GPU_COUNT = 1  # one engine: the server's device (replicas are the parallel engine's business)
 
 
+routes = web.RouteTableDef()
+
+
 def setup(app: web.Application) -> None:
     track_streams(app, sessions_key, lambda s: s.request_end("server_shutdown"))
-    app.router.add_post("/pooled", pooled)
+    app.add_routes(routes)
 
 
+@routes.post("/pooled")
 async def pooled(request: web.Request) -> web.StreamResponse:
     app = request.app
     cfg = app[config_key]

@@ -21,16 +21,15 @@ from poc.server.metrics import CONTENT_TYPE
 from poc.server.stream import JobRunner, NdjsonWriter, json_text, pump
 
 log = logging.getLogger("poc.server")
+routes = web.RouteTableDef()
 
 
 def setup(app: web.Application) -> None:
-    app.router.add_get("/health", health)
-    app.router.add_post("/health", health)  # the PyWorker's benchmark posts here
-    app.router.add_post("/generate", generate)
-    app.router.add_post("/validate", validate)
-    app.router.add_get("/metrics", metrics)
+    app.add_routes(routes)
 
 
+@routes.get("/health")
+@routes.post("/health")  # the PyWorker's benchmark posts here
 async def health(request: web.Request) -> web.Response:
     """`state` loading | ready | busy | broken, plus the model, the device and the running job; 503 unless ready/busy.
 
@@ -65,6 +64,7 @@ def _job_json(r: JobRunner) -> dict:
     return d
 
 
+@routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
     engine = request.app[engine_key]
     data = request.app[metrics_key].render(engine.state, engine.load_seconds)
@@ -75,6 +75,7 @@ async def metrics(request: web.Request) -> web.Response:
 # /generate
 
 
+@routes.post("/generate")
 async def generate(request: web.Request) -> web.StreamResponse:
     app = request.app
     cfg = app[config_key]
@@ -109,6 +110,7 @@ async def stream_job(request: web.Request, runner: JobRunner, make_line) -> web.
 # /validate (PoC v1)
 
 
+@routes.post("/validate")
 async def validate(request: web.Request) -> web.Response:
     """Recompute a submitted v1 ProofBatch and answer the ValidatedBatch fields."""
     app = request.app

@@ -38,11 +38,15 @@ UNREACHABLE = "callback unreachable"  # what the stream says of any failure: the
 COMPLETED = ("max_nonces", "max_duration", "exhausted")  # the normal ends, after which /warmup/complete is sent
 
 
+routes = web.RouteTableDef()
+
+
 def setup(app: web.Application) -> None:
     track_streams(app, warmups_key, lambda stop: stop.set())
-    app.router.add_post("/warmup", warmup)
+    app.add_routes(routes)
 
 
+@routes.post("/warmup")
 async def warmup(request: web.Request) -> web.StreamResponse:
     app = request.app
     cfg = app[config_key]
