@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
-import threading
 import time
 import uuid
 from collections import deque
@@ -50,50 +48,25 @@ SHUTDOWN_JOB_WAIT = 30.0  # seconds shutdown waits for a stopped queued job to e
 # continuous generation (/init/generate, /phase/generate)
 
 
-class _Gated:
-    """The generation's nonces, dealt on the engine's thread: while `resume` is clear the engine waits at its next
-    draw (the computation pauses; the device stays claimed), until resumed or stopped."""
-
-    def __init__(self, nonces):
-        self.inner = iter(nonces)
-        self.resume = threading.Event()
-        self.resume.set()
-        self.stop: threading.Event | None = None  # the runner's
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> int:
-        while not self.resume.wait(0.5):
-            if self.stop is not None and self.stop.is_set():
-                break
-        return next(self.inner)
-
-
 class Generation:
     """One generation loop on the device. Each batch is spooled as it arrives (a record held under this
     generation's id: durable at once, so a kill -9 loses none). The first batch is released as soon as it is
     stored (the chain weighs what a node committed early in the PoC window: the node's early-share guard); then
     every callback_interval seconds, and once more when it ends (stop, shutdown or error), what was held is
     released and goes to {url}/generated merged, as the reference posts (clients/callbacks.py). When the sender
-    has no room for the url (its cap per destination), the computation pauses: the batches already in flight wait
-    here, in order, and go to the sender as room opens (records delivered or moved to the dead-letter file), then
-    the engine resumes. Nothing is dropped."""
+    has no room for the url (its cap per destination), the generation takes no further batch until room opens
+    (records delivered or moved to the dead-letter file): the runner's bound then pauses the engine, and the
+    batches in flight wait in the runner, in order (JobRunner.hold). Once the job ends, what was in flight goes to
+    the sender past its cap rather than wait in memory. Nothing is dropped."""
 
-    def __init__(self, app: web.Application, protocol: str, init, runner: JobRunner, gate: _Gated | None = None):
+    def __init__(self, app: web.Application, protocol: str, init, runner: JobRunner):
         self.app, self.protocol, self.init, self.runner = app, protocol, init, runner
         self.id = uuid.uuid4().hex
         self.seq = itertools.count(1)
         self.error: str | None = None
         self.task: asyncio.Task | None = None
-        self.gate = gate
-        self.backlog: deque[dict] = deque()  # payloads waiting for room at the sender (the batches in flight)
+        self.paused = False  # waiting for room at the sender
         self.pauses = 0
-        self._drain: asyncio.Task | None = None
-
-    @property
-    def paused(self) -> bool:
-        return self.gate is not None and not self.gate.resume.is_set()
 
     @property
     def active(self) -> bool:
@@ -103,9 +76,7 @@ class Generation:
         self.task = asyncio.create_task(self._run(), name=f"pow-generation-{self.id[:8]}")
 
     async def stop(self, reason: str = "stopped") -> None:
-        self.runner.stop(reason)
-        if self.gate is not None:
-            self.gate.resume.set()  # a paused engine draws once more, sees the stop and ends
+        self.runner.stop(reason)  # a paused generation stops waiting for room
         if self.task is not None:
             await asyncio.shield(self.task)  # ends after the batch in flight, with a final release
 
@@ -117,7 +88,7 @@ class Generation:
             async with contextlib.aclosing(self.runner.events()) as events:
                 async for kind, item in events:
                     if kind == "batch":
-                        if self.spool(item) and first and (item.artifacts or self.protocol == "v1"):
+                        if await self.spool(item) and first and (item.artifacts or self.protocol == "v1"):
                             first = False
                             await self.app[sender_key].stored()
                             self.app[sender_key].release(self.id)
@@ -133,43 +104,26 @@ class Generation:
             finally:
                 self.app[sender_key].release(self.id, final=True)
             self.runner.close()
-            if self.gate is not None:
-                self.gate.resume.set()
-            if self._drain is not None:
-                self._drain.cancel()
-                self._drain = None
-            # the computation has ended: what waits here (the few batches that were in flight) goes to the sender
-            # past its cap rather than wait in memory (the cap exists to pause the computation)
-            sender = self.app[sender_key]
-            while self.backlog:
-                sender.submit("generated", self.init.url, self.backlog.popleft(), f"{self.id}-{next(self.seq)}",
-                              merge=self.id, force=True)
 
-    def _pause(self) -> None:
-        if self.gate is not None and self.gate.resume.is_set():
-            self.gate.resume.clear()
-            self.pauses += 1
-            log.warning("generation %s paused: %d callback record(s) pending for %s (the cap per destination); it "
-                        "resumes as they are delivered or dead-lettered", self.id[:8],
-                        self.app[sender_key].pending_for(self.init.url), self.init.url)
-
-    async def _drain_backlog(self) -> None:
-        sender = self.app[sender_key]
-        url = self.init.url
-        while self.backlog:
-            # the held records must go out to make room: release what this generation holds
-            sender.release(self.id)
-            await sender.wait_room(url)
-            while self.backlog and sender.room(url):
-                sender.submit("generated", url, self.backlog.popleft(), f"{self.id}-{next(self.seq)}", merge=self.id)
-        self._drain = None
-        if self.gate is not None and not self.gate.resume.is_set():
+    async def _wait_room(self) -> None:
+        """Hold the generation until the sender has room for the url, or the job is ending."""
+        sender, url = self.app[sender_key], self.init.url
+        self.paused = True
+        self.pauses += 1
+        log.warning("generation %s paused: %d callback record(s) pending for %s (the cap per destination); it resumes "
+                    "as they are delivered or dead-lettered", self.id[:8], sender.pending_for(url), url)
+        try:
+            while not sender.room(url) and not self.runner.ending:
+                sender.release(self.id)  # the held records must go out to make room
+                await self.runner.hold(sender.wait_room(url))
+        finally:
+            self.paused = False
+        if sender.room(url):
             log.info("generation %s resumes", self.id[:8])
-            self.gate.resume.set()
 
-    def spool(self, b: BatchResult) -> bool:
-        """Hand one computed batch to the callback sender, held until the next release (nothing is discarded);
-        True when it went to the sender now (not to the backlog, and not empty)."""
+    async def spool(self, b: BatchResult) -> bool:
+        """Hand one computed batch to the callback sender, held until the next release (nothing is discarded),
+        after waiting for room while the job goes on; True when it went to the sender (not empty)."""
         url = self.init.url
         if url is None:
             return False
@@ -185,13 +139,11 @@ class Generation:
                 return False
             payload = v1.ProofBatch(i.public_key, i.block_hash, i.block_height, nonces, dist, i.node_id).to_json()
         sender = self.app[sender_key]
-        if self.backlog or not sender.room(url):  # in order behind what already waits
-            self.backlog.append(payload)
-            self._pause()
-            if self._drain is None:
-                self._drain = asyncio.create_task(self._drain_backlog(), name=f"pow-generation-drain-{self.id[:8]}")
-            return False
-        sender.submit("generated", url, payload, f"{self.id}-{next(self.seq)}", merge=self.id)
+        if not sender.room(url) and not self.runner.ending:
+            await self._wait_room()
+        # past the cap only once the job is ending: the few batches that were in flight (the cap pauses the work)
+        sender.submit("generated", url, payload, f"{self.id}-{next(self.seq)}", merge=self.id,
+                      force=not sender.room(url))
         return True
 
     def stats(self) -> dict:
@@ -321,10 +273,7 @@ class PowService:
 
     async def _start_generation(self, protocol: str, init, job, label: str) -> None:
         claim = await self._claim_before_queue(f"pow generation ({protocol})")
-        gate = _Gated(job.nonces)
-        runner = new_runner(self.app, dataclasses.replace(job, nonces=gate), claim, label)
-        gate.stop = runner.stop_event
-        self.gen = Generation(self.app, protocol, init, runner, gate)
+        self.gen = Generation(self.app, protocol, init, new_runner(self.app, job, claim, label))
         self.gen.start()
 
     def need_v1(self) -> schemas.PowV1Init:
@@ -454,8 +403,8 @@ class PowService:
         self._sweep()
         job = self.jobs.get(request_id)
         if job is None:
-            raise InputError(f"Request {named or request_id} not found (unknown, or expired {self.cfg.result_ttl:.0f} s "
-                             "after it finished)", "request_id", status=404)
+            raise InputError(f"Request {named or request_id} not found (unknown, or expired "
+                             f"{self.cfg.result_ttl:.0f} s after it finished)", "request_id", status=404)
         return job.view()
 
     def status(self) -> dict:
