@@ -310,3 +310,68 @@ def test_each_rule_fails_on_a_planted_violation(tmp_path, monkeypatch):
     write("src/poc/model/c.py", "import poc.model.missing\n")
     with pytest.raises(AssertionError, match=r"poc.model.c imports modules that do not exist: \['poc.model.missing"):
         test_every_module_has_a_layer_and_imports_resolve()
+
+
+# --- the server's route modules: side by side, composed by app.py alone ------------------------------------------
+
+COMPOSER = "poc.server.app"  # create_app: registers every route module
+ROUTE_CALLS = {"RouteTableDef", "add_routes", "add_subapp", "add_route", "add_get", "add_post", "add_put", "add_patch",
+               "add_delete", "add_head", "add_view", "add_static"}
+
+
+def registers_routes(source: str) -> bool:
+    """A module registers aiohttp routes: it makes a RouteTableDef or calls add_routes/add_subapp/router.add_*."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            if name in ROUTE_CALLS:
+                return True
+    return False
+
+
+def route_modules() -> set[str]:
+    """The modules of poc.server that register routes, app.py (which composes them) aside."""
+    return {name for name, path in modules().items()
+            if name.startswith("poc.server.") and name != COMPOSER and registers_routes(path.read_text())}
+
+
+def test_the_route_modules_are_the_apis():
+    """The detection finds every API's module (a new one is found by the same rule) and nothing that only helps."""
+    found = route_modules()
+    assert {f"poc.server.{m}" for m in ("vast", "pow", "mlnode", "models", "gpu", "pooled", "warmup")} <= found, found
+    assert not found & {"poc.server.jobs", "poc.server.pow_service", "poc.server.context", "poc.server.stream"}, found
+
+
+def test_no_route_module_imports_another():
+    """Route modules stand side by side: what two of them share lives in a module that registers no route
+    (server/jobs.py, server/pow_service.py, ...), and only app.py imports a route module, so no shared module is a
+    back door from one route module to another."""
+    routes, g = route_modules(), graph()
+    bad = sorted(f"route module {name} imports route module {d}" if name in routes else
+                 f"{name} imports route module {d} (only {COMPOSER} composes them)"
+                 for name, deps in g.items() if name != COMPOSER for d in deps if d in routes)
+    assert not bad, "imports of a route module:\n" + "\n".join(bad)
+
+
+def test_the_route_rule_fails_on_a_planted_violation(tmp_path, monkeypatch):
+    """A route module importing another, and a shared module importing a route module, are both named; app.py
+    importing them and a route module importing a shared module are not."""
+    files = {
+        "__init__.py": "", "server/__init__.py": "",
+        "server/app.py": "from poc.server import a, b\n\ndef create_app(app):\n    a.setup(app)\n    b.setup(app)\n",
+        "server/a.py": "from aiohttp import web\nfrom poc.server.shared import helper\nroutes = web.RouteTableDef()\n",
+        "server/b.py": "def setup(app):\n    from poc.server.a import routes  # deferred: still counts\n"
+                       "    app.router.add_get('/b', routes)\n",
+        "server/shared.py": "def helper():\n    from poc.server import b\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / "poc" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "poc" / rel).write_text(text)
+    monkeypatch.setitem(globals(), "SRC", tmp_path)
+    assert route_modules() == {"poc.server.a", "poc.server.b"}
+    with pytest.raises(AssertionError) as e:
+        test_no_route_module_imports_another()
+    assert "route module poc.server.b imports route module poc.server.a" in str(e.value)
+    assert "poc.server.shared imports route module poc.server.b (only poc.server.app composes them)" in str(e.value)
+    assert "poc.server.app imports" not in str(e.value) and "poc.server.a imports" not in str(e.value)

@@ -23,6 +23,7 @@ from poc.server.config import ServerConfig
 from poc.server.context import (config_key, engine_key, freed_key, listening_key, metrics_key, runners_key,
                                 sender_key, tasks_key, watch_releases)
 from poc.server.metrics import Metrics
+from poc.server.pow_service import pow_key
 
 log = logging.getLogger("poc.server")
 
@@ -137,7 +138,7 @@ async def on_shutdown(app: web.Application) -> None:
         log.info("shutdown: stopping %d job(s)", n)
     for r in list(app[runners_key]):
         r.stop("shutdown")
-    await app[pow.pow_key].shutdown()
+    await app[pow_key].shutdown()
 
 
 # --------------------------------------------------------------------------------------------------
