@@ -161,6 +161,25 @@ def test_a_fatal_start_exits_nonzero_by_default(tmp_path):
     assert len(fatal) == 1 and "does not exist" in fatal[0] and "Application startup complete." not in s.text()
 
 
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_server_goes_on(tmp_path):
+    """A hung server is diagnosed without stopping it: kill -USR1 writes its threads' stacks into the log."""
+    import urllib.request
+
+    s = ServerProcess(tmp_path / "s.log", "--spool-dir", str(tmp_path / "sp"))
+    try:
+        wait_for(lambda: "Application startup complete." in s.text(), 90, "the readiness line", s.text)
+        assert "most recent call first" not in s.text()
+        os.kill(s.proc.pid, signal.SIGUSR1)
+        wait_for(lambda: "most recent call first" in s.text(), 30, "the stacks", s.text)
+        with urllib.request.urlopen(f"{s.url}/health", timeout=30) as r:
+            assert r.status == 200
+        assert s.proc.poll() is None
+    finally:
+        rc = s.terminate()
+    assert rc == 0, s.text()
+    assert "Thread 0x" in s.text() and "serve.py" in s.text()
+
+
 def test_fatal_keepalive_setting_is_checked():
     p = subprocess.run([sys.executable, str(ROOT / "model_server.py"), "--device", "cpu"], capture_output=True,
                        text=True, timeout=60, env={**os.environ, "POC_FATAL_KEEPALIVE": "maybe"})

@@ -49,6 +49,24 @@ WORKLOADS = {
 MODES = ("cold", "compile_at_start", "warm_cache", "warm_cache_cas")
 
 
+def dump_stacks(pid: int) -> None:
+    """SIGUSR1 to a server and the processes it started (its ranks): each writes its threads' stacks to its log
+    (poc.logs.stacks_on_sigusr1)."""
+    pids = [pid]
+    for p in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(p.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                pids.append(int(p.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(2.0)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,6 +96,9 @@ def started_server(args: list[str], log: Path, timeout: float, env: dict | None 
                                    f"{log.read_text(errors='replace')[-3000:]}")
             time.sleep(0.05)
         yield port, time.monotonic() - t0
+    except BaseException:  # a job failed or hung: every thread's stack of the server and its ranks into the log
+        dump_stacks(proc.pid)
+        raise
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

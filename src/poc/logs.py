@@ -11,8 +11,10 @@ visible: after one the device is unusable and the worker should be replaced.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import re
+import signal
 import sys
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -63,3 +65,11 @@ def setup_logging(level: str = "INFO") -> None:
     root.setLevel(level)
     # one access line per request is noise next to the rate lines; --log-level debug brings it back
     logging.getLogger("aiohttp.access").setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
+
+
+def stacks_on_sigusr1() -> None:
+    """`kill -USR1 <pid>` writes every thread's Python stack to stderr (the log) and the process goes on: what a
+    hung server or rank process is doing, without stopping it. faulthandler's text ("Thread 0x... (most recent
+    call first)") carries none of the PyWorker's crash markers."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)

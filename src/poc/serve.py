@@ -19,7 +19,7 @@ from aiohttp import web
 
 from poc.errors import InputError
 from poc.server.config import check_spool_dir, parse_args
-from poc.logs import setup_logging
+from poc.logs import setup_logging, stacks_on_sigusr1
 
 FATAL = "Error: POC-FATAL"  # worker.py's on_error pattern: printed only here
 EXIT_LOAD_FAILED = 3  # the --model checkpoint failed to load (without POC_FATAL_KEEPALIVE)
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model))
         setup_logging(cfg.log_level)
+        stacks_on_sigusr1()
         from poc.server.app import create_app, mark_listening  # torch is imported here, after the flags
 
         app = create_app(cfg)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from poc.engine.compute import DTYPES, Stage, V1Compute, V2Compute
 from poc.engine.jobs import V1Job, V2Job
-from poc.logs import OneLineFormatter
+from poc.logs import OneLineFormatter, stacks_on_sigusr1
 from poc.parallel import pp
 from poc.parallel.build import Part, build
 from poc.parallel.layout import RankConfig
@@ -508,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     conn.send(("hello", rank, os.getpid()))
     cfg: RankConfig = conn.recv()
     _setup_logging(rank, cfg.log_level)
+    stacks_on_sigusr1()
     try:
         if rank == 0:  # the rendezvous store lives here, on a port the OS picked (no free-port race)
             store = dist.TCPStore(cfg.store_host, 0, cfg.layout.world, is_master=True,
