@@ -201,8 +201,9 @@ print(json.dumps(out))
 
 
 def bench_process(a, dims: tuple[int, int, int], batch: int, env: dict) -> dict:
-    """poc.bench's measurement (run_engine: the same batches, timed from the first result) on make_engine of this
-    layout in a process of its own: the model built and compiled (from the shared cache) once more."""
+    """poc.bench's measurement (run_engine: the same batches, timed after the first `replicas` results, since each
+    replica's first batch carries its compile) on make_engine of this layout in a process of its own: the model
+    built and compiled (from the shared cache) once more."""
     code = """
 import json, sys
 sys.path.insert(0, %r)
@@ -214,7 +215,7 @@ a = json.loads(sys.argv[1])
 tp, pp, rep = a["dims"]
 e = make_engine(a["device"], model_dir=a["model"], dtype=a["dtype"], tp=tp, pp=pp, replicas=rep, compile="auto")
 e.load()
-r = run_engine(e, V2Job(BH, PK, 1, a["seq"], 12, v1.worker_nonces(0, 0, 1), a["batch"]), 1, a["n"] - 1)
+r = run_engine(e, V2Job(BH, PK, 1, a["seq"], 12, v1.worker_nonces(0, 0, 1), a["batch"]), rep, a["n"] - rep)
 r["pipeline"] = getattr(e, "last_job_stats", None)
 e.close()
 print(json.dumps(r))
