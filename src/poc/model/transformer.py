@@ -228,6 +228,7 @@ class MoE(nn.Module):
         self.group = None  # expert-parallel process group (all-reduce of the fp32 partial sums)
         self.fast = False  # compiled elementwise steps in the dispatch (set by the engine when it compiles)
         self.reduce_in_model_dtype = False  # all-reduce rounded partials (POC_TP_REDUCE=model) instead of fp32 ones
+        self.gluon = True  # W8A8 on Hopper: the Gluon expert kernels, else Triton's (ModelOptions.gluon: the engine)
 
     def keep_experts(self, first: int, stop: int) -> None:
         """Hold only experts first..stop-1 (before loading or fuse)."""
@@ -281,7 +282,7 @@ class MoE(nn.Module):
             fp32 = self.group is not None and not self.reduce_in_model_dtype
             out = dispatch_stacked(x, weights, index, self.w13, self.w2, E, self.first, w13_scale=self.w13_scale,
                                    w2_scale=self.w2_scale, w8a8=self.w8a8, ue8m0=self.ue8m0, xq=xq, fast=self.fast,
-                                   out_dtype=torch.float32 if fp32 else x.dtype)
+                                   gluon=self.gluon, out_dtype=torch.float32 if fp32 else x.dtype)
         if self.group is not None:  # each rank summed its own experts' terms: add the fp32 partials, round once
             if self.reduce_in_model_dtype:  # or round each rank's partial and add those (half the bytes)
                 out = out.to(x.dtype)
@@ -296,13 +297,14 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.dim, cfg.ffn_dim)
+        self.fused_norm = True  # W8A8: norm + quantiser in one pass (fp8.norm_quant; ModelOptions.fused_norm: engine)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, last_only: bool = False) -> tuple[Tensor, Tensor]:
         """The split pair (mlp branch, residual) as vLLM returns it; the layer output is their sum.
 
         last_only: compute only the last position (B, 1, D) (keys and values still see every position)."""
         res = x[:, -1:] if last_only else x
-        fuse = fp8.FUSED_NORM  # else the norms stay in the compiled graph, their readers quantise
+        fuse = self.fused_norm  # else the norms stay in the compiled graph, their readers quantise
         if fuse and self.self_attn.reads_fp8():  # the norm and the projections' quantiser in one pass
             h = fp8.norm_quant(self.input_layernorm, x, ue8m0=self.self_attn.reads_ue8m0())[1]
         else:

@@ -27,11 +27,12 @@ from poc.protocol import v1
 
 def load_shard(path: str | Path, dtype, device, stage: int = 0, n_stages: int = 1, tp_rank: int = 0,
                tp_size: int = 1, tp_group=None, fp8_experts: str | None = None,
-               fp8: str | None = None, fp8_scales: str | None = None) -> tuple[Transformer, ModelConfig]:
+               fp8: str | None = None, fp8_scales: str | None = None,
+               tp_reduce: str = "fp32") -> tuple[Transformer, ModelConfig]:
     """A headless checkpoint model holding only this rank's stage layers and tensor-parallel slices, in eval mode.
     An FP8 checkpoint's W8A8 linears are sliced on 128-blocks with their scales (fp8.scale_slice), then take their
     scale format on the slice (fp8.use_scales: UE8M0 re-quantises per 128x128 block, so a slice is re-quantised as
-    that part of the whole)."""
+    that part of the whole). tp_reduce: how the partial sums are all-reduced (tp.apply_tp)."""
     path = Path(path)
     if not path.is_dir():
         raise InputError(f"model directory {path} does not exist", "model")
@@ -43,7 +44,7 @@ def load_shard(path: str | Path, dtype, device, stage: int = 0, n_stages: int = 
     dtypes, stack_experts = use_fp8(model, refs, fp8, fp8_experts)
     check_checkpoint(refs, model, expected_keys(model))  # the whole model against the file headers: reads nothing
     keep_stage(model, stage, n_stages)
-    plan = apply_tp(model, tp_rank, tp_size, tp_group)
+    plan = apply_tp(model, tp_rank, tp_size, tp_group, tp_reduce)
     names = expected_keys(model)
     if stack_experts:  # only this rank's experts
         kept = keep_fp8_experts(model, refs, torch.device(device), w8a8=fp8_mode(fp8) == "w8a8")
@@ -61,17 +62,19 @@ def load_shard(path: str | Path, dtype, device, stage: int = 0, n_stages: int = 
 
 
 def build_v1_shard(p: v1.V1Params, block_hash: str, dtype: torch.dtype, device, stage: int = 0,
-                   n_stages: int = 1, tp_rank: int = 0, tp_size: int = 1, tp_group=None) -> Transformer:
-    """v1's random model (random_init.build_v1_model) as this rank's shard: same values, only its slices."""
+                   n_stages: int = 1, tp_rank: int = 0, tp_size: int = 1, tp_group=None, tp_reduce: str = "fp32",
+                   workers: int | None = None) -> Transformer:
+    """v1's random model (random_init.build_v1_model) as this rank's shard: same values, only its slices. workers:
+    threads drawing the pool (random_init.pool_tensor)."""
     device = torch.device(device)
     cfg = v1_config(p)
     with torch.device("meta"):
         model = Transformer(cfg, with_head=True)
     model.embed_tokens = None  # in the pool's total, never used
     keep_stage(model, stage, n_stages)
-    plan = apply_tp(model, tp_rank, tp_size, tp_group)
+    plan = apply_tp(model, tp_rank, tp_size, tp_group, tp_reduce)
     want = set(model.state_dict(keep_vars=True))
-    pool = pool_tensor(block_hash, v1.pool_size(p.total_params), device)
+    pool = pool_tensor(block_hash, v1.pool_size(p.total_params), device, workers)
     sd = {}
     for ref, shape in v1.param_shapes(p):
         name = hf_name(ref)

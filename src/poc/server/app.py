@@ -38,7 +38,7 @@ def _make_engine(config: ServerConfig) -> EngineBase:
         from poc.parallel import auto
 
         gpus = auto.detect_gpus() if config.device in (None, "", "auto") or config.device.startswith("cuda") else []
-        choice = auto.for_model(config.model, config.dtype, config.fp8_experts, gpus)
+        choice = auto.for_model(config.model, config.dtype, config.fp8_experts, gpus, fp8=config.fp8)
         log.info("--layout auto: %s", choice.why)
         config = dataclasses.replace(config, layout="", tp=choice.tp, pp=choice.pp, replicas=choice.replicas)
     if config.tp * config.pp > 1 or config.replicas != 1:
@@ -46,9 +46,10 @@ def _make_engine(config: ServerConfig) -> EngineBase:
 
         return make_engine(config.device, config.model, config.dtype, tp=config.tp, pp=config.pp,
                            replicas=config.replicas or None, compile=config.compile,
-                           fp8_experts=config.fp8_experts, fp8_scales=config.fp8_scales)
+                           options=config.model_options(), stage_timing=config.stage_timing,
+                           profile_dir=config.rank_profile)
     return Engine(device=config.device, model_dir=config.model, dtype=config.dtype, compile=config.compile,
-                  fp8_experts=config.fp8_experts, fp8_scales=config.fp8_scales)
+                  options=config.model_options())
 
 
 def create_app(config: ServerConfig) -> web.Application:
