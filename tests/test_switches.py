@@ -9,6 +9,13 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
+from poc import cli
+from poc.errors import InputError
+from poc.model.options import ModelOptions
+from poc.server.config import parse_args
+
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 NAME = re.compile(r"POC_[A-Z0-9_]+")
@@ -120,3 +127,29 @@ def g():
     readme = ("# x\n## Configuration\n\n| flag | environment | default |\n|---|---|---|\n"
               "| `--a` | `POC_FOO` | see `POC_BAR` |\n| (env only) | `POC_BAZ`, `POC_QUX` | 1 |\n\n## Next\n| | `POC_BAR` |")
     assert readme_switches(readme) == {"POC_FOO", "POC_BAZ", "POC_QUX"}  # POC_BAR only in other columns or sections
+
+
+def test_the_settings_read_the_model_and_rank_switches(monkeypatch):
+    """ServerConfig reads them (defaults as before: W8A8, UE8M0, experts kept, fused norm and Gluon on, fp32 reduce,
+    the CPU count) and a bad value stops the start naming the variable; python -m poc reads the same ones."""
+    d = parse_args([], env={})
+    assert d.model_options() == ModelOptions() == ModelOptions("w8a8", "ue8m0", "keep", True, True, "fp32", None)
+    assert not d.stage_timing and d.rank_profile is None
+    c = parse_args([], env={"POC_FP8": "dequant", "POC_FP8_FUSED_NORM": "0", "POC_FP8_GLUON": "0",
+                            "POC_TP_REDUCE": "model", "POC_POOL_WORKERS": "3", "POC_STAGE_TIMING": "1",
+                            "POC_RANK_PROFILE": "/tmp/prof", "POC_FP8_EXPERTS": "dequant"})
+    assert c.model_options() == ModelOptions(fp8="dequant", fp8_experts="dequant", fused_norm=False, gluon=False,
+                                             tp_reduce="model", pool_workers=3)
+    assert c.stage_timing and c.rank_profile == "/tmp/prof"
+    for var, bad, message in [("POC_FP8", "int4", "POC_FP8 must be w8a8 or dequant"),
+                              ("POC_FP8_FUSED_NORM", "on", "POC_FP8_FUSED_NORM must be 0 or 1"),
+                              ("POC_FP8_GLUON", "2", "POC_FP8_GLUON must be 0 or 1"),
+                              ("POC_TP_REDUCE", "bf16", "POC_TP_REDUCE must be fp32 or model"),
+                              ("POC_POOL_WORKERS", "0", "POC_POOL_WORKERS must be an integer >= 1"),
+                              ("POC_POOL_WORKERS", "many", "POC_POOL_WORKERS must be an integer >= 1"),
+                              ("POC_STAGE_TIMING", "yes", "POC_STAGE_TIMING must be 0 or 1")]:
+        with pytest.raises(InputError, match=message):
+            parse_args([], env={var: bad})
+    monkeypatch.setenv("POC_FP8_GLUON", "2")  # the CLI: refused before any model is built
+    with pytest.raises(InputError, match="POC_FP8_GLUON must be 0 or 1"):
+        cli.run(["v1", "--params", "{}", "--block-hash", "h", "--public-key", "k", "--nonces", "0-1"])
