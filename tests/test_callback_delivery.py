@@ -15,7 +15,7 @@ from poc.clients.spool import Spool, read_dead_letter
 from poc.server.app import create_app
 from poc.server.context import sender_key
 from poc.server.metrics import Metrics
-from poc.server.pow import pow_key
+from poc.server.pow_service import pow_key
 
 from .fakes import wait_until
 from .golden import V1_GOLDEN as G1

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 from poc.model.weights import INDEX_FILE, checkpoint_files, dequantize_fp8, load_model  # noqa: E402
-from poc.parallel.shard import load_shard  # noqa: E402
+from poc.parallel.build import Part, build  # noqa: E402
 from tests.checkpoints import quantize, randomize  # noqa: E402
 
 ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -150,7 +150,7 @@ def check_tp_slices(path, whole, dtype=torch.float32) -> None:
     """Each of 2 tp ranks holds exactly its slices of the whole model's parameters (experts: its half)."""
     full = whole.state_dict()
     for rank in (0, 1):
-        part, _ = load_shard(path, dtype, "cpu", tp_rank=rank, tp_size=2, fp8=FP8_FORWARD)
+        part, _ = build(path, dtype, "cpu", Part(tp_rank=rank, tp_size=2), fp8=FP8_FORWARD)
         sd = part.state_dict()
         assert sd and set(sd) <= set(full)
         for k, v in sd.items():
@@ -239,8 +239,8 @@ def test_fp8_hub_form_matches_dequantised_twin(name, tmp_path):
     check_tp_slices(tmp_path / "twin", twin)
     # an FP8 rank's slices: dequantised at load (experts too), equal to the twin's
     for rank in (0, 1):
-        a, _ = load_shard(tmp_path / "fp8", torch.float32, "cpu", tp_rank=rank, tp_size=2, fp8_experts="dequant",
-                          fp8=FP8_FORWARD)
-        b, _ = load_shard(tmp_path / "twin", torch.float32, "cpu", tp_rank=rank, tp_size=2, fp8=FP8_FORWARD)
+        a, _ = build(tmp_path / "fp8", torch.float32, "cpu", Part(tp_rank=rank, tp_size=2), fp8_experts="dequant",
+                     fp8=FP8_FORWARD)
+        b, _ = build(tmp_path / "twin", torch.float32, "cpu", Part(tp_rank=rank, tp_size=2), fp8=FP8_FORWARD)
         sa, sb = a.state_dict(), b.state_dict()
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

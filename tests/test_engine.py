@@ -55,6 +55,31 @@ def test_stop_finishes_inflight_batch(engine):
     assert 2 <= s.batches <= 3 and s.computed == len(nonces)
 
 
+def test_one_dealing_rule_for_every_engine(engine, monkeypatch):
+    """jobs.Dealer: batches_ahead a replica dealt in turn first, then consecutive batch_size pieces of the job's one
+    iterator, the last cut at max_nonces. The one-device Engine takes its nonces through it (as DistEngine does,
+    tests/test_parallel_ranks.py), holding batches_ahead(1) = 3: one prepared, one computed, one collected."""
+    from poc.engine import dist, engine as engine_mod
+    from poc.engine.jobs import Dealer, batches_ahead
+
+    d = Dealer(v1_job(n_max=10, batch=4), replicas=2, pp=2)
+    assert (d.ahead, batches_ahead(), batches_ahead(4)) == (4, 3, 6)
+    assert d.first() == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert [d.next() for _ in range(4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], []] and d.taken == 10
+    assert dist.Dealer is Dealer  # the distributed engine deals by the same rule
+    dealers = []
+
+    class Recording(Dealer):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            dealers.append(self)
+
+    monkeypatch.setattr(engine_mod, "Dealer", Recording)
+    out = []
+    engine.run(v1_job(n_max=6, batch=4), out.append, threading.Event())
+    assert len(dealers) == 1 and dealers[0].taken == 6 and [b.nonces for b in out] == [[0, 1, 2, 3], [4, 5]]
+
+
 def test_exhausted_iterator_and_duration(engine):
     job = v1_job(batch=4)
     job.nonces = v1.range_nonces(5, 14)

@@ -116,13 +116,13 @@ def test_fp8_errors(ckpts, tmp_path):
 @torch.no_grad()
 def test_fp8_tensor_parallel_slices(tmp_path):
     """A tp rank's slices of an FP8 checkpoint (dequantised whole, then cut) equal the twin's slices bit for bit."""
-    from poc.parallel.shard import load_shard
+    from poc.parallel.build import Part, build
 
     make_hf(tmp_path / "src", "qwen3", intermediate_size=320)
     write_fp8_and_twin(tmp_path / "src", tmp_path / "fp8", tmp_path / "twin")
     for rank in (0, 1):
-        a, _ = load_shard(tmp_path / "fp8", "auto", "cpu", tp_rank=rank, tp_size=2, fp8=FP8_FORWARD)
-        b, _ = load_shard(tmp_path / "twin", "auto", "cpu", tp_rank=rank, tp_size=2, fp8=FP8_FORWARD)
+        a, _ = build(tmp_path / "fp8", "auto", "cpu", Part(tp_rank=rank, tp_size=2), fp8=FP8_FORWARD)
+        b, _ = build(tmp_path / "twin", "auto", "cpu", Part(tp_rank=rank, tp_size=2), fp8=FP8_FORWARD)
         sa, sb = a.state_dict(), b.state_dict()
         assert sa["layers.0.mlp.down_proj.weight"].shape == (64, 160)
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -137,7 +137,7 @@ def test_fp8_experts_kept_in_memory(tmp_path, device):
     column block."""
     from poc.model.transformer import MoE
     from poc.model.weights import fp8_experts_mode
-    from poc.parallel.shard import load_shard
+    from poc.parallel.build import Part, build
 
     src = tmp_path / "src"
     make_hf_moe(src, **dict(MOE_CASES["mlp-only-layer-norm-topk"], moe_intermediate_size=128, hidden_size=192))
@@ -159,7 +159,7 @@ def test_fp8_experts_kept_in_memory(tmp_path, device):
         kept.fuse(), full.fuse()  # the same attention GEMMs, and stacked experts in both (grouped GEMM on CUDA)
         assert torch.equal(kept(xs, reflections=vs.to(dtype), last_only=False),
                            full(xs, reflections=vs.to(dtype), last_only=False))
-    rank, _ = load_shard(tmp_path / "fp8", torch.bfloat16, "cpu", tp_rank=1, tp_size=2, fp8=FP8_FORWARD)
+    rank, _ = build(tmp_path / "fp8", torch.bfloat16, "cpu", Part(tp_rank=1, tp_size=2), fp8=FP8_FORWARD)
     m = next(b.mlp for b in rank.layers.values() if isinstance(b.mlp, MoE))
     assert (m.first, m.stop) == (4, 8) and m.w13.shape == (4, 256, 192) and m.w13.dtype == torch.float8_e4m3fn
     assert fp8_experts_mode("dequant") == "dequant"

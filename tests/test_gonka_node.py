@@ -38,7 +38,7 @@ from aiohttp import web
 
 from poc.protocol import v2
 from poc.server.app import create_app
-from poc.server.pow import pow_key
+from poc.server.pow_service import pow_key
 
 from poc.server.context import sender_key
 

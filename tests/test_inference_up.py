@@ -12,7 +12,7 @@ import pytest
 from poc.protocol import v2
 from poc.server.app import create_app
 from poc.server.context import engine_key
-from poc.server.pow import pow_key
+from poc.server.pow_service import pow_key
 
 from .fakes import wait_until
 from .golden import GOLDEN, V2_GOLDEN as G2

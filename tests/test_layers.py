@@ -16,8 +16,8 @@ LAYERS = [
     ("poc", "poc.dtypes", "poc.errors", "poc.logs", "poc.profiling"),
     ("poc.protocol",),
     ("poc.model",),
-    ("poc.engine",),
     ("poc.parallel",),
+    ("poc.engine",),
     ("poc.clients",),
     ("poc.server",),
     ("poc.cli", "poc.bench", "poc.serve", "poc.__main__"),
@@ -126,6 +126,54 @@ def test_the_checker_sees_a_cycle_and_an_upward_import():
     assert layer("poc.logs") < layer("poc.protocol.v1")
 
 
+ENGINE_ROOM = "poc.engine"
+
+
+def engines_outside(sources: dict[str, str]) -> list[str]:
+    """Engines defined outside poc.engine, in `sources` (module name -> source): a class deriving from EngineBase
+    (directly or through another engine class, by base name), or a rank process (a module that joins a process
+    group: init_process_group)."""
+    classes = {}  # (module, class) -> the last dotted part of each base
+    joins = set()
+    for name, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                classes[(name, node.name)] = {ast.unparse(b).split(".")[-1] for b in node.bases}
+            elif isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "init_process_group":
+                joins.add(name)
+    engines = {"EngineBase"}
+    while True:
+        more = {cls for (_, cls), bases in classes.items() if bases & engines} - engines
+        if not more:
+            break
+        engines |= more
+    found = [f"{m}.{cls} is an engine (EngineBase)" for (m, cls) in sorted(classes)
+             if cls in engines and cls != "EngineBase"]
+    found += [f"{m} joins a process group (a rank process)" for m in sorted(joins)]
+    return [f for f in found if not (f.startswith(ENGINE_ROOM + ".") or f.startswith(ENGINE_ROOM + " "))]
+
+
+def test_every_engine_lives_in_the_engine_room():
+    """The one-device engine, the distributed one and its rank processes are all in poc.engine; poc.parallel only
+    rewrites a built model, and nothing above poc.engine runs one of its own."""
+    bad = engines_outside({name: path.read_text() for name, path in modules().items()})
+    assert not bad, "engines outside poc.engine:\n" + "\n".join(bad)
+
+
+def test_the_engine_room_check_sees_each_kind():
+    """An engine class outside poc.engine (here one deriving from an engine through a module attribute) and a rank
+    process outside it are named; the ones inside are not, nor a class that is no engine."""
+    found = engines_outside({
+        "poc.engine.base": "class EngineBase(abc.ABC):\n    pass\n",
+        "poc.engine.engine": "class Engine(EngineBase):\n    pass\n",
+        "poc.engine.ranks": "import torch.distributed as dist\ndist.init_process_group('gloo')\n",
+        "poc.parallel.engine": "from poc.engine import engine\nclass DistEngine(engine.Engine):\n    pass\n",
+        "poc.parallel.ranks": "def main():\n    torch.distributed.init_process_group('nccl')\n",
+        "poc.server.jobs": "class Runner:\n    pass\n"})
+    assert found == ["poc.parallel.engine.DistEngine is an engine (EngineBase)",
+                     "poc.parallel.ranks joins a process group (a rank process)"]
+
+
 def engine_misuse(source: str) -> list[str]:
     """In server code: an engine's private attribute read, a getattr() on an engine, or a write to an engine."""
     found = []
@@ -225,7 +273,12 @@ def test_each_rule_fails_on_a_planted_violation(tmp_path, monkeypatch):
     for pkg in ("poc", "poc/protocol", "poc/model", "poc/server"):
         write(f"src/{pkg}/__init__.py")
     write("src/poc/protocol/v1.py", "def target():\n    from poc.server import app  # deferred: still counts\n")
-    write("src/poc/server/app.py")
+    write("src/poc/server/app.py", "from poc.engine.engine import Engine\n\nclass Patched(Engine):\n    pass\n")
+    write("src/poc/engine/__init__.py")
+    write("src/poc/engine/base.py", "class EngineBase:\n    pass\n")
+    write("src/poc/engine/engine.py", "from poc.engine.base import EngineBase\n\nclass Engine(EngineBase):\n    pass\n")
+    write("src/poc/engine/ranks.py", "import torch.distributed as dist\ndist.init_process_group('gloo')\n")  # fine
+    write("src/poc/model/ranks.py", "from torch import distributed\ndistributed.init_process_group('gloo')\n")
     write("src/poc/model/a.py", "from poc.model import b\n")
     write("src/poc/model/b.py", "from poc.model.a import f\n")
     write("tests/checkpoints.py", "from tests import test_moe\n")  # a helper importing a test module
@@ -241,6 +294,8 @@ def test_each_rule_fails_on_a_planted_violation(tmp_path, monkeypatch):
     checks = [
         (test_no_upward_import, ["poc.protocol.v1 (poc.protocol) imports poc.server.app (poc.server)"]),
         (test_no_import_cycle, ["poc.model.a <-> poc.model.b"]),
+        (test_every_engine_lives_in_the_engine_room, ["poc.server.app.Patched is an engine",
+                                                      "poc.model.ranks joins a process group"]),
         (test_no_test_module_imports_another, ["tests/checkpoints.py line 1: tests.test_moe",
                                                "tests/test_fp8.py line 2: .test_moe.CASES"]),
         (test_diagnostics_and_scripts_use_public_names, ["line 2: imports poc.model.transformer._act",
@@ -255,3 +310,68 @@ def test_each_rule_fails_on_a_planted_violation(tmp_path, monkeypatch):
     write("src/poc/model/c.py", "import poc.model.missing\n")
     with pytest.raises(AssertionError, match=r"poc.model.c imports modules that do not exist: \['poc.model.missing"):
         test_every_module_has_a_layer_and_imports_resolve()
+
+
+# --- the server's route modules: side by side, composed by app.py alone ------------------------------------------
+
+COMPOSER = "poc.server.app"  # create_app: registers every route module
+ROUTE_CALLS = {"RouteTableDef", "add_routes", "add_subapp", "add_route", "add_get", "add_post", "add_put", "add_patch",
+               "add_delete", "add_head", "add_view", "add_static"}
+
+
+def registers_routes(source: str) -> bool:
+    """A module registers aiohttp routes: it makes a RouteTableDef or calls add_routes/add_subapp/router.add_*."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            if name in ROUTE_CALLS:
+                return True
+    return False
+
+
+def route_modules() -> set[str]:
+    """The modules of poc.server that register routes, app.py (which composes them) aside."""
+    return {name for name, path in modules().items()
+            if name.startswith("poc.server.") and name != COMPOSER and registers_routes(path.read_text())}
+
+
+def test_the_route_modules_are_the_apis():
+    """The detection finds every API's module (a new one is found by the same rule) and nothing that only helps."""
+    found = route_modules()
+    assert {f"poc.server.{m}" for m in ("vast", "pow", "mlnode", "models", "gpu", "pooled", "warmup")} <= found, found
+    assert not found & {"poc.server.jobs", "poc.server.pow_service", "poc.server.context", "poc.server.stream"}, found
+
+
+def test_no_route_module_imports_another():
+    """Route modules stand side by side: what two of them share lives in a module that registers no route
+    (server/jobs.py, server/pow_service.py, ...), and only app.py imports a route module, so no shared module is a
+    back door from one route module to another."""
+    routes, g = route_modules(), graph()
+    bad = sorted(f"route module {name} imports route module {d}" if name in routes else
+                 f"{name} imports route module {d} (only {COMPOSER} composes them)"
+                 for name, deps in g.items() if name != COMPOSER for d in deps if d in routes)
+    assert not bad, "imports of a route module:\n" + "\n".join(bad)
+
+
+def test_the_route_rule_fails_on_a_planted_violation(tmp_path, monkeypatch):
+    """A route module importing another, and a shared module importing a route module, are both named; app.py
+    importing them and a route module importing a shared module are not."""
+    files = {
+        "__init__.py": "", "server/__init__.py": "",
+        "server/app.py": "from poc.server import a, b\n\ndef create_app(app):\n    a.setup(app)\n    b.setup(app)\n",
+        "server/a.py": "from aiohttp import web\nfrom poc.server.shared import helper\nroutes = web.RouteTableDef()\n",
+        "server/b.py": "def setup(app):\n    from poc.server.a import routes  # deferred: still counts\n"
+                       "    app.router.add_get('/b', routes)\n",
+        "server/shared.py": "def helper():\n    from poc.server import b\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / "poc" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "poc" / rel).write_text(text)
+    monkeypatch.setitem(globals(), "SRC", tmp_path)
+    assert route_modules() == {"poc.server.a", "poc.server.b"}
+    with pytest.raises(AssertionError) as e:
+        test_no_route_module_imports_another()
+    assert "route module poc.server.b imports route module poc.server.a" in str(e.value)
+    assert "poc.server.shared imports route module poc.server.b (only poc.server.app composes them)" in str(e.value)
+    assert "poc.server.app imports" not in str(e.value) and "poc.server.a imports" not in str(e.value)

@@ -1,14 +1,17 @@
-"""--layout auto (poc.parallel.auto): the layout picked from the model's shape and the GPUs' memory, on fake GPUs."""
+"""--layout auto (poc.engine.auto): the layout picked from the model's shape and the GPUs' memory, on fake GPUs."""
 
 import logging
 
 import pytest
 
+from poc.engine.dist import DistEngine
 from poc.engine.engine import Engine
+from poc.engine.factory import make_engine
 from poc.errors import InputError
 from poc.model.config import PRESETS
-from poc.parallel import auto
-from poc.parallel.auto import GiB, Gpu
+from poc.model.options import ModelOptions
+from poc.engine import auto
+from poc.engine.auto import GiB, Gpu
 from poc.server.app import create_app
 from poc.server.config import ServerConfig, parse_args
 from poc.server.context import engine_key
@@ -68,7 +71,32 @@ def test_server_flag(caplog):
         parse_args(["--layout", "fastest"], env={})
     with pytest.raises(InputError, match="leave out --tp 2"):
         parse_args(["--layout", "auto", "--tp", "2"], env={})
-    with caplog.at_level(logging.INFO, logger="poc.server"):
+    with caplog.at_level(logging.INFO, logger="poc.engine"):
         app = create_app(ServerConfig(device="cpu", model="random:tiny", layout="auto"))
     assert isinstance(app[engine_key], Engine)  # the CPU: one process
     assert "--layout auto: no GPU visible: one process" in caplog.messages, caplog.messages
+
+
+def test_the_factory_builds_the_chosen_layout(monkeypatch, caplog):
+    """make_engine(layout="auto") (the server's, the CLI's and the bench's one factory) runs what auto.for_model
+    chose: here pp=2 x 2 replicas on the CPU, a DistEngine over 4 ranks (never started); a layout other than auto
+    is refused."""
+    seen = []
+
+    def for_model(model, dtype, fp8_experts, gpus, fp8):
+        seen.append((model, dtype, fp8_experts, gpus, fp8))
+        return auto.Choice(1, 2, 2, "planted")
+
+    monkeypatch.setattr(auto, "for_model", for_model)
+    opts = ModelOptions(fp8="dequant", fp8_experts="dequant")
+    with caplog.at_level(logging.INFO, logger="poc.engine"):
+        e = make_engine("cpu", "random:tiny", "float32", layout="auto", options=opts)
+    try:
+        assert isinstance(e, DistEngine) and (e.layout.world, e.layout.tp, e.layout.pp) == (4, 1, 2)
+        assert e.options == opts  # the ranks get them (RankConfig)
+    finally:
+        e.close()
+    assert seen == [("random:tiny", "float32", "dequant", [], "dequant")]  # the CPU: no GPU looked for
+    assert "--layout auto: planted" in caplog.messages
+    with pytest.raises(InputError, match="layout must be auto"):
+        make_engine("cpu", layout="fastest")

@@ -97,7 +97,7 @@ def test_a_tensor_parallel_rank_is_checked_for_its_own_share_against_its_own_fre
     the same job was refused."""
     from poc.engine.base import ModelInfo
     from poc.model.config import PRESETS
-    from poc.parallel.engine import DistEngine
+    from poc.engine.dist import DistEngine
     from poc.server.config import ServerConfig
 
     cfg = PRESETS["qwen3-235b-a22b"]
@@ -121,7 +121,7 @@ def test_ranks_report_free_memory_and_the_tightest_one_counts():
     """DistEngine records the ranks' ("memory", rank, bytes) reports as they come (they never reach a job's loop)."""
     import queue
 
-    from poc.parallel.engine import DistEngine
+    from poc.engine.dist import DistEngine
 
     e = DistEngine("cpu", world=2, tp=1, timeout=30)
     assert e.free_bytes() is None  # nothing reported (the CPU: the server reads the host memory itself)
@@ -164,7 +164,7 @@ def test_default_v2_batch_fills_64k_tokens_within_the_memory_estimate():
     the CPU the protocol's 32."""
     from poc.engine.base import TOKENS_PER_BATCH, ModelInfo
     from poc.model.config import PRESETS
-    from poc.parallel.engine import DistEngine
+    from poc.engine.dist import DistEngine
 
     cfg = PRESETS["qwen3-235b-a22b"]
 
@@ -202,7 +202,7 @@ def test_w8a8_moe_activation_estimate_against_the_measured_peak():
     smaller than the dequantise forward's, and for the Qwen3-30B-A3B shape at batch 64 x 1024 it covers what one
     H100 measured (W6Q's peak 32.1 GiB less its ~27.9 GiB of weights, benchmarks/h100/W6Q.json) within 25%."""
     from poc.model.config import PRESETS
-    from poc.parallel import auto
+    from poc.engine import auto
 
     cfg = PRESETS["qwen3-30b-a3b"]
     w8a8 = memory.v2_estimate(cfg, 64, 1024, 2, cuda=True, fused=True, w8a8=True).device_total

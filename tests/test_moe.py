@@ -203,7 +203,7 @@ def moe_ckpt(tmp_path_factory):
 def test_tensor_parallel_uneven_expert_split_is_refused(moe_ckpt):
     """tp=2 of 3 experts: refused by apply_tp, by the layout check the engine runs before any process starts, and by
     DistEngine.load (no rank process started), each naming n_experts=3 and tp=2."""
-    from poc.parallel.engine import DistEngine
+    from poc.engine.dist import DistEngine
     from poc.parallel.layout import Layout
     from poc.parallel.tp import apply_tp
 
@@ -246,7 +246,8 @@ def test_tensor_parallel_partials_sum_to_the_whole(name, moe_ckpt):
             mlp = m.layers[str(i)].mlp
             if cfg.is_moe_layer(i):
                 assert sorted(int(k) for k in mlp.experts) == list(range(r * E // 2, (r + 1) * E // 2))
-                assert (mlp.first, mlp.stop) == expert_range(E, r, 2) and mlp.group is None
+                assert (mlp.first, mlp.stop) == expert_range(E, r, 2)
+                assert mlp.sum_dtype is None and "forward" not in vars(mlp)  # no group: no all-reduce
                 assert torch.equal(mlp.gate.weight, full.layers[str(i)].mlp.gate.weight)  # the router stays whole
                 assert not any(k.startswith(f"layers.{i}.mlp.") for k in plan)
             else:
@@ -272,24 +273,24 @@ def test_tensor_parallel_partials_sum_to_the_whole(name, moe_ckpt):
 
 @torch.no_grad()
 @pytest.mark.parametrize("name", ["mlp-only-layer-norm-topk", "fp8"])
-def test_load_shard_reads_only_its_experts(name, moe_ckpt, monkeypatch):
-    """load_shard on tp rank r of 2 reads (iter_state_dict, and each FP8 weight's weight_scale_inv) only the experts
+def test_a_rank_part_reads_only_its_experts(name, moe_ckpt, monkeypatch):
+    """build() of tp rank r of 2's part reads (iter_state_dict, and each FP8 weight's weight_scale_inv) only the experts
     [r*E/2, (r+1)*E/2) of every sparse layer, after checking every tensor of the whole model against the headers."""
     import poc.model.weights as W
-    from poc.parallel import shard
+    from poc.parallel.build import Part, build
 
     ckpt = moe_ckpt(name)[0]
     cfg = ModelConfig.from_hf(ckpt)
     everything = W.index_checkpoint(ckpt)
-    iter_sd, read_tensor, check = shard.iter_state_dict, W.read_tensor, shard.check_checkpoint
+    iter_sd, read_tensor, check = W.iter_state_dict, W.read_tensor, W.check_checkpoint
     for r in range(2):
         asked, read, checked = [], [], []
-        monkeypatch.setattr(shard, "iter_state_dict", lambda refs, names, *a, **k: iter_sd(
+        monkeypatch.setattr(W, "iter_state_dict", lambda refs, names, *a, **k: iter_sd(
             refs, asked.extend(names) or names, *a, **k))
         monkeypatch.setattr(W, "read_tensor", lambda ref, *a: read.append(ref.key) or read_tensor(ref, *a))
-        monkeypatch.setattr(shard, "check_checkpoint", lambda refs, model, names: checked.extend(names) or check(
+        monkeypatch.setattr(W, "check_checkpoint", lambda refs, model, names: checked.extend(names) or check(
             refs, model, names))
-        model, _ = shard.load_shard(ckpt, torch.float32, "cpu", tp_rank=r, tp_size=2, fp8=FP8_FORWARD)
+        model, _ = build(ckpt, torch.float32, "cpu", Part(tp_rank=r, tp_size=2), fp8=FP8_FORWARD)
         mine = set(range(r * cfg.n_experts // 2, (r + 1) * cfg.n_experts // 2))
         seen = {int(k.split(".")[4]) for k in asked + [k.removeprefix("model.") for k in read] if ".experts." in k}
         assert seen == mine, (r, seen)
@@ -301,12 +302,12 @@ def test_load_shard_reads_only_its_experts(name, moe_ckpt, monkeypatch):
                 [k for k in asked if ".experts." in k])
 
 
-# the gloo ranks: every checkpoint loaded by load_shard on each rank (reading only its slices and experts), the
+# the gloo ranks: every checkpoint built as each rank's part (reading only its slices and experts), the
 # forward with and without reflections, before and after fuse(); rank r writes what it holds and computed
 _RANK = r"""
 import sys
 import torch, torch.distributed as dist
-from poc.parallel.shard import load_shard
+from poc.parallel.build import Part, build
 
 rank, world, io, ckpts = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 torch.set_num_threads(1)
@@ -314,8 +315,8 @@ dist.init_process_group("gloo", init_method="file://" + io + "/store", rank=rank
 x, vs = torch.load(io + "/in.pt")
 out = {}
 for ckpt in ckpts:
-    model, cfg = load_shard(ckpt, torch.float32, "cpu", tp_rank=rank, tp_size=world, tp_group=dist.group.WORLD,
-                            fp8="dequant")  # FP8_FORWARD
+    model, cfg = build(ckpt, torch.float32, "cpu", Part(tp_rank=rank, tp_size=world, group=dist.group.WORLD),
+                       fp8="dequant")  # FP8_FORWARD
     held = {k: tuple(t.shape) for k, t in model.state_dict().items()}
     with torch.no_grad():
         plain = model(x, last_only=False)

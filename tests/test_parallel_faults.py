@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from poc.engine.jobs import Limits, V1Job, V2Job
-from poc.parallel.engine import DistEngine, RankFailure
+from poc.engine.dist import DistEngine, RankFailure
 from poc.parallel.layout import Layout
 from poc.protocol import v1
 
@@ -215,7 +215,7 @@ def test_results_still_in_the_sockets_reach_the_job_before_a_failure():
     stopped at the failure and they were lost)."""
     from multiprocessing import Pipe
 
-    from poc.parallel.engine import _Ranks
+    from poc.engine.dist import _Ranks
 
     class Proc:  # a rank process: killing it closes its end of the connection
         def __init__(self, end, pid):

@@ -17,8 +17,9 @@ from poc.engine.base import Busy
 from poc.engine.engine import Engine
 from poc.engine.jobs import Limits, V1Job, V2Job
 from poc.errors import InputError
+from poc.engine.dist import DistEngine, RankFailure
+from poc.engine.factory import make_engine, world_for
 from poc.model.options import ModelOptions
-from poc.parallel.engine import DistEngine, RankFailure, make_engine, world_for
 from poc.parallel.layout import Layout
 from poc.protocol import v1, v2
 
@@ -388,11 +389,12 @@ async def test_server_with_a_killed_rank(aiohttp_client, monkeypatch):
     """Through the server: the open stream ends with an error line, /health says broken, restart() recovers."""
     import asyncio
 
+    from poc.engine import factory
     from poc.server import app as app_mod
     from poc.server.config import ServerConfig
     from poc.server.context import engine_key
 
-    monkeypatch.setattr(app_mod, "Engine", lambda device, model_dir, dtype, **kw: DistEngine(
+    monkeypatch.setattr(factory, "Engine", lambda device, model_dir, dtype, **kw: DistEngine(
         device, model_dir, dtype, tp=2, world=2, timeout=30))
     cfg = ServerConfig(device="cpu", dtype="float32", model=str(v2_checkpoint("qwen3")), progress_interval=0.2,
                        rate_log_interval=0.5, shutdown_flush_seconds=1.0)
@@ -500,7 +502,7 @@ def test_stage_timing_logs_forward_idle_and_host_time(monkeypatch, caplog):
     import collections
     import logging
 
-    from poc.parallel import ranks
+    from poc.engine import ranks
 
     class Event:
         def __init__(self, enable_timing=False):
@@ -542,7 +544,7 @@ def test_rank_log_lines_are_one_line_and_defused(capsys):
     """A rank's log goes to the same file the PyWorker reads: no "Error:"/"Traceback" on a handled event."""
     import logging
 
-    from poc.parallel import ranks
+    from poc.engine import ranks
 
     root = logging.getLogger()
     saved = root.handlers[:], root.level

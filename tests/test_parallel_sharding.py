@@ -114,6 +114,54 @@ def test_stages_chain_to_the_full_model():
         torch.testing.assert_close(stages[1](h, reflections=refl), full(x, reflections=refl), atol=0, rtol=0)
 
 
+def cut(whole: dict, name: str, plan: dict, cfg) -> torch.Tensor:
+    """Tensor `name` of a part, cut from the whole model's state dict by the plan (a fused qkv / gate_up: the cut of
+    each of its pieces, concatenated)."""
+    hd = cfg.head_dim
+    kv = cfg.n_kv_heads * hd
+    pieces = {"qkv_proj": [("q_proj", cfg.n_heads * hd), ("k_proj", kv), ("v_proj", kv)],
+              "gate_up_proj": [("gate_proj", cfg.ffn_dim), ("up_proj", cfg.ffn_dim)]}
+    for fused, parts in pieces.items():
+        if f".{fused}." in name:
+            split = whole[name].split([n for _, n in parts])
+            return torch.cat([_narrow(t, plan.get(name.replace(fused, p))) for t, (p, _) in zip(split, parts)])
+    return _narrow(whole[name], plan.get(name))
+
+
+def _narrow(t: torch.Tensor, part) -> torch.Tensor:
+    return t if part is None else t.narrow(part[0], part[1], part[2] - part[1])
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "preset", "v1"])
+def test_a_rank_part_is_the_whole_model_cut(source):
+    """build() of a rank's part (stage s of 2, tp rank r of 2), from each source, holds exactly the whole model's
+    tensors at its place: its layers, and its rows / columns of the sliced ones (the v1 q/k rows permuted inside each
+    head before the cut), bit for bit."""
+    from poc.model.random_init import v1_config
+    from poc.parallel.build import Part, V1Weights, build
+    from poc.protocol.v1 import V1Params
+
+    p = V1Params(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_dim_multiplier=None, multiple_of=32,
+                 norm_eps=1e-5, rope_theta=1e4, use_scaled_rope=False, seq_len=8)
+    src, dtype = {"checkpoint": (v2_checkpoint("qwen3"), torch.float32), "preset": ("random:tiny", torch.float32),
+                  "v1": (V1Weights(p, BH), torch.float16)}[source]
+    whole, cfg = build(src, dtype, "cpu")
+    if source == "v1":
+        assert cfg == v1_config(p)
+    everything = whole.state_dict()
+    for stage in range(2):
+        for r in range(2):
+            part, _ = build(src, dtype, "cpu", Part(stage, 2, r, 2))
+            with torch.device("meta"):
+                plan = apply_tp(keep_stage(Transformer(cfg, with_head=source == "v1"), stage, 2), r, 2, None)
+            held = part.state_dict()
+            assert {k.split(".")[1] for k in held if k.startswith("layers.")} == {str(stage)}
+            for name, t in held.items():
+                want = cut(everything, name, plan, cfg)
+                assert t.dtype == want.dtype and torch.equal(t, want), name
+            assert len(plan) >= 7  # q/k/v/o, gate/up/down of its layer (and q/k/v biases): something was cut
+
+
 def test_tp_rank_peak_memory_is_about_its_shard(tmp_path):
     """A tp=2 rank loading a ~60 MB float32 checkpoint: peak RSS above baseline < 0.65x of the whole weights."""
     spec = importlib.util.spec_from_file_location("measure_load_rss", ROOT / "scripts" / "measure_load_rss.py")
@@ -127,7 +175,7 @@ import torch
 from poc.model.config import PRESETS
 from poc.model.transformer import Transformer
 from poc.model.weights import index_checkpoint
-from poc.parallel.shard import load_shard
+from poc.parallel.build import Part, build
 
 def kb(field):
     return next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field))
@@ -135,7 +183,7 @@ def kb(field):
 Transformer(PRESETS["tiny"])  # page in the code a load runs
 base = kb("VmRSS:") * 1024
 Path("/proc/self/clear_refs").write_text("5")
-model, cfg = load_shard(sys.argv[1], torch.float32, "cpu", tp_rank=0, tp_size=2)
+model, cfg = build(sys.argv[1], torch.float32, "cpu", Part(tp_rank=0, tp_size=2))
 peak = kb("VmHWM:") * 1024 - base
 mine = sum(t.numel() * t.element_size() for t in model.state_dict().values())
 whole = sum(r.nbytes for n, r in index_checkpoint(sys.argv[1]).items() if n.startswith("layers."))

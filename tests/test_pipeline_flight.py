@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from poc.parallel import engine as parallel_engine
-from poc.parallel.engine import DistEngine
+from poc.engine import factory
+from poc.engine.dist import DistEngine
 from poc.server.app import create_app
 from poc.server.context import engine_key
 
@@ -28,8 +28,8 @@ BODY = {"block_hash": "flight", "block_height": 1, "public_key": "pk", "node_id"
 @pytest.fixture
 async def served(aiohttp_client, monkeypatch):
     """A server on a pp=4 DistEngine whose stages sleep DELAY after each forward."""
-    make = parallel_engine.make_engine
-    monkeypatch.setattr(parallel_engine, "make_engine", lambda *a, **kw: make(*a, stage_delay=DELAY, **kw))
+    make = factory.make_engine
+    monkeypatch.setattr(factory, "make_engine", lambda *a, **kw: make(*a, stage_delay=DELAY, **kw))
     client = await aiohttp_client(create_app(server_config(model=MODEL, pp=PP, callback_interval=0.2)))
     await wait_status(client, timeout=180)
     engine = client.server.app[engine_key]

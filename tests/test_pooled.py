@@ -100,6 +100,31 @@ async def test_faulty_orchestrator_every_batch_acknowledged_exactly_once(aiohttp
     assert client.server.app[sender_key].pending == 0
 
 
+async def test_results_at_the_senders_cap_pause_the_session_until_the_orchestrator_takes_them(aiohttp_client,
+                                                                                               tmp_path, orch):
+    """An orchestrator that refuses every result (500, retried) while the sender may hold 3 for it: the session
+    says "paused" after the 3rd result and streams nothing more (the device waits: the job runner's bound), then,
+    once the orchestrator takes results, "resumed"; the range completes and every nonce reaches it once."""
+    orch.connect_reply = {"status": "ok", "block_hash": BH, "block_height": 7, "params": PARAMS_A}
+    orch.ready_reply = {"public_key": "key-A", "nonce_range_start": 0, "nonce_range_end": 99, "r_target": R}
+    orch.reject_results = True
+    client, lines = await start_session(aiohttp_client, tmp_path, orch, {"batch_size": 10}, callback_max_pending=3)
+    _, paused, i = await lines.wait(status("paused"), 30)
+    assert paused["pending_results"] == 3 and sum(1 for d in lines.lines()[:i] if is_result(d)) == 3
+    await asyncio.sleep(0.5)
+    assert sum(1 for d in lines.lines() if is_result(d)) == 3 and not orch.accepted  # nothing more while paused
+    orch.reject_results = False
+    await lines.wait(status("resumed"), 30, start=i)
+    await lines.wait(status("range_complete"), 30)
+    await wait_until(lambda: len(orch.accepted) == 10, 30, "all 10 results accepted")
+    orch.commands.append({"type": "shutdown"})
+    await lines.wait(status("shutdown"), 30)
+    out = await lines.finish()
+    assert not [d for d in out if "error" in d], out
+    assert len({d["idempotency_id"] for d in out if is_result(d)}) == 10
+    assert covers_exactly(orch.spans("key-A"), 0, 99)  # every nonce, once
+
+
 # --------------------------------------------------------------------------------------------------
 # commands
 
@@ -600,7 +625,7 @@ async def test_pow_generation_spools_each_batch_as_computed_so_a_kill9_mid_inter
 
 async def test_pow_generation_posts_merged_batches_every_interval(aiohttp_client, tmp_path):
     """Each batch is spooled as it arrives, but the receiver gets one merged POST per callback_interval."""
-    from poc.server.pow import pow_key
+    from poc.server.pow_service import pow_key
 
     from .fakes import LoopbackApp
     sink = Sink()
@@ -663,10 +688,10 @@ async def test_pooled_with_replicas_out_of_order_covers_the_range_once(aiohttp_c
     """A new public key mid-range stops the job and continues the range under it. With replicas, the last result
     to arrive is not the furthest nonce computed, and dropped batches may lie before a computed one: the resumed
     job must compute exactly the nonces not yet computed (no hole, no batch twice)."""
+    from poc.engine import factory
     from poc.engine.engine import Engine
-    from poc.server import app as app_mod
 
-    monkeypatch.setattr(app_mod, "Engine", TwoReplicaEngine.make(Engine))
+    monkeypatch.setattr(factory, "Engine", TwoReplicaEngine.make(Engine))
     orch.connect_reply = {"status": "ok", "block_hash": BH, "block_height": 7, "params": PARAMS_A, "r_target": R}
     orch.ready_reply = {"public_key": "key-A", "nonce_range_start": 0, "nonce_range_end": 4999}
 

@@ -187,12 +187,12 @@ async def test_next_nonce_with_replicas_is_the_first_nonce_not_computed(aiohttp_
     nonce of the job's own sequence not computed (v2: its node lattice), never past it; so must the last v1
     batch line's."""
     from poc.engine.engine import Engine
-    from poc.server import app as app_mod
+    from poc.engine import factory
     from poc.server.context import runners_key
 
     from .fakes import TwoReplicaEngine
 
-    monkeypatch.setattr(app_mod, "Engine", TwoReplicaEngine.make(Engine))
+    monkeypatch.setattr(factory, "Engine", TwoReplicaEngine.make(Engine))
     c = await aiohttp_client(create_app(server_config(**({"model": QWEN3} if proto == "v2" else {}))))
     await wait_status(c)
     if proto == "v1":  # nonces 0, 1, 2, ...; batch 3 is 20..29

@@ -16,7 +16,7 @@ from poc.protocol import v2
 from poc.server.app import create_app
 from poc.server.config import parse_args
 from poc.server.context import sender_key
-from poc.server.pow import pow_key
+from poc.server.pow_service import pow_key
 from poc.server.schemas import ServedModel
 
 from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2
@@ -79,12 +79,13 @@ async def test_results_keep_the_request_order_when_batches_arrive_out_of_order(a
     """Replicas deliver batches in completion order: /generate's artifacts and /validate's distances still follow
     the request's nonces (each distance scored against its own nonce's claim)."""
     from poc.engine.engine import Engine
-    from poc.server import app as app_mod, vast
+    from poc.engine import factory
+    from poc.server import jobs
 
     from .fakes import ReversedArrivalEngine
 
-    monkeypatch.setattr(app_mod, "Engine", ReversedArrivalEngine.make(Engine))
-    monkeypatch.setattr(vast, "VALIDATE_BATCH_SIZE", 5)  # 16 nonces: 4 batches
+    monkeypatch.setattr(factory, "Engine", ReversedArrivalEngine.make(Engine))
+    monkeypatch.setattr(jobs, "VALIDATE_BATCH_SIZE", 5)  # 16 nonces: 4 batches
     c = await aiohttp_client(create_app(server_config(model=QWEN3)))
     await wait_status(c)
     r = await c.post(f"{POW}/generate", json=gen_body(P2["nonces"], wait=True))

@@ -504,13 +504,13 @@ def test_recipe_and_block_errors():
 def test_tensor_parallel_split_off_the_blocks_is_refused(tmp_path):
     """A W8A8 weight split by tensor parallel must cut on 128-blocks (each rank quantises whole groups): 64 rows of
     q per rank would share a scale block with the other rank's."""
-    from poc.parallel.shard import load_shard
+    from poc.parallel.build import Part, build
 
     make_hf(tmp_path / "src", "qwen3")  # hidden 64, 4 heads of 16
     write_fp8_and_twin(tmp_path / "src", tmp_path / "fp8", tmp_path / "twin")
     with pytest.raises(ValueError, match="128-blocks"):
-        load_shard(tmp_path / "fp8", torch.float32, "cpu", tp_rank=0, tp_size=2)
-    m, _ = load_shard(tmp_path / "fp8", torch.float32, "cpu", tp_rank=0, tp_size=2, fp8="dequant")
+        build(tmp_path / "fp8", torch.float32, "cpu", Part(tp_rank=0, tp_size=2))
+    m, _ = build(tmp_path / "fp8", torch.float32, "cpu", Part(tp_rank=0, tp_size=2), fp8="dequant")
     assert not any(isinstance(x, fp8.Fp8Linear) for x in m.modules())
 
 
@@ -518,7 +518,7 @@ _RANK = r"""
 import os, sys
 import torch, torch.distributed as dist
 from poc.model import experts, fp8
-from poc.parallel.shard import load_shard
+from poc.parallel.build import Part, build
 from tests.fp8_spec import emulation
 
 rank, world, io, ckpts = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
@@ -529,9 +529,9 @@ ours = fp8.linear, experts.grouped_w8a8
 out = {}
 for arg in ckpts:
     ckpt, fmt = arg.split("|")
-    kw = dict(tp_rank=rank, tp_size=world, tp_group=dist.group.WORLD)
-    model, cfg = load_shard(ckpt, torch.float32, "cpu", fp8_scales=fmt, **kw)
-    ref, _ = load_shard(ckpt, torch.float32, "cpu", fp8_scales="float32", **kw)  # the checkpoint's shard as held
+    part = Part(tp_rank=rank, tp_size=world, group=dist.group.WORLD)
+    model, cfg = build(ckpt, torch.float32, "cpu", part, fp8_scales=fmt)
+    ref, _ = build(ckpt, torch.float32, "cpu", part, fp8_scales="float32")  # the checkpoint's shard as held
     held = {k: (tuple(t.shape), str(t.dtype)) for k, t in model.state_dict().items()}
     held.update({f"layers.{k}.mlp.w13": (tuple(b.mlp.w13.shape), str(b.mlp.w13.dtype))
                  for k, b in model.layers.items() if getattr(b.mlp, "w13", None) is not None})

@@ -33,7 +33,7 @@ from poc.engine.engine import Engine  # noqa: E402
 from poc.engine.jobs import Limits, V2Job  # noqa: E402
 from poc.model.config import PRESETS  # noqa: E402
 from poc.model.transformer import Transformer  # noqa: E402
-from poc.parallel.engine import DistEngine  # noqa: E402
+from poc.engine.dist import DistEngine  # noqa: E402
 from poc.protocol import v1  # noqa: E402
 
 ap = argparse.ArgumentParser()

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from poc.bench import BH, PK  # noqa: E402
 from poc.engine.engine import Engine  # noqa: E402
-from poc.parallel.engine import DistEngine  # noqa: E402
+from poc.engine.dist import DistEngine  # noqa: E402
 from poc.protocol import v1  # noqa: E402
 
 

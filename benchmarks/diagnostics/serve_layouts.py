@@ -21,7 +21,7 @@ first job is the node's: a fresh server whose shape was compiled at start):
 Rates are over the batches after the first (the compile, or a pipeline's fill); N = (1 + --timed) x replicas. Each
 job's `job K pipeline: {...}` log line gives the ranks' busy share (forward time over their span) and the batches in
 flight. The compile caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR) are shared by every server of the run.
-A layout whose weights and batch cannot fit the GPUs (poc.parallel.auto's estimate) is skipped with its numbers.
+A layout whose weights and batch cannot fit the GPUs (poc.engine.auto's estimate) is skipped with its numbers.
 The JSON (the command inside) is rewritten after each layout; a PNG beside it at the end.
 """
 
@@ -178,7 +178,7 @@ def probe(a) -> dict:
 import json, sys
 sys.path.insert(0, %r)
 import torch
-from poc.parallel import auto
+from poc.engine import auto
 a = json.loads(sys.argv[1])
 gpus = auto.detect_gpus() if a["device"].startswith("cuda") else []
 out = {"torch": torch.__version__, "device": gpus[0].name if gpus else a["device"], "gpus": len(gpus)}
@@ -208,7 +208,7 @@ import json, sys
 sys.path.insert(0, %r)
 from poc.bench import BH, PK, run_engine
 from poc.engine.jobs import V2Job
-from poc.parallel.engine import make_engine
+from poc.engine.factory import make_engine
 from poc.protocol import v1
 a = json.loads(sys.argv[1])
 tp, pp, rep = a["dims"]
@@ -354,9 +354,11 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     info = probe(a)
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [f"CUDA_VISIBLE_DEVICES={cvd}"] if cvd is not None else []  # the GPUs of a host this run had
     res = {"model": a.model, "dtype": a.dtype, "seq_len": a.seq, "batch": a.batch, "timed": a.timed,
-           "command": " ".join(["python benchmarks/diagnostics/serve_layouts.py",
-                                shlex.join(argv if argv is not None else sys.argv[1:])]),
+           "command": " ".join(visible + ["python benchmarks/diagnostics/serve_layouts.py",
+                                          shlex.join(argv if argv is not None else sys.argv[1:])]),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": info["device"], "gpus": info["gpus"],
            "torch": info["torch"], "auto": info["auto"][3], "rows": [], "l2_vs_one": {}, "scaling_vs_one": {}}
     print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from poc.bench import pyplot  # noqa: E402
 from poc.engine.engine import Engine  # noqa: E402
-from poc.parallel.engine import DistEngine  # noqa: E402
+from poc.engine.dist import DistEngine  # noqa: E402
 
 BH, PK, K = "ab" * 32, "03" + "cd" * 32, 12
 

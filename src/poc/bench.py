@@ -32,12 +32,12 @@ from poc.server.config import ServerConfig, env_switches  # plain data: the envi
 def _import_heavy() -> None:
     """torch and the engine, as module globals. `python -m poc.bench` imports them after its flags are parsed (so
     --help and a bad flag answer at once, not after torch and dynamo load); an import of poc.bench, at once."""
-    global torch, DTYPES, V2Compute, Engine, Limits, V1Job, V2Job, PRESETS, ModelConfig, v1_config, random_model
+    global torch, DTYPES, V2Compute, make_engine, Limits, V1Job, V2Job, PRESETS, ModelConfig, v1_config, random_model
     global Transformer
     import torch
 
     from poc.engine.compute import DTYPES, V2Compute
-    from poc.engine.engine import Engine
+    from poc.engine.factory import make_engine
     from poc.engine.jobs import Limits, V1Job, V2Job
     from poc.model.config import PRESETS, ModelConfig
     from poc.model.random_init import v1_config
@@ -152,7 +152,7 @@ def random_v2_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8: bool = Fa
     return random_model(cfg, dtype, device, fp8_experts=fp8, fp8=fp8_forward, fp8_scales=fp8_scales)
 
 
-def run_engine(engine: Engine, job, warm_batches: int, timed_batches: int) -> dict:
+def run_engine(engine, job, warm_batches: int, timed_batches: int) -> dict:
     """Run a job for warm + timed batches; the steady rate is over the timed ones (emit to emit)."""
     times, sizes = [], []
     t0 = time.perf_counter()
@@ -200,7 +200,7 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
     if w.get("tp"):
         return bench_dist(name, batches, ceiling, warm, timed, compile, sw)
     opts = sw.model_options()
-    engine = Engine("cuda", compile=compile, options=opts)
+    engine = make_engine("cuda", replicas=1, compile=compile, options=opts)
     if w["protocol"] == "v1":
         engine.load()  # starts the input processes, as the server does at start
     torch.cuda.reset_peak_memory_stats()
@@ -271,8 +271,6 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
 def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: int, compile: bool,
                sw: ServerConfig) -> list[dict]:
     """A workload over tp GPUs through the DistEngine (rank processes, NCCL), random weights made by each rank."""
-    from poc.parallel.engine import make_engine
-
     w = WORKLOADS[name]
     spec = f"random:{w['model']}" + (":fp8" if w.get("fp8") else "")
     t0 = time.perf_counter()
@@ -355,7 +353,7 @@ def check_accuracy(n_v2: int = 1000, n_v1: int = 256) -> dict:
     p = v1.PARAMS_V1
     dists = {}
     for name, comp in [("eager", False), ("compiled", True)]:
-        e = Engine("cuda", compile=comp)
+        e = make_engine("cuda", replicas=1, compile=comp)
         dists[name] = e.v1_distances(p, BH, PK, list(range(n_v1)), "float16", batch_size=64)
         e.close()
         del e
@@ -390,7 +388,7 @@ def profile(name: str, batch: int, compile: bool, sw: ServerConfig, warm: int = 
     dtype = DTYPES[w["dtype"]]
     cfg = replace(PRESETS[w["model"]])
     opts = sw.model_options()
-    engine = Engine("cuda", compile=compile, options=opts)
+    engine = make_engine("cuda", replicas=1, compile=compile, options=opts)
     model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w.get("fp8_forward") or opts.fp8,
                             w.get("fp8_scales") or opts.fp8_scales)
     engine.v2 = V2Compute(model, cfg, dtype, torch.device("cuda"), w["model"], compile=compile, options=opts)

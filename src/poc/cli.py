@@ -4,7 +4,7 @@
     python -m poc v2 --model DIR --block-hash H --public-key K --nonces 0,3,9 --seq-len 16 [--k-dim 12] [--stronger-rng]
 
 Both take [--tp N] [--pp M] [--replicas R] (env POC_TP, POC_PP, POC_REPLICAS): more than one device runs in
-rank processes (poc.parallel); on CUDA every visible GPU is used unless --replicas caps it. The model's and the
+rank processes (poc.engine.dist); on CUDA every visible GPU is used unless --replicas caps it. The model's and the
 ranks' switches are the server's environment variables (POC_FP8, POC_FP8_SCALES, POC_FP8_EXPERTS, POC_TP_REDUCE,
 POC_POOL_WORKERS, ...: README's Configuration table), read here once (server.config.env_switches).
 
@@ -104,7 +104,7 @@ def run(argv: list[str]) -> int:
     sw = ServerConfig(**env_switches(os.environ))
     par = dict(tp=args.tp, pp=args.pp, replicas=args.replicas, options=sw.model_options(),
                stage_timing=sw.stage_timing, profile_dir=sw.rank_profile)
-    # torch (via poc.parallel.engine) is imported only after every check that needs no device: a bad argument is
+    # torch (via poc.engine.factory) is imported only after every check that needs no device: a bad argument is
     # answered in well under a second (tests/test_ops.py checks the imports, scripts/startup_time.py the time)
 
     if args.protocol == "v1":
@@ -115,7 +115,7 @@ def run(argv: list[str]) -> int:
         except json.JSONDecodeError as e:
             raise InputError(f"--params is not valid JSON: {e}", "params") from None
         params = V1Params.from_json(obj)
-        from poc.parallel.engine import make_engine
+        from poc.engine.factory import make_engine
 
         engine = make_engine(args.device, **par)
         try:
@@ -144,7 +144,7 @@ def run(argv: list[str]) -> int:
                              f"{args.seq_len}", "seq_len")
         if not 1 <= args.k_dim <= hidden:
             raise InputError(f"--k-dim must be in [1, {hidden}] (the model's hidden size), got {args.k_dim}", "k_dim")
-        from poc.parallel.engine import make_engine
+        from poc.engine.factory import make_engine
 
         engine = make_engine(args.device, model_dir=args.model, dtype=args.dtype, **par)
         try:

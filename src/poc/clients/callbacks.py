@@ -218,10 +218,10 @@ class CallbackSender:
         while self._stores:
             await asyncio.gather(*list(self._stores), return_exceptions=True)
 
-    async def put(self, kind: str, url: str, payload: dict, idempotency_id: str) -> bool:
+    async def put(self, kind: str, url: str, payload: dict, idempotency_id: str, force: bool = False) -> bool:
         """`submit`, returning once the record is on disk (spool mode): a caller that reports the payload
         elsewhere afterwards (an NDJSON line) knows it will be delivered even after a crash."""
-        r = self._reserve(kind, url, idempotency_id)
+        r = self._reserve(kind, url, idempotency_id, force)
         if r != "new":
             return r is not None
         await self._store(kind, url, payload, idempotency_id)

@@ -1,5 +1,5 @@
 """What every engine is, whatever runs its work: the one-device `Engine` (engine.py) and the rank processes'
-`DistEngine` (poc.parallel.engine) both implement `EngineBase`, and the server reads nothing else.
+`DistEngine` (poc.engine.dist) both implement `EngineBase`, and the server reads nothing else.
 
 - Life cycle: `state` is loading | ready | busy | broken. `start_loading()` and `load()` move it, `mark_broken()`
   and a device failure (`is_device_failure`: a CUDA error leaves the device unusable) end it. `switch_model()`

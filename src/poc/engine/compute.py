@@ -3,7 +3,7 @@
 `V1Compute` holds a random model for (params, block_hash, dtype); `V2Compute` holds a loaded checkpoint.
 Both split a batch into `prepare` (host work: seeds, numpy RNG; safe to run on another thread while the
 device is busy with the previous batch) and `launch`/`collect` (device work), so the runner can overlap them.
-The same classes run in the rank processes (poc.parallel.ranks) on a pipeline stage's part of the model: a
+The same classes run in the rank processes (poc.engine.ranks) on a pipeline stage's part of the model: a
 `Stage` says whether this part makes the inputs (first), post-processes (last, and the reporter among the
 last stage's tp ranks), and how activations come from the previous stage and go to the next. One device
 holding the whole model is the default Stage().
@@ -22,8 +22,8 @@ import torch
 from poc import dtypes
 from poc.model.compile import maybe_compile, note_new_shape
 from poc.model.options import ModelOptions
-from poc.model.random_init import build_v1_model
 from poc.model.transformer import Transformer
+from poc.parallel.build import Part, V1Weights, build
 from poc.protocol import v1, v2
 
 log = logging.getLogger("poc.compute")
@@ -155,19 +155,18 @@ class V1Compute:
     """The v1 random model for one (params, block_hash, dtype), plus its target vector."""
 
     def __init__(self, params: v1.V1Params, block_hash: str, dtype: torch.dtype, device: torch.device,
-                 compile: bool = False, input_workers: int = 0, executor=None, model: Transformer | None = None,
+                 compile: bool = False, input_workers: int = 0, executor=None, part: Part | None = None,
                  stage: Stage = WHOLE, stop=None, pool_workers: int | None = None):
-        """`model`: this rank's shard of the v1 model (built by the caller); None builds the whole one here (`stop`:
-        an event that ends the build early, a client gone; `pool_workers`: threads drawing its pool, None the CPUs)."""
+        """`part`: the rank's part of the v1 model to build (parallel.build), None the whole one (`stop`: an event
+        that ends the build early, a client gone; `pool_workers`: threads drawing its pool, None the CPUs)."""
         self.params, self.block_hash, self.dtype, self.device = params, block_hash, dtype, device
         self.stage = stage
         self.input_workers = input_workers  # > 0: inputs drawn by that many processes (V1InputPool)
         self._pool = None
         self._executor = executor  # shared worker processes (the engine's), or None: the pool makes its own
         t0 = time.perf_counter()
-        if model is None:
-            model = build_v1_model(params, block_hash, dtype, device, stop=stop, workers=pool_workers)
-        self.model = model.fuse()
+        self.model = build(V1Weights(params, block_hash), dtype, device, part, stop=stop,
+                           pool_workers=pool_workers)[0].fuse()
         self.target = torch.from_numpy(v1.target(block_hash, params.vocab_size)).to(device)  # float64
         self._step = maybe_compile(Transformer.layer_step, compile)
         self._post = maybe_compile(self._distances, compile)

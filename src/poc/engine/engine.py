@@ -22,7 +22,7 @@ import torch
 from poc.engine import memory
 from poc.engine.base import EngineBase
 from poc.engine.compute import DTYPE_NAMES, DTYPES, V1Compute, V2Compute, compile_flags, resolve_device
-from poc.engine.jobs import BatchResult, JobSummary, V1Job, take
+from poc.engine.jobs import BatchResult, Dealer, JobSummary, V1Job
 from poc.model.options import ModelOptions
 from poc.model.random_init import BuildStopped
 from poc.protocol import v1
@@ -63,20 +63,13 @@ class Engine(EngineBase):
             self._executor = make_executor(self.v1_input_workers)
         if not self.model_dir:
             return
-        from poc.model.random_weights import random_model, random_spec
-        from poc.model.weights import load_model, resolve_dtype
+        from poc.parallel.build import build
 
         t0 = time.perf_counter()
-        dtype = self.v2_dtype_arg()
-        spec, o = random_spec(self.model_dir), self.options
-        if spec is None:
-            model, cfg = load_model(self.model_dir, dtype=dtype, device=self.device, with_head=False, progress=True,
-                                    fp8_experts=o.fp8_experts, fp8=o.fp8, fp8_scales=o.fp8_scales)
-        else:  # random weights of a preset shape (random:<preset>[:fp8]): benchmarks and demos
-            cfg, fp8 = spec
-            model = random_model(cfg, resolve_dtype(dtype, cfg), self.device, fp8_experts=fp8, fp8=o.fp8,
-                                 fp8_scales=o.fp8_scales)
-        model.eval()
+        o = self.options
+        # a checkpoint directory, or random weights of a preset shape (random:<preset>[:fp8]): benchmarks and demos
+        model, cfg = build(self.model_dir, self.v2_dtype_arg(), self.device, progress=True,
+                           fp8_experts=o.fp8_experts, fp8=o.fp8, fp8_scales=o.fp8_scales)
         name = Path(self.model_dir).name
         self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile_v2,
                             options=o)
@@ -164,14 +157,12 @@ class Engine(EngineBase):
                 return comp.prepare(job.block_hash, job.public_key, nonces, job.seq_len, job.k_dim, job.stronger_rng)
 
         lim = job.limits
-        taken = computed = batches = 0
+        computed = batches = 0
+        dealer = Dealer(job)  # the engines' dealing rule; this loop holds its batches_ahead(): prepared, run, collected
         t_start = time.perf_counter()  # the duration limit counts compute, not the model build
 
         def submit_next():
-            nonlocal taken
-            n = job.batch_size if lim.max_nonces is None else min(job.batch_size, lim.max_nonces - taken)
-            nonces = take(job.nonces, n) if n > 0 else []
-            taken += len(nonces)
+            nonces = dealer.next()
             return self._prep_pool.submit(prepare, nonces) if nonces else None
 
         def finish(inflight) -> None:

@@ -72,3 +72,36 @@ class JobSummary:
 
 def take(it: Iterator[int], n: int) -> list[int]:
     return list(itertools.islice(it, n))
+
+
+def batches_ahead(pp: int = 1) -> int:
+    """How many batches an engine keeps dealt and not yet reported, per replica: its pp stages compute one each, one
+    more is the result on its way back through the consumer (emit) and one waits ready (prepared on one device,
+    queued at the leader of rank processes), so the first stage's next batch is always there when it asks (the
+    consumer's round trip is off the devices' path). One device: one computed, one collected, one prepared."""
+    return pp + 2
+
+
+class Dealer:
+    """The dealing rule of every engine: a job's nonces go out a batch at a time, consecutive pieces of its one
+    iterator, batch_size each and the last cut at max_nonces, so whoever computes them (one device, or replicas in
+    any order) computes together exactly the job's stream (the pow lattice, /pooled ranges, explicit lists alike),
+    each nonce once, and max_nonces stays exact. A job starts with `ahead` (batches_ahead(pp)) batches a replica,
+    dealt in turn (`first`); after that each result's replacement goes to the replica that reported it, so a faster
+    replica takes more."""
+
+    def __init__(self, job: V1Job | V2Job, replicas: int = 1, pp: int = 1):
+        self.job, self.replicas, self.ahead = job, replicas, batches_ahead(pp)
+        self.taken = 0  # nonces dealt
+
+    def first(self) -> list[int]:
+        """The replicas the first batches go to, in order: `ahead` rounds of one each."""
+        return [r for _ in range(self.ahead) for r in range(self.replicas)]
+
+    def next(self) -> list[int]:
+        """The next batch's nonces; [] once the iterator or max_nonces is done. The iterator's errors propagate."""
+        lim = self.job.limits
+        n = self.job.batch_size if lim.max_nonces is None else min(self.job.batch_size, lim.max_nonces - self.taken)
+        nonces = take(self.job.nonces, n) if n > 0 else []
+        self.taken += len(nonces)
+        return nonces

@@ -71,7 +71,7 @@ def ffn_width(cfg, w8a8: bool = False) -> int:
     its output quantised (one byte a value): per routed row the model-dtype output of the second GEMM (dim values)
     and the FP8 intermediate (moe_ffn_dim bytes), in the same ffn units (5 values of the model dtype, 10 bytes).
     Checked against the 30B-A3B shape at batch 64, seq 1024 (benchmarks/h100/W6Q.json): peak 32.1 GiB on one H100,
-    the weights about 28 (poc.parallel.auto.rank_weight_bytes), so about 4 GiB of activations; this estimate 4.4."""
+    the weights about 28 (poc.engine.auto.rank_weight_bytes), so about 4 GiB of activations; this estimate 4.4."""
     if not getattr(cfg, "n_experts", 0):
         return cfg.ffn_dim
     k = cfg.n_experts_per_tok

@@ -11,6 +11,7 @@ q·k products are unchanged, so the model computes the same function up to float
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -157,34 +158,46 @@ def pool_tensor(block_hash: str, size: int, device: torch.device, workers: int |
 
 
 def build_v1_model(p: v1.V1Params, block_hash: str, dtype: torch.dtype, device="cpu", stop=None,
+                   shard: Callable[[Transformer], Mapping[str, tuple[int, int, int]] | None] | None = None,
                    workers: int | None = None) -> Transformer:
     """The reference's random model for (params, block_hash), in `dtype` on `device`, with its head. `stop` (a
     threading.Event), once set, ends the build with BuildStopped within one drawn chunk or one placed tensor.
-    workers: threads drawing the pool (pool_tensor)."""
+    `shard(model)` (parallel.build: a rank's part) runs on the meta model first (keep a pipeline stage, apply tensor
+    parallel) and returns the slices it cut (name -> (dim, start, stop)): only the parameters and slices it kept are
+    placed, the same values as in the whole model. workers: threads drawing the pool (pool_tensor)."""
     device = torch.device(device)
     cfg = v1_config(p)
+    with torch.device("meta"):
+        model = Transformer(cfg, with_head=True)
+    model.embed_tokens = None  # tok_embeddings is in the pool's total but never used: don't hold it
+    plan = (shard(model) or {}) if shard is not None else {}
+    want = set(model.state_dict(keep_vars=True))
     t0 = time.perf_counter()
     pool = pool_tensor(block_hash, v1.pool_size(p.total_params), device, workers, stop=stop)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t_pool = time.perf_counter()
-    with torch.device("meta"):
-        model = Transformer(cfg, with_head=True)
-    model.embed_tokens = None  # tok_embeddings is in the pool's total but never used: don't hold it
     sd = {}
     for ref, shape in v1.param_shapes(p):
         name = hf_name(ref)
-        if name is None:
+        if name is None or name not in want:
             continue
         if stop is not None and stop.is_set():
             raise BuildStopped("the v1 model build was stopped")
-        w = v1.place(pool, ref, shape, block_hash).to(dtype, copy=True)  # fp32 pool -> dtype, as the reference
-        if ref.endswith(("wq.weight", "wk.weight")):
+        w = v1.place(pool, ref, shape, block_hash)  # float32, this one parameter in full (transient)
+        if name not in plan:
+            w = w.to(dtype, copy=True)  # fp32 pool -> dtype, as the reference
+        if ref.endswith(("wq.weight", "wk.weight")):  # a permutation inside each head: a slice comes after it
             w = interleaved_to_half(w, p.n_heads if ref.endswith("wq.weight") else p.n_kv_heads)
+        if name in plan:
+            dim, start, end = plan[name]
+            w = w.narrow(dim, start, end - start).to(dtype, copy=True)  # only the slice is kept
         sd[name] = w.contiguous()
+        del w
     del pool
     model.load_state_dict(sd, strict=True, assign=True)
     model.init_rope(device, p.seq_len)
+    model.requires_grad_(False)
     model.eval()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

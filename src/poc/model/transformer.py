@@ -207,7 +207,8 @@ class MoE(nn.Module):
     Names as the Hub checkpoints: `gate` (the router, E x D) and `experts.{j}.gate_proj/up_proj/down_proj`.
     `fuse()` stacks the experts into `w13` (E, 2F, D) and `w2` (E, D, F), the layout of one grouped GEMM on CUDA.
     `keep_experts(first, stop)`: the experts this rank holds (expert parallel); tokens routed elsewhere add
-    nothing here, and with `group` set the fp32 partial sums are all-reduced over the ranks and rounded once.
+    nothing here. The block knows no process group: with `sum_dtype` float32 it returns its partial sum unrounded,
+    and parallel/tp.py installs the all-reduce after it (as after the dense row-parallel linears), rounding once.
     FP8 weights may stay FP8 in memory (`w13_scale`/`w2_scale`, 128x128 blocks): computed W8A8 (`w8a8`, the
     validators' recipe: experts.grouped_w8a8) or dequantised per layer. The block routes; model/experts.py
     dispatches the routed tokens, computes the experts and combines their outputs.
@@ -225,9 +226,8 @@ class MoE(nn.Module):
         self.w2_scale: Tensor | None = None
         self.w8a8 = False  # FP8 experts: W8A8 GEMMs (quantised activations) instead of dequantised weights
         self.ue8m0 = False  # W8A8 experts: power-of-two activation scales (fp8.use_scales)
-        self.group = None  # expert-parallel process group (all-reduce of the fp32 partial sums)
         self.fast = False  # compiled elementwise steps in the dispatch (set by the engine when it compiles)
-        self.reduce_in_model_dtype = False  # all-reduce rounded partials (POC_TP_REDUCE=model) instead of fp32 ones
+        self.sum_dtype: torch.dtype | None = None  # the output's dtype; None: the input's (parallel.tp: float32)
         self.gluon = True  # W8A8 on Hopper: the Gluon expert kernels, else Triton's (ModelOptions.gluon: the engine)
 
     def keep_experts(self, first: int, stop: int) -> None:
@@ -277,17 +277,11 @@ class MoE(nn.Module):
         if self.w13 is None:
             mine = [self.experts[str(j)] for j in range(self.first, self.stop)]
             out = dispatch_modules(x, weights, index, mine, self.first, E)
-        else:
-            # the sum leaves the kernel in fp32 only where fp32 partials are all-reduced; otherwise rounded there
-            fp32 = self.group is not None and not self.reduce_in_model_dtype
+        else:  # the sum leaves the kernel in sum_dtype (fp32 partials for the all-reduce), else rounded there
             out = dispatch_stacked(x, weights, index, self.w13, self.w2, E, self.first, w13_scale=self.w13_scale,
                                    w2_scale=self.w2_scale, w8a8=self.w8a8, ue8m0=self.ue8m0, xq=xq, fast=self.fast,
-                                   gluon=self.gluon, out_dtype=torch.float32 if fp32 else x.dtype)
-        if self.group is not None:  # each rank summed its own experts' terms: add the fp32 partials, round once
-            if self.reduce_in_model_dtype:  # or round each rank's partial and add those (half the bytes)
-                out = out.to(x.dtype)
-            torch.distributed.all_reduce(out, group=self.group)
-        return out.to(x.dtype).view(B, S, D)
+                                   gluon=self.gluon, out_dtype=self.sum_dtype or x.dtype)
+        return out.to(self.sum_dtype or x.dtype).view(B, S, D)
 
 
 class Block(nn.Module):

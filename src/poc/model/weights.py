@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -360,10 +360,19 @@ def keep_fp8_experts(model: Transformer, refs: dict[str, TensorRef], device: tor
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
                with_head: bool = False, progress: bool = True, fp8_experts: str | None = None,
-               fp8: str | None = None, fp8_scales: str | None = None) -> tuple[Transformer, ModelConfig]:
+               fp8: str | None = None, fp8_scales: str | None = None,
+               shard: Callable[[Transformer], Mapping[str, tuple[int, int, int]] | None] | None = None,
+               ) -> tuple[Transformer, ModelConfig]:
     """Build the model of a HF checkpoint directory on meta and fill it from its safetensors, in eval mode.
     fp8: an FP8 checkpoint's forward, w8a8 (default) or dequant (fp8.fp8_mode); fp8_scales: W8A8's scale format,
-    ue8m0 (default) or float32 (fp8.scale_format, applied by fp8.use_scales)."""
+    ue8m0 (default) or float32 (fp8.scale_format, applied by fp8.use_scales).
+
+    `shard(model)` (parallel.build: a rank's part) runs on the meta model after the whole model is checked against
+    the file headers: it keeps a pipeline stage and applies tensor/expert parallel, returning the slices it cut
+    (name -> (dim, start, stop) of the full tensor). Only those rows / columns are read, and of a Qwen3-MoE sparse
+    layer only the experts it kept (FP8 ones with their scales, sliced on 128-blocks: fp8.scale_slice; the scale
+    format is then taken on the slice, so UE8M0 re-quantises a slice as that part of the whole): a rank's peak host
+    memory is about its part."""
     path = Path(path)
     if not path.is_dir():
         raise InputError(f"model directory {path} does not exist", "model")
@@ -374,8 +383,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: torc
         model = Transformer(cfg, with_head=with_head)
     refs = index_checkpoint(path)  # unused tensors (lm_head without a head, rotary inv_freq, ...) are never read
     dtypes, stack_experts = use_fp8(model, refs, fp8, fp8_experts)
+    check_checkpoint(refs, model, expected_keys(model))  # the whole model against the file headers: reads nothing
+    plan = (shard(model) or {}) if shard is not None else {}
     names = expected_keys(model)
-    check_checkpoint(refs, model, names)
     if stack_experts:
         kept = keep_fp8_experts(model, refs, device, w8a8=fp8_mode(fp8) == "w8a8")
         names = [n for n in names if n not in kept]
@@ -384,7 +394,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: torc
     total = sum(refs[n].nbytes for n in names)
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}", file=sys.stderr,
               disable=not progress) as bar:
-        for name, t in iter_state_dict(refs, names, dtype, device, dtypes=dtypes):
+        for name, t in iter_state_dict(refs, names, dtype, device, shard=plan, dtypes=dtypes):
             sd[name] = t
             bar.update(refs[name].nbytes)
     model.load_state_dict(sd, assign=True, strict=False)

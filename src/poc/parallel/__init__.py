@@ -1,10 +1,11 @@
-"""All the devices of a host: replicas x pipeline stages x tensor-parallel ranks over torch.distributed.
+"""Rewrites of a built model for the devices of a host: pipeline stages and tensor (and expert) parallel slices.
 
-layout.py  which rank is which (replica, stage, tp rank), the stage layer ranges
+layout.py  which rank is which (replica, stage, tp rank), the stage layer ranges, the rank processes' RankConfig
 tp.py      apply_tp(): slice q/k/v/gate/up by rows and o/down by columns, one all-reduce after o/down; a Qwen3-MoE
            sparse layer keeps 1/tp of its experts (expert parallel) and all-reduces its fp32 partial sums
 pp.py      keep_stage(): a stage keeps its own layers; activations move with send/recv
-shard.py   this rank's model: checkpoint slices read straight from the safetensors, or v1's random weights
-ranks.py   the rank process (python -m poc.parallel.ranks): SPMD loop, jobs broadcast by each replica's leader
-engine.py  DistEngine (the Engine interface over the rank processes) and make_engine()
+build.py   build(): the whole model or a rank's part (stage, tp slices) from a checkpoint, a random preset or
+           v1's random weights (the one builder: the engines call nothing else)
+
+The engines that run these models (the rank processes included) are in poc.engine.
 """

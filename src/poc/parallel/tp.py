@@ -5,7 +5,8 @@ q/k/v (and their biases) and gate/up keep the rows of this rank's heads / ffn co
 the matching input columns and produce partial sums, so one all-reduce after each restores the full output.
 A Qwen3-MoE sparse block keeps its router (`gate`) whole and only experts [r*E/N, (r+1)*E/N) on tp rank r of N
 (`MoE.keep_experts`); every rank routes every token, sums the terms of its own experts in float32, and one
-all-reduce of those float32 partial sums (MoE.forward, over `MoE.group`) restores the block's output, rounded once.
+all-reduce of those float32 partial sums (installed here after the block, as after o_proj/down_proj) restores the
+block's output, rounded once. The model code holds no collective.
 So for a MoE model tp=N splits the attention heads N ways and the experts N ways by expert.
 Apply before `fuse()` (which concatenates the already-sliced q/k/v and gate/up and stacks the kept experts) and,
 for a checkpoint, on the meta-built model: the returned plan tells the loader which slice of each tensor to read,
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from poc.model.fp8 import Fp8Linear, scale_slice
+from poc.model.fp8 import Fp8Linear, Quantized, scale_slice
 from poc.model.transformer import MoE, Transformer
 
 Plan = dict[str, tuple[int, int, int]]  # parameter name -> (dim, start, stop) of the full tensor
@@ -65,9 +66,9 @@ def apply_tp(model: Transformer, tp_rank: int, tp_size: int, group: "dist.Proces
     """Shard `model` in place for rank `tp_rank` of `tp_size` and return the plan (name -> (dim, start, stop)).
 
     Works on meta parameters (shapes only; load the slices afterwards) and on real ones (sliced copies).
-    With a group, an all-reduce of the whole output follows o_proj and down_proj, and each sparse MoE block
-    all-reduces its float32 partial sums over the same group (expert parallel: this rank keeps experts
-    expert_range(E, tp_rank, tp_size), the router stays whole). Without a group (tests), the caller sums the
+    With a group, an all-reduce of the whole output follows o_proj and down_proj, and one of its float32 partial
+    sums follows each sparse MoE block (expert parallel: this rank keeps experts expert_range(E, tp_rank, tp_size),
+    the router stays whole). Without a group (tests), the caller sums the
     partial outputs; a MoE block then returns its partial sum rounded to the model dtype (exact in float32; sum
     fp32 partials, e.g. from experts.dispatch_modules, to match one device in half precision).
     o_proj's bias stays on tp rank 0 only, so it is added once. reduce: "fp32", or "model" to all-reduce partials
@@ -103,8 +104,6 @@ def apply_tp(model: Transformer, tp_rank: int, tp_size: int, group: "dist.Proces
         lins = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         if moe:
             mlp.keep_experts(*expert_range(cfg.n_experts, tp_rank, tp_size))
-            mlp.group = group
-            mlp.reduce_in_model_dtype = half_reduce
         else:
             lins += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         for lin in lins:
@@ -113,7 +112,9 @@ def apply_tp(model: Transformer, tp_rank: int, tp_size: int, group: "dist.Proces
             attn.o_proj.bias = None
         if group is not None:
             attn.o_proj.forward = _row_parallel(attn.o_proj, group, half_reduce)
-            if not moe:
+            if moe:
+                mlp.forward = _expert_parallel(mlp, group, half_reduce)
+            else:
                 mlp.down_proj.forward = _row_parallel(mlp.down_proj, group, half_reduce)
     return plan
 
@@ -150,6 +151,23 @@ def reduce_in_model_dtype(reduce: str = "fp32") -> bool:
     if reduce not in ("fp32", "model"):
         raise ValueError(f"tp reduce must be fp32 or model, got {reduce!r}")
     return reduce == "model"
+
+
+def _expert_parallel(moe: MoE, group, half_reduce: bool = False):
+    """The forward of a tp rank's sparse MoE block: the terms of its own experts summed in float32 (MoE.sum_dtype),
+    all-reduced over the ranks and rounded once; with half_reduce (reduce_in_model_dtype: POC_TP_REDUCE=model) each
+    rank's partial is rounded to the model dtype first (half the bytes)."""
+
+    moe.sum_dtype = None if half_reduce else torch.float32
+    block = MoE.forward  # not moe.forward: this replaces it
+
+    def forward(x: "torch.Tensor | Quantized") -> torch.Tensor:
+        dtype = (x.x if isinstance(x, Quantized) else x).dtype
+        y = block(moe, x)
+        dist.all_reduce(y, group=group)
+        return y.to(dtype)
+
+    return forward
 
 
 def _row_parallel(lin: nn.Linear, group, half_reduce: bool = False):

@@ -15,8 +15,7 @@ import logging
 from aiohttp import web
 
 from poc.clients.callbacks import CallbackSender
-from poc.engine.base import EngineBase
-from poc.engine.engine import Engine
+from poc.engine import factory
 from poc.errors import InputError
 from poc.logs import describe
 from poc.server import gpu, mlnode, models, pooled, pow, security, v1cache, vast, warmup
@@ -24,37 +23,17 @@ from poc.server.config import ServerConfig
 from poc.server.context import (config_key, engine_key, freed_key, listening_key, metrics_key, runners_key,
                                 sender_key, tasks_key, watch_releases)
 from poc.server.metrics import Metrics
+from poc.server.pow_service import pow_key
 
 log = logging.getLogger("poc.server")
 
 
-def _make_engine(config: ServerConfig) -> EngineBase:
-    """One device in this process (Engine), or rank processes over torch.distributed when the config asks for
-    tensor/pipeline parallelism or several replicas (poc.parallel, imported only then). --layout auto: the layout
-    poc.parallel.auto picks for the model on the visible GPUs (one device on the CPU), logged with its reasons."""
-    if config.layout == "auto":
-        import dataclasses
-
-        from poc.parallel import auto
-
-        gpus = auto.detect_gpus() if config.device in (None, "", "auto") or config.device.startswith("cuda") else []
-        choice = auto.for_model(config.model, config.dtype, config.fp8_experts, gpus, fp8=config.fp8)
-        log.info("--layout auto: %s", choice.why)
-        config = dataclasses.replace(config, layout="", tp=choice.tp, pp=choice.pp, replicas=choice.replicas)
-    if config.tp * config.pp > 1 or config.replicas != 1:
-        from poc.parallel.engine import make_engine
-
-        return make_engine(config.device, config.model, config.dtype, tp=config.tp, pp=config.pp,
-                           replicas=config.replicas or None, compile=config.compile,
-                           options=config.model_options(), stage_timing=config.stage_timing,
-                           profile_dir=config.rank_profile)
-    return Engine(device=config.device, model_dir=config.model, dtype=config.dtype, compile=config.compile,
-                  options=config.model_options())
-
-
 def create_app(config: ServerConfig) -> web.Application:
     """The only way to get an app. Raises InputError for an unusable config (e.g. --device cuda without CUDA)."""
-    engine = _make_engine(config)
+    engine = factory.make_engine(config.device, config.model, config.dtype, tp=config.tp, pp=config.pp,
+                                 replicas=config.replicas, layout=config.layout, compile=config.compile,
+                                 options=config.model_options(), stage_timing=config.stage_timing,
+                                 profile_dir=config.rank_profile)
     metrics = Metrics()
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware],
                           handler_args=security.handler_args(config))
@@ -160,7 +139,7 @@ async def on_shutdown(app: web.Application) -> None:
         log.info("shutdown: stopping %d job(s)", n)
     for r in list(app[runners_key]):
         r.stop("shutdown")
-    await app[pow.pow_key].shutdown()
+    await app[pow_key].shutdown()
 
 
 # --------------------------------------------------------------------------------------------------

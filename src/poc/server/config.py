@@ -47,7 +47,7 @@ class ServerConfig:
     tp: int = 1
     pp: int = 1
     replicas: int = 1  # on CUDA: 0 = as many as the visible GPUs allow
-    layout: str = ""  # "auto": tp, pp and replicas picked from the model and the GPUs (poc.parallel.auto)
+    layout: str = ""  # "auto": tp, pp and replicas picked from the model and the GPUs (poc.engine.auto)
     compile: str = "auto"  # torch.compile on CUDA: auto = on (both protocols; compute.compile_flags), off
     fp8_experts: str = "keep"  # a Qwen3-MoE FP8 checkpoint's experts: keep (FP8 in memory) or dequant (at load)
     fp8_scales: str = "ue8m0"  # an FP8 checkpoint's W8A8 scale format: ue8m0 (Hopper validators) or float32

@@ -24,9 +24,11 @@ log = logging.getLogger("poc.gpu")
 MIB = 1 << 20
 
 
+routes = web.RouteTableDef()
+
+
 def setup(app: web.Application) -> None:
-    app.router.add_get("/api/v1/gpu/devices", get_devices)
-    app.router.add_get("/api/v1/gpu/driver", get_driver)
+    app.add_routes(routes)
 
 
 def _nvml():
@@ -122,10 +124,12 @@ def driver() -> dict:
         nv.nvmlShutdown()
 
 
+@routes.get("/api/v1/gpu/devices")
 async def get_devices(request: web.Request) -> web.Response:
     ds = await asyncio.to_thread(devices)
     return web.json_response({"devices": ds, "count": len(ds)})
 
 
+@routes.get("/api/v1/gpu/driver")
 async def get_driver(request: web.Request) -> web.Response:
     return web.json_response(await asyncio.to_thread(driver))

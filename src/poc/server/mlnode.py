@@ -14,7 +14,8 @@ One process plays both roles the MLNode and its vLLM backends play: every /api/v
 defaults the MLNode fills (params.k_dim 12, group_id 0 of n_groups 1: this server is the one backend; a missing
 batch_size, 32 in the MLNode, is the batch that serves the loaded model best, as /api/v1/pow picks it), drops the
 node's stat_test.p_value_threshold as the MLNode does (fraud_threshold, 0.01 unless given, decides: the verdict the
-network gives), hands the request to the /api/v1/pow service (server/pow.py, the one implementation), and answers
+network gives), hands the request to the PoC service behind /api/v1/pow (server/pow_service.py, the one
+implementation: its Python API, not the /api/v1/pow routes), and answers
 in the MLNode's shapes (decentralized-api/mlnodeclient/poc_v2_requests.go decodes them): the one backend is
 reported under this server's port. A request id is the /api/v1/pow one, the same in the callback's `request_id`;
 the MLNode's "<port>:<id>" form is accepted on read-back too. The inference side the node also checks (/health,
@@ -31,7 +32,6 @@ reads). The node's inference URL may point here too: /health and /v1/models answ
 
 from __future__ import annotations
 
-import json
 import logging
 
 from aiohttp import web
@@ -39,8 +39,9 @@ from aiohttp import web
 import poc
 from poc.errors import InputError
 from poc.server import schemas
-from poc.server.context import config_key, engine_key, runners_key, served_model
-from poc.server.pow import BODY_KEY, pow_key
+from poc.server.context import config_key, engine_key, served_model
+from poc.server.pow_service import pow_key, stop_every_job
+from poc.server.stream import json_text
 
 log = logging.getLogger("poc.mlnode")
 
@@ -48,17 +49,11 @@ V2 = "/api/v1/inference/pow"
 MLNODE_K_DIM = 12  # its params.k_dim default
 
 
+routes = web.RouteTableDef()
+
+
 def setup(app: web.Application) -> None:
-    r = app.router
-    r.add_get("/api/v1/state", state)
-    r.add_post("/api/v1/stop", stop_all)
-    r.add_get("/api/v1/versions", versions)
-    r.add_get("/api/v1/pow/versions", versions)
-    r.add_post(f"{V2}/init/generate", init_generate)
-    r.add_post(f"{V2}/generate", generate)
-    r.add_get(f"{V2}/generate/{{request_id:.+}}", generate_result)
-    r.add_get(f"{V2}/status", status)
-    r.add_post(f"{V2}/stop", stop_v2)
+    app.add_routes(routes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -66,20 +61,20 @@ def setup(app: web.Application) -> None:
 
 
 def node_state(app: web.Application) -> str:
-    svc = app[pow_key]
     engine = app[engine_key]
-    if svc.v1_init is not None or (svc.gen is not None and svc.gen.active and svc.gen.protocol == "v1"):
+    if app[pow_key].v1_in_progress:
         return "POW"
     if engine.state in ("ready", "busy") and engine.v2 is not None:
         return "INFERENCE"
     return "STOPPED"
 
 
+@routes.get("/api/v1/state")
 async def state(request: web.Request) -> web.Response:
     """The node's StateResponse {state, version, poc_validation_inference}, plus what the MLNode adds in INFERENCE."""
     app = request.app
     engine = app[engine_key]
-    pow_state = _json(await app[pow_key].status(request))["status"]  # LOADING, GENERATING, VALIDATING or IDLE
+    pow_state = app[pow_key].status()["status"]  # LOADING, GENERATING, VALIDATING or IDLE
     served = served_model(app)
     body = {"state": node_state(app), "version": poc.__version__,
             "poc_status": "NO_BACKENDS" if engine.state in ("loading", "broken") else _aggregate(pow_state),
@@ -89,23 +84,15 @@ async def state(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-async def stop_work(app: web.Application, why: str) -> None:
-    """Stop every job: PoC generation, the queue and the v1 init, and any /generate, /pooled or /warmup job (the
-    MLNode's stop ends all its work too). What was computed is still delivered."""
-    await app[pow_key].stop_all()
-    others = list(app[runners_key])
-    for r in others:
-        r.stop("stopped")
-    if others:
-        log.info("%s: stopped %d other job(s)", why, len(others))
-
-
+@routes.post("/api/v1/stop")
 async def stop_all(request: web.Request) -> web.Response:
     """The node's Stop(): no body, and it does not read the answer, so this must really stop (and say 200)."""
-    await stop_work(request.app, "POST /api/v1/stop")
+    await stop_every_job(request.app, "POST /api/v1/stop")
     return web.json_response({"status": "OK"})
 
 
+@routes.get("/api/v1/versions")
+@routes.get("/api/v1/pow/versions")
 async def versions(request: web.Request) -> web.Response:
     """What the MLNode's capability probe reads from a backend (vllm_version, poc_validation_inference) and what
     its own /api/v1/versions answers (version): one object for both routes."""
@@ -155,6 +142,7 @@ def _v2_body(body: dict) -> dict:
     return out
 
 
+@routes.post(f"{V2}/init/generate")
 async def init_generate(request: web.Request) -> web.Response:
     app = request.app
     body = await schemas.read_json(request, app[config_key].max_body_bytes)
@@ -165,12 +153,12 @@ async def init_generate(request: web.Request) -> web.Response:
     b["group_id"], b["n_groups"] = 0, 1
     if "params" not in b or not isinstance(b["params"], dict) or "dim" in b["params"]:
         raise InputError("/api/v1/inference/pow is PoC v2: params must be {model, seq_len[, k_dim]}", "params")
-    request[BODY_KEY] = b
-    await app[pow_key].init_generate(request)
+    await app[pow_key].init_generate(b)
     return web.json_response({"status": "OK", "backends": 1, "n_groups": 1,
                               "results": [{"port": _port(request), "status": "OK"}], "errors": None})
 
 
+@routes.post(f"{V2}/generate")
 async def generate(request: web.Request) -> web.Response:
     """The node's stat_test {dist_threshold, p_mismatch, p_value_threshold} is read as the MLNode reads it: its
     StatTestModel has no p_value_threshold, so the key is dropped and fraud_threshold (0.01 unless given) decides.
@@ -182,23 +170,17 @@ async def generate(request: web.Request) -> web.Response:
     st = b.get("stat_test")
     if isinstance(st, dict) and "p_value_threshold" in st:
         b["stat_test"] = {k: v for k, v in st.items() if k != "p_value_threshold"}
-    request[BODY_KEY] = b
-    return await app[pow_key].generate(request)
+    return web.json_response(await app[pow_key].generate(b), dumps=json_text)
 
 
+@routes.get(f"{V2}/generate/{{request_id:.+}}")
 async def generate_result(request: web.Request) -> web.Response:
     """The /api/v1/pow result, under the id the caller used (ours, or the MLNode's "<port>:<id>")."""
     app = request.app
     rid = request.match_info["request_id"]
     head, sep, tail = rid.partition(":")
     own = tail if sep and head.isdigit() else rid
-    svc = app[pow_key]
-    svc._sweep()
-    job = svc.jobs.get(own)
-    if job is None:
-        raise InputError(f"Request {rid} not found (unknown, or expired {app[config_key].result_ttl:.0f} s after it "
-                         "finished)", "request_id", status=404)
-    return web.json_response({**job.view(), "request_id": rid})
+    return web.json_response({**app[pow_key].result(own, named=rid), "request_id": rid})
 
 
 def _aggregate(pow_state: str) -> str:
@@ -206,21 +188,19 @@ def _aggregate(pow_state: str) -> str:
     return pow_state if pow_state in ("GENERATING", "IDLE") else "MIXED"
 
 
+@routes.get(f"{V2}/status")
 async def status(request: web.Request) -> web.Response:
     app = request.app
     engine = app[engine_key]
     if engine.state in ("loading", "broken"):  # the MLNode has no healthy backend then
         return web.json_response({"status": "NO_BACKENDS", "backends": []})
-    resp = await app[pow_key].status(request)
-    backend = {"port": _port(request), **_json(resp)}
-    return web.json_response({"status": _aggregate(backend.get("status", "")), "backends": [backend]})
+    backend = {"port": _port(request), **app[pow_key].status()}
+    return web.json_response({"status": _aggregate(backend.get("status", "")), "backends": [backend]},
+                             dumps=json_text)
 
 
+@routes.post(f"{V2}/stop")
 async def stop_v2(request: web.Request) -> web.Response:
-    await request.app[pow_key].stop(request)
+    await request.app[pow_key].stop_all()
     return web.json_response({"status": "OK", "results": [{"port": _port(request), "status": "stopped"}],
                               "errors": None})
-
-
-def _json(resp: web.Response) -> dict:
-    return json.loads(resp.body)

@@ -37,22 +37,18 @@ from poc.logs import describe
 from poc.server import schemas
 from poc.server.config import DTYPE_CHOICES
 from poc.server.context import config_key, engine_key, metrics_key, served_model, tasks_key, wait_claim
-from poc.server.mlnode import stop_work
+from poc.server.pow_service import stop_every_job
 
 log = logging.getLogger("poc.models")
 
 CLAIM_TIMEOUT = 120.0  # seconds for the stopped jobs to free the device before a redeploy gives up (503)
 
 
+routes = web.RouteTableDef()
+
+
 def setup(app: web.Application) -> None:
-    r = app.router
-    r.add_get("/v1/models", list_served)
-    r.add_get("/readyz", readyz)
-    r.add_post("/api/v1/inference/up", inference_up)
-    r.add_post("/api/v1/models/status", model_status)
-    r.add_get("/api/v1/models/status", model_status)
-    r.add_get("/api/v1/models/list", model_list)
-    r.add_post("/api/v1/models/download", model_download)
+    app.add_routes(routes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -68,6 +64,7 @@ def _unavailable(app: web.Application) -> InputError | None:
     return None
 
 
+@routes.get("/v1/models")
 async def list_served(request: web.Request) -> web.Response:
     """vLLM's /v1/models: 503 while no checkpoint is up (vLLM does not answer then), [] when serving PoC v1 only."""
     app = request.app
@@ -83,12 +80,14 @@ async def list_served(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
+@routes.get("/readyz")
 async def readyz(request: web.Request) -> web.Response:
     """The MLNode's readiness probe: ready unless a checkpoint is loading or the engine is broken."""
     ready = request.app[engine_key].state in ("ready", "busy")
     return web.json_response({"ready": ready}, status=200 if ready else 503)
 
 
+@routes.post("/api/v1/inference/up")
 async def inference_up(request: web.Request) -> web.Response:
     app = request.app
     engine = app[engine_key]
@@ -152,7 +151,7 @@ async def _switch(app: web.Application, model: str, path: str, dtype: str | None
     engine = app[engine_key]
     old = served_model(app)
     old_name = old.ids[0] if old else "no model"
-    await stop_work(app, f"POST /api/v1/inference/up {model}")
+    await stop_every_job(app, f"POST /api/v1/inference/up {model}")
     try:
         claim = await asyncio.wait_for(wait_claim(app, f"inference/up {model}"), CLAIM_TIMEOUT)
     except asyncio.TimeoutError:
@@ -191,17 +190,21 @@ async def _model_body(request: web.Request) -> dict:
     return _model_arg(await schemas.read_json(request, request.app[config_key].max_body_bytes))
 
 
+@routes.post("/api/v1/models/status")
+@routes.get("/api/v1/models/status")
 async def model_status(request: web.Request) -> web.Response:
     m = await _model_body(request)
     status, _ = await asyncio.to_thread(hub.cache_status, m["hf_repo"], m["hf_commit"])
     return web.json_response({"model": m, "status": status, "progress": None, "error_message": None})
 
 
+@routes.get("/api/v1/models/list")
 async def model_list(request: web.Request) -> web.Response:
     found = await asyncio.to_thread(hub.cached_models)
     return web.json_response({"models": [{"model": {"hf_repo": r, "hf_commit": c}, "status": s} for r, c, s in found]})
 
 
+@routes.post("/api/v1/models/download")
 async def model_download(request: web.Request) -> web.Response:
     """What the MLNode answers with HF_HUB_OFFLINE set: acknowledged, not done (no download at run time here)."""
     m = await _model_body(request)

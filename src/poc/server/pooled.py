@@ -13,7 +13,10 @@ pooled_wait_timeout) -> build the model -> ready (with retry) -> compute the ass
 - F3/F14: lines are written as they happen; results go through the durable CallbackSender (spooled on disk and
   fsynced before the send, re-sent with backoff until the orchestrator answers {"status": "ok"}, replayed after a
   restart; one `idempotency_id` per batch, also the Idempotency-Key header), so the orchestrator's speed never
-  holds up the engine thread, the command polls or the stream; a backlog goes out through /results/batch;
+  holds up the engine thread, the command polls or the stream; a backlog goes out through /results/batch; when
+  the sender holds as many pending results for the orchestrator as it takes (callback_max_pending), the session
+  says "paused" and takes no further batch until one is delivered or dead-lettered ("resumed"): the job runner's
+  bound pauses the engine meanwhile (JobRunner.hold), and the commands, heartbeats and max_duration still apply;
 - F5: nothing is dropped: the batch in flight when a job stops is sent, the final flush waits (bounded) for the
   acknowledgements, and what is still unacknowledged stays in the spool;
 - F7: commands and config changes apply within one poll interval: "switch_job" (restart the range under the new
@@ -64,11 +67,15 @@ KEY_COMMANDS = ("switch_job", "compute")  # the config commands that move the pu
 GPU_COUNT = 1  # one engine: the server's device (replicas are the parallel engine's business)
 
 
+routes = web.RouteTableDef()
+
+
 def setup(app: web.Application) -> None:
     track_streams(app, sessions_key, lambda s: s.request_end("server_shutdown"))
-    app.router.add_post("/pooled", pooled)
+    app.add_routes(routes)
 
 
+@routes.post("/pooled")
 async def pooled(request: web.Request) -> web.StreamResponse:
     app = request.app
     cfg = app[config_key]
@@ -414,13 +421,29 @@ class PooledSession:
         body.update(total_computed=self.total_computed, total_valid=self.total_valid,
                     elapsed_seconds=int(b.elapsed), first_nonce=b.nonces[0], last_nonce=b.nonces[-1])
         body["idempotency_id"] = result_id(a, b.nonces[0], b.nonces[-1], len(b.nonces))
-        if not await self.sender.put("results", self.client.worker_url, body, body["idempotency_id"]):
-            # the spool is full (the orchestrator has been unreachable for long): stop computing what cannot go out
+        url = self.client.worker_url
+        if not self.sender.room(url) and self.runner is not None and not self.runner.ending:
+            await self._wait_room(url)
+        # past the cap only once the job is ending: the few batches that were in flight (the cap pauses the work)
+        if not await self.sender.put("results", url, body, body["idempotency_id"], force=not self.sender.room(url)):
+            # the sender is not running (the server is stopping): nothing more can be made durable
             self.request_end("error")
-            await self._fail(f"result spool full ({self.sender.pending} pending): stopping", "SpoolFull")
+            await self._fail(f"the result sender took no more results ({self.sender.pending} pending): stopping",
+                             "SenderClosed")
             return
         self.batches_sent += 1
         await self.emit(body)
+
+    async def _wait_room(self, url: str) -> None:
+        """The orchestrator's results are at the sender's cap (it has been unreachable for long): take no batch
+        until one is delivered or dead-lettered, or the job ends (a command, max_duration, shutdown)."""
+        await self.emit({"status": "paused", "pending_results": self.sender.pending_for(url)})
+        log.warning("pooled %s paused: %d results pending for %s (the cap per destination)", self.worker_id[:8],
+                    self.sender.pending_for(url), url)
+        while not self.sender.room(url) and not self.runner.ending:
+            await self.runner.hold(self.sender.wait_room(url))
+        if self.sender.room(url):
+            await self.emit({"status": "resumed", "pending_results": self.sender.pending_for(url)})
 
     async def _finish(self) -> None:
         c = self.cfg

@@ -5,66 +5,28 @@ PoC v2 (spec-v2 §e): POST /init/generate (continuous generation, artifacts to {
 POST /stop. PoC v1 (spec-v1 §4.5): POST /init, /init/generate, /init/validate, /phase/generate,
 /phase/validate, /validate (a ProofBatch, scored and posted to {url}/validated), GET /status, POST /stop.
 
-Fixed against the reference (spec-v2 §f 7-12): batch_size, seq_len, k_dim and nonces are range-checked (400, never a
-spinning loop or an endless retry); duplicate nonces are refused; `wait: true` while generation (or a stream) holds
-the device is a 409 at once, not a wait; NaN-dropped nonces are reported and not counted as processed; /stop
-delivers what was computed (every batch is spooled as it is computed and released to the sender, completed results
-stay readable for result_ttl) instead of discarding it; validation scores missing or undecodable vectors as
-mismatches, and leaves out of the sample the nonces it could not compute itself, as the deployed plugin does
-(protocol.v2.validate: past 10% of them, no verdict). As in the reference, the background queue yields:
-/init/generate and `wait: true` take the device from a queued job, which goes back to the head of the queue and runs
-again once the device is free.
+The routes read the body and answer; the work is the PoC service's (server/pow_service.py), which the MLNode's
+routes (server/mlnode.py) call too.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
-import itertools
-import logging
-import threading
-import time
-import uuid
-from collections import deque
-from dataclasses import dataclass, field
-
 from aiohttp import web
 
-from poc.engine.jobs import BatchResult
-from poc.errors import InputError
-from poc.logs import describe
-from poc.protocol import v1, v2
 from poc.server import schemas
-from poc.server.context import (check_v1_memory, check_v2_memory, claim_device, config_key, default_v2_batch,
-                                engine_key, new_runner, require_ready, sender_key, served_model, tasks_key, wait_claim)
-from poc.server.results import v1_hits, v2_body
-from poc.server.stream import JobRunner, collect, json_text
-from poc.server.vast import validate_v1
-
-log = logging.getLogger("poc.pow")
+from poc.server.context import config_key
+from poc.server.pow_service import PowService, pow_key
+from poc.server.stream import json_text
 
 PREFIX = "/api/v1/pow"
-SHUTDOWN_JOB_WAIT = 30.0  # seconds shutdown waits for a stopped queued job to end its batch in flight
-BODY_KEY = web.RequestKey("pow_body", dict)  # a body another route already read and translated (server/mlnode.py)
+routes = web.RouteTableDef()
 
 
 def setup(app: web.Application) -> None:
     """The API as a sub-application at PREFIX; its service lives on the parent app (pow_key), whose keys it uses."""
-    svc = PowService(app)
-    app[pow_key] = svc
+    app[pow_key] = PowService(app)
     sub = web.Application()
-    r = sub.router
-    r.add_post("/init", svc.init)
-    r.add_post("/init/generate", svc.init_generate)
-    r.add_post("/init/validate", svc.init_validate)
-    r.add_post("/phase/generate", svc.phase_generate)
-    r.add_post("/phase/validate", svc.phase_validate)
-    r.add_post("/validate", svc.validate)
-    r.add_post("/generate", svc.generate)
-    r.add_get("/generate/{request_id}", svc.generate_result)
-    r.add_get("/status", svc.status)
-    r.add_post("/stop", svc.stop)
+    sub.add_routes(routes)
     app.add_subapp(PREFIX, sub)
 
 
@@ -72,553 +34,63 @@ def ok(state: str) -> web.Response:
     return web.json_response({"status": "OK", "pow_status": {"status": state}})
 
 
-# --------------------------------------------------------------------------------------------------
-# continuous generation (/init/generate, /phase/generate)
+def _svc(request: web.Request) -> PowService:
+    return request.config_dict[pow_key]
 
 
-class _Gated:
-    """The generation's nonces, dealt on the engine's thread: while `resume` is clear the engine waits at its next
-    draw (the computation pauses; the device stays claimed), until resumed or stopped."""
-
-    def __init__(self, nonces):
-        self.inner = iter(nonces)
-        self.resume = threading.Event()
-        self.resume.set()
-        self.stop: threading.Event | None = None  # the runner's
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> int:
-        while not self.resume.wait(0.5):
-            if self.stop is not None and self.stop.is_set():
-                break
-        return next(self.inner)
+async def _body(request: web.Request) -> dict:
+    return await schemas.read_json(request, request.config_dict[config_key].max_body_bytes)
 
 
-class Generation:
-    """One generation loop on the device. Each batch is spooled as it arrives (a record held under this
-    generation's id: durable at once, so a kill -9 loses none). The first batch is released as soon as it is
-    stored (the chain weighs what a node committed early in the PoC window: the node's early-share guard); then
-    every callback_interval seconds, and once more when it ends (stop, shutdown or error), what was held is
-    released and goes to {url}/generated merged, as the reference posts (clients/callbacks.py). When the sender
-    has no room for the url (its cap per destination), the computation pauses: the batches already in flight wait
-    here, in order, and go to the sender as room opens (records delivered or moved to the dead-letter file), then
-    the engine resumes. Nothing is dropped."""
-
-    def __init__(self, app: web.Application, protocol: str, init, runner: JobRunner, gate: _Gated | None = None):
-        self.app, self.protocol, self.init, self.runner = app, protocol, init, runner
-        self.id = uuid.uuid4().hex
-        self.seq = itertools.count(1)
-        self.error: str | None = None
-        self.task: asyncio.Task | None = None
-        self.gate = gate
-        self.backlog: deque[dict] = deque()  # payloads waiting for room at the sender (the batches in flight)
-        self.pauses = 0
-        self._drain: asyncio.Task | None = None
-
-    @property
-    def paused(self) -> bool:
-        return self.gate is not None and not self.gate.resume.is_set()
-
-    @property
-    def active(self) -> bool:
-        return self.task is not None and not self.task.done()
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self._run(), name=f"pow-generation-{self.id[:8]}")
-
-    async def stop(self, reason: str = "stopped") -> None:
-        self.runner.stop(reason)
-        if self.gate is not None:
-            self.gate.resume.set()  # a paused engine draws once more, sees the stop and ends
-        if self.task is not None:
-            await asyncio.shield(self.task)  # ends after the batch in flight, with a final release
-
-    async def _run(self) -> None:
-        interval = self.app[config_key].callback_interval
-        last = time.monotonic()
-        first = True  # the first batch goes out at once: the chain judges early work (the node's early-share guard)
-        try:
-            async with contextlib.aclosing(self.runner.events()) as events:
-                async for kind, item in events:
-                    if kind == "batch":
-                        if self.spool(item) and first and (item.artifacts or self.protocol == "v1"):
-                            first = False
-                            await self.app[sender_key].stored()
-                            self.app[sender_key].release(self.id)
-                            last = time.monotonic()
-                    elif kind == "done" and item.reason == "error":
-                        self.error = f"{item.error_type}: {item.error}"
-                    if time.monotonic() - last >= interval:
-                        self.app[sender_key].release(self.id)
-                        last = time.monotonic()
-        finally:
-            try:  # the batches handed over just before the end are stored first, so the final release merges them
-                await self.app[sender_key].stored()
-            finally:
-                self.app[sender_key].release(self.id, final=True)
-            self.runner.close()
-            if self.gate is not None:
-                self.gate.resume.set()
-            if self._drain is not None:
-                self._drain.cancel()
-                self._drain = None
-            # the computation has ended: what waits here (the few batches that were in flight) goes to the sender
-            # past its cap rather than wait in memory (the cap exists to pause the computation)
-            sender = self.app[sender_key]
-            while self.backlog:
-                sender.submit("generated", self.init.url, self.backlog.popleft(), f"{self.id}-{next(self.seq)}",
-                              merge=self.id, force=True)
-
-    def _pause(self) -> None:
-        if self.gate is not None and self.gate.resume.is_set():
-            self.gate.resume.clear()
-            self.pauses += 1
-            log.warning("generation %s paused: %d callback record(s) pending for %s (the cap per destination); it "
-                        "resumes as they are delivered or dead-lettered", self.id[:8],
-                        self.app[sender_key].pending_for(self.init.url), self.init.url)
-
-    async def _drain_backlog(self) -> None:
-        sender = self.app[sender_key]
-        url = self.init.url
-        while self.backlog:
-            # the held records must go out to make room: release what this generation holds
-            sender.release(self.id)
-            await sender.wait_room(url)
-            while self.backlog and sender.room(url):
-                sender.submit("generated", url, self.backlog.popleft(), f"{self.id}-{next(self.seq)}", merge=self.id)
-        self._drain = None
-        if self.gate is not None and not self.gate.resume.is_set():
-            log.info("generation %s resumes", self.id[:8])
-            self.gate.resume.set()
-
-    def spool(self, b: BatchResult) -> bool:
-        """Hand one computed batch to the callback sender, held until the next release (nothing is discarded);
-        True when it went to the sender now (not to the backlog, and not empty)."""
-        url = self.init.url
-        if url is None:
-            return False
-        i = self.init
-        if self.protocol == "v2":
-            if not b.artifacts and not b.dropped:
-                return False
-            payload = {"public_key": i.public_key, "block_hash": i.block_hash, "block_height": i.block_height,
-                       "node_id": i.node_id, **v2_body(b, i.k_dim)}
-        else:
-            nonces, dist = v1_hits(b, i.r_target)
-            if not nonces:
-                return False
-            payload = v1.ProofBatch(i.public_key, i.block_hash, i.block_height, nonces, dist, i.node_id).to_json()
-        sender = self.app[sender_key]
-        if self.backlog or not sender.room(url):  # in order behind what already waits
-            self.backlog.append(payload)
-            self._pause()
-            if self._drain is None:
-                self._drain = asyncio.create_task(self._drain_backlog(), name=f"pow-generation-drain-{self.id[:8]}")
-            return False
-        sender.submit("generated", url, payload, f"{self.id}-{next(self.seq)}", merge=self.id)
-        return True
-
-    def stats(self) -> dict:
-        s = self.runner.stats
-        processed = s.computed - s.dropped  # NaN-dropped nonces are not "processed" (spec-v2 §f 7)
-        d = {"total_processed": processed, "nonces_per_second": round(s.rate, 3)}
-        if self.paused or self.pauses:
-            d["paused"], d["pauses"] = self.paused, self.pauses  # waiting for callback room (see Generation)
-        if self.protocol == "v1":
-            d["total_valid"] = s.valid
-        else:
-            d["dropped_nonces"] = s.dropped
-        return d
+@routes.post("/init")
+async def init(request: web.Request) -> web.Response:
+    return ok(await _svc(request).init(await _body(request)))
 
 
-# --------------------------------------------------------------------------------------------------
-# the queue (/generate without wait, /validate for v1)
+@routes.post("/init/generate")
+async def init_generate(request: web.Request) -> web.Response:
+    return ok(await _svc(request).init_generate(await _body(request)))
 
 
-@dataclass
-class QueuedJob:
-    kind: str  # "generate" (v2) or "validate_v1"
-    request: object  # PowV2Generate, or (ProofBatch, PowV1Init)
-    n_nonces: int
-    id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    status: str = "queued"  # queued | running | completed | failed | cancelled
-    result: dict | None = None
-    error: str | None = None
-    finished_at: float | None = None
-    runner: JobRunner | None = None
-    preempted: bool = False  # stopped to let generation or a wait=true request have the device; runs again
-
-    def view(self) -> dict:
-        d = {"status": self.status, "request_id": self.id}
-        if self.result is not None:
-            d.update(self.result)
-        if self.error is not None:
-            d["error"] = self.error
-        return d
+@routes.post("/init/validate")
+async def init_validate(request: web.Request) -> web.Response:
+    return ok(await _svc(request).init_validate(await _body(request)))
 
 
-class PowService:
-    def __init__(self, app: web.Application):
-        self.app = app
-        self.gen: Generation | None = None
-        self.v1_init: schemas.PowV1Init | None = None
-        self.v1_phase = "IDLE"
-        self.queue: deque[QueuedJob] = deque()
-        self.jobs: dict[str, QueuedJob] = {}
-        self.queued_nonces = 0  # queued + running
-        self._wake = asyncio.Event()
-        self._worker: asyncio.Task | None = None
-        self._closing = False
-        self._running: tuple[QueuedJob, object] | None = None  # the queued job on the device, and its claim
-        self._job_ended = asyncio.Event()
-        self._holdoff = 0  # preemptions in progress: the queue takes the device only when this is 0
-        self._resume = asyncio.Event()
-
-    @property
-    def cfg(self):
-        return self.app[config_key]
-
-    # ------------------------------------------------------------------------------- life cycle
-
-    def _ensure_worker(self) -> None:
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.create_task(self._work(), name="pow-queue")
-            self.app[tasks_key]["pow-queue"] = self._worker
-
-    async def shutdown(self) -> None:
-        """SIGTERM: stop generation (releasing its spooled batches to the sender) and the queue."""
-        self._closing = True
-        await self._stop_all("shutdown")
-        # a queued job just stopped ends after its batch in flight: the worker is cancelled once it is idle, never
-        # inside the job (Python 3.11's wait_for can swallow a cancel that meets a result: the task would then hang)
-        deadline = time.monotonic() + SHUTDOWN_JOB_WAIT
-        while self._running is not None and time.monotonic() < deadline:
-            self._job_ended.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._job_ended.wait(), max(0.0, deadline - time.monotonic()))
-        if self._worker is not None:
-            self._worker.cancel()
-            await asyncio.gather(self._worker, return_exceptions=True)
-
-    async def _stop_all(self, reason: str) -> None:
-        # the queue first: while generation stops and frees the device, the worker must not start a queued job
-        now = time.monotonic()
-        while self.queue:
-            j = self.queue.popleft()
-            j.status, j.finished_at = "cancelled", now
-            self.queued_nonces -= j.n_nonces
-        if self.gen is not None and self.gen.active:
-            await self.gen.stop(reason)
-        for j in self.jobs.values():
-            if j.status == "running" and j.runner is not None:
-                j.status = "cancelled"
-                j.runner.stop(reason)
-        self.v1_phase = "IDLE"
-
-    # ----------------------------------------------------------------------------------- helpers
-
-    async def _body(self, request: web.Request) -> dict:
-        if BODY_KEY in request:
-            return request[BODY_KEY]
-        return await schemas.read_json(request, self.cfg.max_body_bytes)
-
-    def _refuse_if_generating(self) -> None:
-        if self.gen is not None and self.gen.active:
-            raise InputError("Already generating: POST /api/v1/pow/stop first", None, status=409)
-
-    async def _claim_before_queue(self, owner: str):
-        """The device for generation or a wait=true request: a queued job holding it is stopped after its batch in
-        flight and put back at the head of the queue (the reference's queue waits while generation runs and
-        interleaves with wait=true, spec-v2 §e.2). Anything else holding the device: 409 at once."""
-        running = self._running
-        if running is None or self.app[engine_key].lock.holder is not running[1]:
-            return claim_device(self.app, owner)
-        job, _ = running
-        self._holdoff += 1
-        try:
-            job.preempted = True
-            if job.runner is not None:
-                job.runner.stop("preempted")
-            while self._running is not None and self._running[0] is job:
-                self._job_ended.clear()
-                await self._job_ended.wait()
-            return claim_device(self.app, owner)  # before the queue can claim again (no await in between)
-        finally:
-            self._holdoff -= 1
-            if not self._holdoff:
-                self._resume.set()
-
-    async def _start_generation(self, protocol: str, init, job, label: str) -> None:
-        claim = await self._claim_before_queue(f"pow generation ({protocol})")
-        gate = _Gated(job.nonces)
-        runner = new_runner(self.app, dataclasses.replace(job, nonces=gate), claim, label)
-        gate.stop = runner.stop_event
-        self.gen = Generation(self.app, protocol, init, runner, gate)
-        self.gen.start()
-
-    def _need_v1(self) -> schemas.PowV1Init:
-        if self.v1_init is None:
-            raise InputError("PoC v1 is not initialized: POST /api/v1/pow/init first", None, status=409)
-        return self.v1_init
-
-    # ---------------------------------------------------------------------------------- routes
-
-    async def init_generate(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        if "params" not in body:
-            raise InputError("missing required field: params", "params")
-        proto = schemas.protocol_of(body["params"])
-        require_ready(self.app)
-        if proto == "v1":
-            init = schemas.parse_pow_v1_init(body, self.cfg, need_node=True)
-            check_v1_memory(self.app, init.params, init.batch_size, "float16")
-            if self._v1_generating() and init == self.v1_init:
-                return ok("GENERATING")  # the reference starts nothing anew for the same init
-            await self._stop_v1_generation()
-            self._refuse_if_generating()
-            await self._start_generation("v1", init, init.job(),
-                                         f"v1 pow generation node {init.node_id}/{init.node_count}")
-            self.v1_init, self.v1_phase = init, "GENERATING"
-            return ok("GENERATING")
-        init = schemas.parse_pow_v2_init(body, self.cfg, served_model(self.app))
-        if init.batch_size is None:
-            init.batch_size = default_v2_batch(self.app, init.seq_len)
-        check_v2_memory(self.app, init.batch_size, init.seq_len)
-        self._refuse_if_generating()
-        await self._start_generation("v2", init, init.job(), f"v2 pow generation node {init.node_id}/{init.node_count} "
-                                                             f"group {init.group_id}/{init.n_groups}")
-        return ok("GENERATING")
-
-    async def _v1_init_body(self, request: web.Request, need_node: bool) -> schemas.PowV1Init:
-        body = await self._body(request)
-        if "params" not in body:
-            raise InputError("missing required field: params", "params")
-        if schemas.protocol_of(body["params"]) != "v1":
-            raise InputError("PoC v2 has no /init or /init/validate: use /init/generate or /generate", "params")
-        require_ready(self.app)
-        init = schemas.parse_pow_v1_init(body, self.cfg, need_node=need_node)
-        check_v1_memory(self.app, init.params, init.batch_size, "float16")
-        await self._stop_v1_generation()
-        self._refuse_if_generating()
-        return init
-
-    def _v1_generating(self) -> bool:
-        return self.gen is not None and self.gen.active and self.gen.protocol == "v1"
-
-    async def _stop_v1_generation(self) -> None:
-        """A v1 init or phase route while v1 generation runs switches the phase, as the reference's (an MLNode sends
-        /init/validate straight after generating, with no stop): generation ends after its batch in flight and
-        what it computed is released to {url}/generated. v2 generation still needs /stop (409)."""
-        if self._v1_generating():
-            await self.gen.stop()
-
-    async def init(self, request: web.Request) -> web.Response:
-        self.v1_init, self.v1_phase = await self._v1_init_body(request, need_node=False), "IDLE"
-        return ok("IDLE")
-
-    async def init_validate(self, request: web.Request) -> web.Response:
-        self.v1_init, self.v1_phase = await self._v1_init_body(request, need_node=False), "VALIDATING"
-        return ok("VALIDATING")
-
-    async def phase_generate(self, request: web.Request) -> web.Response:
-        init = self._need_v1()
-        if init.node_id < 0:
-            raise InputError("node_id and node_count were not given to /init: use /init/generate", "node_id")
-        if self._v1_generating():
-            return ok("GENERATING")  # the reference only sets the phase it is already in
-        require_ready(self.app)
-        self._refuse_if_generating()
-        await self._start_generation("v1", init, init.job(),
-                                     f"v1 pow generation node {init.node_id}/{init.node_count}")
-        self.v1_phase = "GENERATING"
-        return ok("GENERATING")
-
-    async def phase_validate(self, request: web.Request) -> web.Response:
-        self._need_v1()
-        if self.gen is not None and self.gen.active:
-            await self.gen.stop()
-        self.v1_phase = "VALIDATING"
-        return ok("VALIDATING")
-
-    async def validate(self, request: web.Request) -> web.Response:
-        """A v1 ProofBatch to score; the ValidatedBatch goes to {url}/validated (and GET /generate/{id})."""
-        init = self._need_v1()
-        body = await self._body(request)
-        batch = schemas.parse_proof_batch(body, self.cfg, as_reference=True)
-        if batch.block_hash != init.block_hash:
-            raise InputError(f"block_hash {schemas._short(batch.block_hash)} is not the initialized {init.block_hash!r}",
-                             "block_hash")
-        check_v1_memory(self.app, init.params, max(1, min(len(set(batch.nonces)), 100)), "float16")
-        job = self._enqueue("validate_v1", (batch, init), len(batch.nonces))
-        return web.json_response({"status": "OK", "pow_status": {"status": self.v1_phase}, "request_id": job.id,
-                                  "queued_count": len(batch.nonces)})
-
-    async def generate(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        require_ready(self.app)
-        req = schemas.parse_pow_v2_generate(body, self.cfg, served_model(self.app))
-        if req.batch_size is None:
-            req.batch_size = default_v2_batch(self.app, req.seq_len)
-        check_v2_memory(self.app, req.batch_size, req.seq_len)
-        if req.wait:
-            # 409 at once while generation runs, never a blocking wait (§f 11); a queued job steps aside
-            claim = await self._claim_before_queue("pow /generate wait")
-            job = QueuedJob("generate", req, len(req.nonces), status="running")
-            result = await self._compute_v2(job, claim)
-            return web.json_response({"status": "completed", "request_id": job.id, **result}, dumps=json_text)
-        job = self._enqueue("generate", req, len(req.nonces))
-        return web.json_response({"status": "queued", "request_id": job.id, "queued_count": len(req.nonces)})
-
-    async def generate_result(self, request: web.Request) -> web.Response:
-        self._sweep()
-        rid = request.match_info["request_id"]
-        job = self.jobs.get(rid)
-        if job is None:
-            raise InputError(f"Request {rid} not found (unknown, or expired {self.cfg.result_ttl:.0f} s after it "
-                             "finished)", "request_id", status=404)
-        return web.json_response(job.view(), dumps=json_text)
-
-    async def status(self, request: web.Request) -> web.Response:
-        engine = self.app[engine_key]
-        gen = self.gen if self.gen is not None and self.gen.active else None
-        if engine.state == "loading":
-            state = "LOADING"
-        elif gen is not None:
-            state = "GENERATING"
-        elif self.v1_phase == "VALIDATING":
-            state = "VALIDATING"
-        else:
-            state = "IDLE"
-        running = sum(1 for j in self.jobs.values() if j.status == "running")
-        body = {"status": state, "is_model_initialized": engine.v2 is not None or self.v1_init is not None,
-                "config": gen.init.status_config() if gen else (self.v1_init.status_config() if self.v1_init else None),
-                "stats": gen.stats() if gen else None,
-                "queue": {"queued": len(self.queue), "running": running, "queued_nonces": self.queued_nonces}}
-        if self.gen is not None and not self.gen.active and self.gen.error:
-            body["last_error"] = self.gen.error
-        return web.json_response(body, dumps=json_text)
-
-    async def stop(self, request: web.Request) -> web.Response:
-        await self.stop_all()
-        return ok("STOPPED")
-
-    async def stop_all(self) -> None:
-        """POST /stop: generation (its batches still delivered), the queue and the v1 init."""
-        await self._stop_all("stopped")
-        self.v1_init = None
-
-    # ------------------------------------------------------------------------------------ queue
-
-    def _enqueue(self, kind: str, req, n: int) -> QueuedJob:
-        if self._closing:
-            raise InputError("the server is shutting down", None, status=503)
-        if self.queued_nonces + n > self.cfg.max_queued_nonces:
-            raise InputError(f"Queue full: {self.queued_nonces} nonces queued, {n} more would pass the limit of "
-                             f"{self.cfg.max_queued_nonces}", "nonces", status=429)
-        self._sweep()
-        job = QueuedJob(kind, req, n)
-        self.jobs[job.id] = job
-        self.queue.append(job)
-        self.queued_nonces += n
-        self._ensure_worker()
-        self._wake.set()
-        return job
-
-    def _sweep(self) -> None:
-        """Forget results `result_ttl` seconds after they finished."""
-        cut = time.monotonic() - self.cfg.result_ttl
-        for rid in [r for r, j in self.jobs.items() if j.finished_at is not None and j.finished_at < cut]:
-            del self.jobs[rid]
-
-    async def _work(self) -> None:
-        while True:
-            while not self.queue:
-                self._wake.clear()
-                await self._wake.wait()
-            while self._holdoff:  # a preemption is handing the device to generation or a wait=true request
-                self._resume.clear()
-                await self._resume.wait()
-            job = self.queue[0]
-            claim = await wait_claim(self.app, f"pow queue {job.id[:8]}")  # waits (without blocking the loop) for the device
-            if not self.queue or self.queue[0] is not job:  # cancelled by /stop meanwhile
-                claim.release()
-                continue
-            self.queue.popleft()
-            job.status, job.preempted = "running", False
-            self._running = (job, claim)
-            try:
-                if job.kind == "generate":
-                    job.result = await self._compute_v2(job, claim)
-                else:
-                    job.result = await self._validate_v1(job, claim)
-                if job.status == "running":
-                    job.status = "completed"
-                    self._deliver(job)
-            except InputError as e:
-                if job.preempted and job.status == "running":  # runs again, from its first nonce, when free
-                    job.status = "queued"
-                    self.queue.appendleft(job)
-                    continue
-                job.status = "cancelled" if job.status == "cancelled" else "failed"
-                job.error = e.message
-            except Exception as e:  # one line, the queue goes on
-                job.status, job.error = "failed", f"{type(e).__name__}: {e}"
-                log.warning("queued job %s failed %s", job.id, describe(e))
-            finally:
-                claim.release()
-                job.runner = None
-                self._running = None
-                self._job_ended.set()
-                if job.status != "queued":
-                    job.finished_at = time.monotonic()
-                    self.queued_nonces -= job.n_nonces
-
-    async def _compute_v2(self, job: QueuedJob, claim) -> dict:
-        req: schemas.PowV2Generate = job.request
-        label = f"v2 pow /generate of {len(req.nonces)} nonces" + (" (validation)" if req.received is not None else "")
-        job.runner = new_runner(self.app, req.job(), claim, label)
-        results, _ = await collect(job.runner)
-        # batches arrive in completion order (replicas): answer in the request's order, as one device does
-        pos = {n: i for i, n in enumerate(req.nonces)}
-        arts = sorted((a for b in results for a in (b.artifacts or [])), key=lambda a: pos[a["nonce"]])
-        dropped = sorted((n for b in results for n in b.dropped), key=pos.__getitem__)
-        if req.received is None:
-            out = {"artifacts": arts, "encoding": v2.encoding(req.k_dim)}
-            if dropped:
-                out["dropped_nonces"] = dropped
-            return out
-        computed = {a["nonce"]: a["vector_b64"] for a in arts}
-        try:
-            return v2.validate(computed, req.received, req.nonces, req.k_dim, req.stat)
-        except v2.NoVerdict as e:  # the queued job fails with it (no callback); a wait=true request gets the 503
-            raise InputError(str(e), "nonces", status=503) from None
-
-    async def _validate_v1(self, job: QueuedJob, claim) -> dict:
-        batch, init = job.request
-        vb = await validate_v1(self.app, batch, init.params, init.r_target, init.fraud_threshold, "float16", claim,
-                               on_runner=lambda r: setattr(job, "runner", r))
-        return vb.to_json()
-
-    def _deliver(self, job: QueuedJob) -> None:
-        """The completed job's callback, if it asked for one."""
-        sender = self.app[sender_key]
-        if job.kind == "validate_v1":
-            _batch, init = job.request
-            if init.url:  # one record per finished job (the queue bounds them): past the cap rather than lost
-                sender.submit("validated", init.url, job.result, job.id, force=True)
-            return
-        req: schemas.PowV2Generate = job.request
-        if not req.url:
-            return
-        head = {"request_id": job.id, "block_hash": req.block_hash, "block_height": req.block_height,
-                "public_key": req.public_key, "node_id": req.node_id}
-        # a verdict's callback leaves out per_nonce (evidence for GET /generate/{id}), as the plugin's does: it stays
-        # one small record whatever the sample size
-        body = {k: v for k, v in job.result.items() if k != "per_nonce"}
-        sender.submit("validated" if req.received is not None else "generated", req.url, {**head, **body},
-                      job.id, force=True)
+@routes.post("/phase/generate")
+async def phase_generate(request: web.Request) -> web.Response:
+    return ok(await _svc(request).phase_generate())
 
 
-pow_key = web.AppKey("pow", PowService)
+@routes.post("/phase/validate")
+async def phase_validate(request: web.Request) -> web.Response:
+    return ok(await _svc(request).phase_validate())
+
+
+@routes.post("/validate")
+async def validate(request: web.Request) -> web.Response:
+    """A v1 ProofBatch to score; the ValidatedBatch goes to {url}/validated (and GET /generate/{id})."""
+    svc = _svc(request)
+    svc.need_v1()  # 409 before the body is read
+    return web.json_response(await svc.validate(await _body(request)))
+
+
+@routes.post("/generate")
+async def generate(request: web.Request) -> web.Response:
+    return web.json_response(await _svc(request).generate(await _body(request)), dumps=json_text)
+
+
+@routes.get("/generate/{request_id}")
+async def generate_result(request: web.Request) -> web.Response:
+    return web.json_response(_svc(request).result(request.match_info["request_id"]), dumps=json_text)
+
+
+@routes.get("/status")
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(_svc(request).status(), dumps=json_text)
+
+
+@routes.post("/stop")
+async def stop(request: web.Request) -> web.Response:
+    await _svc(request).stop_all()
+    return ok("STOPPED")

@@ -33,7 +33,7 @@ class AppCollector(Collector):
         return self._build
 
     def collect(self):
-        from poc.server.pow import pow_key
+        from poc.server.pow_service import pow_key
 
         pow_service = self.app.get(pow_key)
         jobs = GaugeMetricFamily("poc_pow_queue_jobs", "Jobs in the /api/v1/pow/generate queue, queued or running")

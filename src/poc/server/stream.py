@@ -5,6 +5,12 @@ took (context.admit). `emit(BatchResult)` hands each batch to the loop with `loo
 the thread's completion is queued behind every emit, so draining the queue after it loses no batch. Setting
 `stop` (client gone, /stop, SIGTERM) ends the job after the batch in flight. The claim is released only when the
 worker thread has ended. `pump` writes a job's events as NDJSON lines; `collect` runs a job to its end.
+Backpressure is the runner's, one bound for every consumer: at most `max_waiting` computed batches wait for the
+consumer to take them, then emit() blocks the engine thread (the device pauses; the engine keeps what it already
+dealt) until the consumer takes one, the job stops or the consumer leaves. A consumer is behind when it takes no
+batch: a stream reader that drains slowly (NdjsonWriter.write waits for it), or a consumer whose sink is full (a
+callback destination or the result spool at its cap), which waits in `hold()` until the sink has room or the job
+ends.
 The job's nonces are dealt through a `JobOrder`, so each computed batch takes its place in the job's own sequence
 and `next_nonce` resumes at the first nonce not computed, whatever order the batches (replicas) arrived in.
 """
@@ -21,7 +27,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
 from aiohttp import web
 
@@ -197,15 +203,38 @@ class JobRunner:
         self.lost: list[BatchResult] = []  # computed, but its consumer had gone (see undelivered())
         self._q: asyncio.Queue | None = None
         self._ends = 0  # the thread's end and the consumer's: the loss is reported after both
-        # backpressure: at most `max_waiting` computed batches wait for the consumer; then emit() blocks the engine
-        # thread (the device pauses) until the consumer takes one, the job stops or the consumer leaves
+        # backpressure (see the module docstring): the room for computed batches waiting for the consumer
         self._room = threading.Semaphore(max_waiting) if max_waiting else None
         self._consumer_left = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = asyncio.Event()  # stop() on the loop's side: wakes a consumer in hold()
 
     def stop(self, reason: str = "stopped") -> None:
         if self.stop_reason is None:
             self.stop_reason = reason
         self.stop_event.set()
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody holds
+                self._loop.call_soon_threadsafe(self._stopping.set)
+
+    @property
+    def ending(self) -> bool:
+        """Stopped, or the engine thread has ended: no batch still to come waits for room."""
+        return self.stop_event.is_set() or (self.future is not None and self.future.done())
+
+    async def hold(self, ready: Awaitable) -> None:
+        """The consumer's sink is full: the consumer takes no batch until `ready` completes (its sink has room) or
+        the job is ending. Meanwhile the batches in flight wait here in order and, past `max_waiting`, emit() blocks
+        the engine thread: the device pauses."""
+        waits = [asyncio.ensure_future(ready), asyncio.ensure_future(self._stopping.wait())]
+        try:
+            await asyncio.wait([*waits, *([self.future] if self.future is not None else [])],
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in waits:
+                if t.done() and not t.cancelled():
+                    t.exception()  # retrieved: a failed wait ends the hold, the caller looks again
+                t.cancel()
 
     def close(self) -> None:
         """Stop the job; if it never started, give the device back now."""
@@ -293,7 +322,9 @@ class JobRunner:
         log.info("rate: %.1f nonces/s, computed %d, valid %d (%s)", s.rate, s.computed, s.valid, s.label)
 
     async def events(self) -> AsyncIterator[tuple[str, object]]:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
+        if self.stop_event.is_set():
+            self._stopping.set()
         q: asyncio.Queue = asyncio.Queue()
         self._q = q
 

@@ -12,30 +12,24 @@ import logging
 
 from aiohttp import web
 
-from poc.engine.jobs import Limits, V1Job
-from poc.errors import InputError
 from poc.logs import describe
-from poc.protocol import v1
 from poc.server import schemas
-from poc.server.context import (admit, config_key, engine_key, metrics_key, model_label, new_runner,
-                                require_ready, runners_key, sender_key, served_model)
+from poc.server.context import (admit, config_key, engine_key, metrics_key, model_label, new_runner, runners_key,
+                                sender_key)
+from poc.server.jobs import VALIDATE_BATCH_SIZE, admit_job, parse_generate, validate_v1
 from poc.server.metrics import CONTENT_TYPE
-from poc.server.results import V1Lines, V2Lines
-from poc.server.stream import JobRunner, NdjsonWriter, collect, json_text, pump
+from poc.server.stream import JobRunner, NdjsonWriter, json_text, pump
 
 log = logging.getLogger("poc.server")
-
-VALIDATE_BATCH_SIZE = 100  # gonka's chain default batch size
+routes = web.RouteTableDef()
 
 
 def setup(app: web.Application) -> None:
-    app.router.add_get("/health", health)
-    app.router.add_post("/health", health)  # the PyWorker's benchmark posts here
-    app.router.add_post("/generate", generate)
-    app.router.add_post("/validate", validate)
-    app.router.add_get("/metrics", metrics)
+    app.add_routes(routes)
 
 
+@routes.get("/health")
+@routes.post("/health")  # the PyWorker's benchmark posts here
 async def health(request: web.Request) -> web.Response:
     """`state` loading | ready | busy | broken, plus the model, the device and the running job; 503 unless ready/busy.
 
@@ -70,6 +64,7 @@ def _job_json(r: JobRunner) -> dict:
     return d
 
 
+@routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
     engine = request.app[engine_key]
     data = request.app[metrics_key].render(engine.state, engine.load_seconds)
@@ -80,32 +75,7 @@ async def metrics(request: web.Request) -> web.Response:
 # /generate
 
 
-def parse_generate(app: web.Application, body: dict, route: str):
-    """A /generate-shaped request (v1 or v2 by its params) -> (job, its line format, a log label): the schema and
-    readiness checks; admit_job() then checks its memory estimate and claims the device. Used by /generate and
-    /warmup."""
-    cfg = app[config_key]
-    if "params" not in body:  # v1 or v2 is told by params; the message names every v1 field missing, as the reference
-        missing = [k for k in schemas.V1_GENERATE_FIELDS if k not in body]
-        raise InputError(f"Missing required fields: {missing}", "params")
-    proto = schemas.protocol_of(body["params"])
-    require_ready(app)
-    if proto == "v1":
-        job = schemas.parse_v1_generate(body, cfg)
-        return job, V1Lines(job), \
-            f"v1 {route} dim={job.params.dim} layers={job.params.n_layers} batch={job.batch_size}"
-    st = schemas.parse_v2_generate(body, cfg, served_model(app))
-    job = st.job
-    return job, V2Lines(job, st.node_id), f"v2 {route} seq_len={job.seq_len} k_dim={job.k_dim} batch={job.batch_size}"
-
-
-def admit_job(app: web.Application, job, owner: str):
-    """admit() for a parsed /generate job: readiness, its memory estimate, the device."""
-    if isinstance(job, V1Job):
-        return admit(app, owner, v1=(job.params, job.batch_size, job.dtype))
-    return admit(app, owner, v2=(job.batch_size, job.seq_len))
-
-
+@routes.post("/generate")
 async def generate(request: web.Request) -> web.StreamResponse:
     app = request.app
     cfg = app[config_key]
@@ -140,6 +110,7 @@ async def stream_job(request: web.Request, runner: JobRunner, make_line) -> web.
 # /validate (PoC v1)
 
 
+@routes.post("/validate")
 async def validate(request: web.Request) -> web.Response:
     """Recompute a submitted v1 ProofBatch and answer the ValidatedBatch fields."""
     app = request.app
@@ -150,22 +121,3 @@ async def validate(request: web.Request) -> web.Response:
     claim = admit(app, "/validate", v1=(req.params, bs, req.dtype))
     vb = await validate_v1(app, req.batch, req.params, req.r_target, req.fraud_threshold, req.dtype, claim)
     return web.json_response(vb.to_json(), dumps=json_text)  # a NaN distance is null, never a bare NaN
-
-
-async def validate_v1(app: web.Application, batch: v1.ProofBatch, params: v1.V1Params, r_target: float,
-                      fraud_threshold: float, dtype: str, claim, on_runner=None) -> v1.ValidatedBatch:
-    unique = list(dict.fromkeys(batch.nonces))  # a repeated nonce is computed once and scored at each place
-    if not unique:
-        claim.release()
-        return v1.validate_batch(batch, [], r_target, fraud_threshold)
-    job = V1Job(block_hash=batch.block_hash, public_key=batch.public_key, block_height=batch.block_height,
-                params=params, r_target=r_target, nonces=iter(unique),
-                batch_size=min(len(unique), VALIDATE_BATCH_SIZE), dtype=dtype,
-                limits=Limits(max_nonces=None, max_duration=None))
-    runner = new_runner(app, job, claim, f"v1 validation of {len(unique)} nonces")
-    if on_runner is not None:
-        on_runner(runner)  # lets /stop reach it
-    results, _summary = await collect(runner)
-    # batches arrive in completion order (replicas): each distance goes back to its own nonce
-    by_nonce = {n: float(d) for b in results for n, d in zip(b.nonces, b.dist)}
-    return v1.validate_batch(batch, [by_nonce[n] for n in batch.nonces], r_target, fraud_threshold)

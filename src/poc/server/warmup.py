@@ -30,7 +30,7 @@ from poc.server import schemas
 from poc.server.context import config_key, engine_key, new_runner, sender_key, track_streams
 from poc.server.security import url_policy
 from poc.server.stream import NdjsonWriter, pump
-from poc.server.vast import admit_job, parse_generate
+from poc.server.jobs import admit_job, parse_generate
 
 log = logging.getLogger("poc.warmup")
 UNREACHABLE = "callback unreachable"  # what the stream says of any failure: the detail is only logged
@@ -38,11 +38,15 @@ UNREACHABLE = "callback unreachable"  # what the stream says of any failure: the
 COMPLETED = ("max_nonces", "max_duration", "exhausted")  # the normal ends, after which /warmup/complete is sent
 
 
+routes = web.RouteTableDef()
+
+
 def setup(app: web.Application) -> None:
     track_streams(app, warmups_key, lambda stop: stop.set())
-    app.router.add_post("/warmup", warmup)
+    app.add_routes(routes)
 
 
+@routes.post("/warmup")
 async def warmup(request: web.Request) -> web.StreamResponse:
     app = request.app
     cfg = app[config_key]

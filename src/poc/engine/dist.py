@@ -1,12 +1,11 @@
-"""DistEngine: the Engine interface over replicas x pp x tp rank processes, and make_engine().
+"""DistEngine: the Engine interface over replicas x pp x tp rank processes (poc.engine.factory picks it).
 
-The server process never joins the process group. It starts `python -m poc.parallel.ranks` once per rank (a
+The server process never joins the process group. It starts `python -m poc.engine.ranks` once per rank (a
 fresh interpreter: a spawned child would re-import the server's __main__, aiohttp and all), talks to them over
 authenticated local sockets, hands each replica's leader the job and then its batches of nonces, and merges the
-replicas' results into emit() in arrival order. Nonces are dealt from the job's one iterator, a batch at a time,
-to whichever replica has room (batches_ahead: pp + 2 a replica): the replicas' streams are disjoint and together
-exactly the job's stream (the pow lattice, /pooled ranges, explicit lists alike), max_nonces stays exact, and a
-faster replica takes more.
+replicas' results into emit() in arrival order. Nonces are dealt by the rule the one-device Engine follows too
+(jobs.Dealer): from the job's one iterator, a batch at a time, to whichever replica has room (pp + 2 batches a
+replica), so the replicas' streams are disjoint and together exactly the job's, and a faster replica takes more.
 
 A rank that dies, fails or times out breaks the engine: the running job raises RankFailure (the server writes it
 as the stream's error line), the other ranks are killed, /health reads state == "broken", and restart() (or a new
@@ -38,7 +37,7 @@ from poc.engine.compute import DTYPES, compile_flags, resolve_device
 from poc.engine import memory
 from poc.engine.base import Claim, EngineBase, ModelInfo
 from poc.engine.engine import Engine
-from poc.engine.jobs import BatchResult, JobSummary, Limits, V1Job, V2Job, take
+from poc.engine.jobs import BatchResult, Dealer, JobSummary, Limits, V1Job, V2Job
 from poc.errors import InputError
 from poc.model.config import ModelConfig
 from poc.model.options import ModelOptions
@@ -48,14 +47,6 @@ from poc.protocol import v1
 
 log = logging.getLogger("poc.parallel")
 SRC = str(Path(__file__).resolve().parents[2])  # the directory holding the poc package, for the ranks' sys.path
-
-
-def batches_ahead(layout: Layout) -> int:
-    """How many batches the engine keeps dealt and not yet reported, per replica: the pipeline's pp stages compute
-    one each, one more is the result on its way back through the consumer (emit) and one waits at the leader, so
-    the first stage's next batch is always there when it asks (the consumer's round trip is off the devices'
-    path). The same for every caller of run(): the server's routes and poc.bench."""
-    return layout.pp + 2
 
 
 class RankFailure(RuntimeError):
@@ -97,7 +88,7 @@ class JobFlight:
     batches fill the pipeline, after it they drain), and the least in flight just after a result's replacement
     was dealt (what the dealing keeps); the time from a result's arrival to its replacement being dealt (the
     engine's part of the round trip; the consumer's emit comes after the deal); with each rank's JobClock
-    (poc.parallel.ranks) added at the end: `summary()` is DistEngine.last_job_stats."""
+    (poc.engine.ranks) added at the end: `summary()` is DistEngine.last_job_stats."""
 
     def __init__(self, replicas: int, ahead: int):
         self.ahead = ahead
@@ -204,7 +195,7 @@ class DistEngine(EngineBase):
         log.info("starting %d rank processes: %d replica(s) x pp=%d x tp=%d on %s", L.world, L.replicas, L.pp,
                  L.tp, "cuda" if cuda else "cpu")
         try:
-            g.procs = [subprocess.Popen([sys.executable, "-m", "poc.parallel.ranks", addr, str(r)], env=env,
+            g.procs = [subprocess.Popen([sys.executable, "-m", "poc.engine.ranks", addr, str(r)], env=env,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL) for r in range(L.world)]
             deadline = time.monotonic() + self.start_timeout
             conns = self._accept(listener, g, deadline)
@@ -470,8 +461,8 @@ class DistEngine(EngineBase):
             return self._run(job, lambda seq, b, payload: emit(b), stop)
 
     def _run(self, job, on_result, stop: threading.Event, opts: dict | None = None) -> JobSummary:
-        """Deal batches of the job's nonces to the replicas, batches_ahead() each (a result's replacement is dealt
-        before the result goes to the consumer); stop/limits end the dealing, and every batch a replica launched
+        """Deal batches of the job's nonces to the replicas by the engines' rule (jobs.Dealer: batches_ahead() each,
+        a result's replacement dealt before the result goes to the consumer); stop/limits end the dealing, and every batch a replica launched
         is still reported (the leaders drop batches not yet launched on a stop)."""
         t0 = time.perf_counter()
         if isinstance(job, V1Job):
@@ -484,7 +475,8 @@ class DistEngine(EngineBase):
         spec = dataclasses.replace(job, nonces=None)  # the iterator stays here: batches go out as lists
         for r in range(L.replicas):
             g.send(L.leader(r), ("job", jid, spec, opts or {}))
-        taken = computed = batches = 0
+        computed = batches = 0
+        dealer = Dealer(job, L.replicas, L.pp)
         seqs = itertools.count(1)
         ended, done = [False] * L.replicas, [False] * L.replicas
         reason = None
@@ -492,7 +484,7 @@ class DistEngine(EngineBase):
         # the clock starts when a replica reports its model built ("started"): max_duration counts compute, not a
         # v1 model's build, as on one device; the batches dealt ahead meanwhile wait in the ranks' queues
         t_start, last = None, time.monotonic()
-        flight = JobFlight(L.replicas, batches_ahead(L))
+        flight = JobFlight(L.replicas, dealer.ahead)
 
         def post(r: int, msg) -> None:
             if not g.closing:  # a broken engine's ranks are gone; the results they sent before are still emitted
@@ -512,22 +504,20 @@ class DistEngine(EngineBase):
                     and time.perf_counter() - t_start >= lim.max_duration)
 
         def deal(r: int) -> None:
-            nonlocal taken, failure
+            nonlocal failure
             if ended[r]:
                 return
             if stop.is_set():
                 return end_all("stopped", True)
             if over_time():
                 return end_all("max_duration", True)
-            n = job.batch_size if lim.max_nonces is None else min(job.batch_size, lim.max_nonces - taken)
             try:
-                nonces = take(job.nonces, n) if n > 0 else []
+                nonces = dealer.next()
             except Exception as e:  # noqa: BLE001 - raised once the batches already launched are emitted
                 failure = e
                 return end_all("error", True)
             if not nonces:
                 return end_all("exhausted", False)
-            taken += len(nonces)
             post(r, ("batch", jid, next(seqs), nonces))
             flight.dealt(r)
 
@@ -545,9 +535,8 @@ class DistEngine(EngineBase):
                               f"within {self.timeout:.0f} s of an error")
 
         try:
-            for _ in range(flight.ahead):
-                for r in range(L.replicas):
-                    deal(r)
+            for r in dealer.first():
+                deal(r)
             while not all(done):
                 msg = self._next(g, 0.1)
                 if msg is None:  # no result yet: a stop or the deadline still drops what is not launched
@@ -645,37 +634,6 @@ class DistEngine(EngineBase):
                      Limits(max_nonces=None, max_duration=None))
 
 
-def world_for(device: torch.device, tp: int, pp: int, replicas: int | None = None, devices: int | None = None) -> int:
-    """How many ranks: on CUDA every usable GPU (or `devices` of them, or `replicas` groups), whole groups of
-    tp x pp only; on CPU tp x pp x replicas (default 1) processes."""
-    group = tp * pp
-    if device.type != "cuda":
-        return group * (replicas or 1)
-    have = torch.cuda.device_count()
-    n = devices or have
-    if n > have:
-        raise InputError(f"--devices {n} but only {have} GPUs are visible", "devices")
-    if replicas:
-        n = min(n, replicas * group)
-    if n < group:
-        raise InputError(f"tp={tp} x pp={pp} needs {group} GPUs; {n} are usable", "tp")
-    if n % group:
-        log.warning("%d GPUs do not split into groups of tp x pp = %d: using %d", n, group, n - n % group)
-    return n - n % group
-
-
 def _model_config(model_dir: str) -> ModelConfig:
     spec = random_spec(model_dir)
     return spec[0] if spec else ModelConfig.from_hf(model_dir)
-
-
-def make_engine(device: str | None = None, model_dir: str | None = None, dtype: str = "auto", tp: int = 1,
-                pp: int = 1, replicas: int | None = None, devices: int | None = None, **kw) -> Engine | DistEngine:
-    """An Engine in this process when one device does everything, else a DistEngine over world ranks."""
-    dev = resolve_device(device)
-    world = world_for(dev, tp, pp, replicas, devices)
-    if world == 1:
-        compile_ = kw.pop("compile", False)
-        return Engine(device=device, model_dir=model_dir, dtype=dtype, compile=compile_,
-                      options=kw.pop("options", None))
-    return DistEngine(device=device, model_dir=model_dir, dtype=dtype, tp=tp, pp=pp, world=world, **kw)

@@ -1,6 +1,6 @@
 """The rank process: one per device; every rank runs the same loop (SPMD), as under torchrun.
 
-    python -m poc.parallel.ranks HOST:PORT RANK      (DistEngine starts these; the auth key comes in $POC_RANK_KEY)
+    python -m poc.engine.ranks HOST:PORT RANK      (DistEngine starts these; the auth key comes in $POC_RANK_KEY)
 
 A rank connects back to the engine, joins the process group (NCCL on CUDA, gloo on CPU) and waits for commands.
 Only each replica's leader (first stage, tp rank 0) reads commands from the engine: a job (a few seeds and a
@@ -37,13 +37,9 @@ import torch.distributed as dist
 from poc.engine.compute import DTYPES, Stage, V1Compute, V2Compute
 from poc.engine.jobs import V1Job, V2Job
 from poc.logs import OneLineFormatter
-from poc.model.random_weights import random_model, random_spec
-from poc.model.weights import resolve_dtype
 from poc.parallel import pp
+from poc.parallel.build import Part, build
 from poc.parallel.layout import RankConfig
-from poc.parallel.pp import keep_stage
-from poc.parallel.shard import build_v1_shard, load_shard
-from poc.parallel.tp import apply_tp
 from poc.protocol.pool import pool_workers
 
 log = logging.getLogger("poc.ranks")
@@ -265,6 +261,8 @@ class Rank:
         # pipeline sends/receives are point-to-point on the world group, between the same tp rank of two stages
         self.prev = L.rank(self.replica, self.stage - 1, self.tp_rank) if not self.is_first else None
         self.next = L.rank(self.replica, self.stage + 1, self.tp_rank) if not self.is_last else None
+        # this rank's part of every model, its partial sums all-reduced as the options say
+        self.part = Part(self.stage, L.pp, self.tp_rank, L.tp, self.tp_group, self.cfg.options.tp_reduce)
 
     def send(self, msg) -> None:
         with self._send_lock:
@@ -343,20 +341,9 @@ class Rank:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         L, o = self.layout, self.cfg.options
-        spec = random_spec(model_dir)
-        if spec is None:
-            model, mcfg = load_shard(model_dir, dtype, self.device, self.stage, L.pp, self.tp_rank, L.tp, self.tp_group,
-                                     fp8_experts=o.fp8_experts, fp8=o.fp8, fp8_scales=o.fp8_scales,
-                                     tp_reduce=o.tp_reduce)
-        else:  # random weights of a preset shape, made on this rank's device: only its own shard
-            mcfg, fp8 = spec
-
-            def shard(m):
-                keep_stage(m, self.stage, L.pp)
-                return apply_tp(m, self.tp_rank, L.tp, self.tp_group, o.tp_reduce)  # slices of the whole tensors
-
-            model = random_model(mcfg, resolve_dtype(dtype, mcfg), self.device, fp8_experts=fp8, shard=shard,
-                                 fp8=o.fp8, fp8_scales=o.fp8_scales)
+        # a checkpoint's slices read from its files, or a preset's random weights made on this device: only this part
+        model, mcfg = build(model_dir, dtype, self.device, self.part, fp8_experts=o.fp8_experts, fp8=o.fp8,
+                            fp8_scales=o.fp8_scales)
         mdtype = next(model.parameters()).dtype
         # compiled at fixed shapes like the single-device engine (a short last batch compiles its own shape)
         self.v2 = V2Compute(model, mcfg, mdtype, self.device, Path(model_dir).name, self.cfg.compile_v2, stage=self.io,
@@ -373,12 +360,9 @@ class Rank:
             self.v1 = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            L, t0 = self.layout, time.perf_counter()
-            dtype = DTYPES[job.dtype]
-            shard = build_v1_shard(job.params, job.block_hash, dtype, self.device, self.stage, L.pp, self.tp_rank,
-                                   L.tp, self.tp_group, self.cfg.options.tp_reduce, self.pool_workers)
-            self.v1 = (key, V1Compute(job.params, job.block_hash, dtype, self.device, self.cfg.compile_v1,
-                                      model=shard, stage=self.io))
+            t0 = time.perf_counter()
+            self.v1 = (key, V1Compute(job.params, job.block_hash, DTYPES[job.dtype], self.device, self.cfg.compile_v1,
+                                      part=self.part, stage=self.io, pool_workers=self.pool_workers))
             log.info("v1 model built: dim=%d layers=%d dtype=%s in %.1f s", job.params.dim, job.params.n_layers,
                      job.dtype, time.perf_counter() - t0)
         return self.v1[1]
