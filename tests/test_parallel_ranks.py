@@ -462,9 +462,23 @@ def test_make_engine_picks_the_engine():
 
 
 def test_tp_reduce_setting():
-    """POC_TP_REDUCE is read by ServerConfig (a bad value refused at start) and reaches apply_tp as an argument."""
+    """POC_TP_REDUCE is read by ServerConfig (a bad value refused at start) and reaches apply_tp as an argument, from
+    a rank's Part: a sparse MoE block's partial sum leaves it in float32 for the fp32 all-reduce, or rounded to the
+    model dtype with "model" (the all-reduce _expert_parallel installs)."""
+    from poc.model.config import ModelConfig
+    from poc.model.transformer import MoE, Transformer
+    from poc.parallel.build import Part
     from poc.parallel.tp import reduce_in_model_dtype
     from poc.server.config import parse_args
+
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96, vocab_size=128,
+                      family="qwen3_moe", n_experts=4, n_experts_per_tok=2, moe_ffn_dim=32, decoder_sparse_step=1)
+    for reduce, sum_dtype in (("fp32", torch.float32), ("model", None)):
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        Part(tp_rank=1, tp_size=2, group=object(), tp_reduce=reduce).shard(model)  # a stand-in group: never used
+        moes = [b.mlp for b in model.layers.values() if isinstance(b.mlp, MoE)]
+        assert moes and all(m.sum_dtype is sum_dtype and "forward" in vars(m) for m in moes), reduce
 
     assert reduce_in_model_dtype() is False  # default: fp32 partial sums, rounded once
     assert reduce_in_model_dtype("model") is True
