@@ -8,19 +8,6 @@ from .fakes import FakeOrchestrator
 from .servers import QWEN3, Sink, server_config, wait_status
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fp8_forward(request):
-    """A module that sets FP8_FORWARD (e.g. "dequant") runs under POC_FP8 set so (its rank processes inherit it)."""
-    mode = getattr(request.module, "FP8_FORWARD", None)
-    if mode is None:
-        yield
-        return
-    mp = pytest.MonkeyPatch()
-    mp.setenv("POC_FP8", mode)
-    yield
-    mp.undo()
-
-
 @pytest.fixture
 async def client(aiohttp_client):
     """An app serving v2 for the tiny qwen3 checkpoint, and v1 (a pow queue of at most 40 nonces)."""

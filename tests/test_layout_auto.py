@@ -9,6 +9,7 @@ from poc.engine.engine import Engine
 from poc.engine.factory import make_engine
 from poc.errors import InputError
 from poc.model.config import PRESETS
+from poc.model.options import ModelOptions
 from poc.engine import auto
 from poc.engine.auto import GiB, Gpu
 from poc.server.app import create_app
@@ -82,18 +83,20 @@ def test_the_factory_builds_the_chosen_layout(monkeypatch, caplog):
     is refused."""
     seen = []
 
-    def for_model(model, dtype, fp8_experts, gpus):
-        seen.append((model, dtype, fp8_experts, gpus))
+    def for_model(model, dtype, fp8_experts, gpus, fp8):
+        seen.append((model, dtype, fp8_experts, gpus, fp8))
         return auto.Choice(1, 2, 2, "planted")
 
     monkeypatch.setattr(auto, "for_model", for_model)
+    opts = ModelOptions(fp8="dequant", fp8_experts="dequant")
     with caplog.at_level(logging.INFO, logger="poc.engine"):
-        e = make_engine("cpu", "random:tiny", "float32", layout="auto", fp8_experts="dequant")
+        e = make_engine("cpu", "random:tiny", "float32", layout="auto", options=opts)
     try:
         assert isinstance(e, DistEngine) and (e.layout.world, e.layout.tp, e.layout.pp) == (4, 1, 2)
+        assert e.options == opts  # the ranks get them (RankConfig)
     finally:
         e.close()
-    assert seen == [("random:tiny", "float32", "dequant", [])]  # the CPU: no GPU looked for
+    assert seen == [("random:tiny", "float32", "dequant", [], "dequant")]  # the CPU: no GPU looked for
     assert "--layout auto: planted" in caplog.messages
     with pytest.raises(InputError, match="layout must be auto"):
         make_engine("cpu", layout="fastest")

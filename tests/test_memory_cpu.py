@@ -20,6 +20,7 @@ import gc, json, sys
 import torch
 from poc.engine import memory
 from poc.engine.engine import Engine
+from poc.model.options import ModelOptions
 from poc.server.schemas import parse_v1_params
 
 def status(key):
@@ -32,7 +33,7 @@ def rss():
 dim, layers, dtype = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 p = parse_v1_params(dict(dim=dim, n_layers=layers, n_heads=8, n_kv_heads=8, vocab_size=4096, ffn_dim_multiplier=None,
                          multiple_of=256, norm_eps=1e-5, rope_theta=10000.0, use_scaled_rope=False, seq_len=16))
-e = Engine(device="cpu")
+e = Engine(device="cpu", options=ModelOptions(pool_workers=2))
 e._warmup()
 gc.collect()
 r0 = rss()
@@ -51,8 +52,7 @@ print(json.dumps({"peak": peak - r0, "estimate": est.total, "weights": est.weigh
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_cpu_v1_estimate_within_25_percent_of_the_measured_peak(dtype):
     r = subprocess.run([sys.executable, "-c", PROBE, "1024", "16", dtype], capture_output=True, text=True,
-                       timeout=600, cwd=ROOT, env={"PYTHONPATH": str(ROOT / "src"), "POC_POOL_WORKERS": "2",
-                                                   "PATH": "/usr/bin:/bin"})
+                       timeout=600, cwd=ROOT, env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads(r.stdout.strip().splitlines()[-1])
     assert m["weights"] > 300 << 20  # large enough that allocator noise does not decide the outcome

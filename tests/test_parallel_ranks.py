@@ -19,6 +19,7 @@ from poc.engine.jobs import Limits, V1Job, V2Job
 from poc.errors import InputError
 from poc.engine.dist import DistEngine, RankFailure
 from poc.engine.factory import make_engine, world_for
+from poc.model.options import ModelOptions
 from poc.parallel.layout import Layout
 from poc.protocol import v1, v2
 
@@ -30,8 +31,9 @@ SEQ, K = 16, 12
 V1_SETS = ["A_gqa_plain_rope", "B_mha_scaled_rope"]
 LAYOUTS = {"tp2": dict(tp=2, pp=1, world=2), "pp2": dict(tp=1, pp=2, world=2), "rep2": dict(tp=1, pp=1, world=2)}
 
-FP8_FORWARD = "dequant"  # the FP8 cases check the dequantise forward (their tiny shapes do not split on 128-blocks under
-# tensor parallel); the default W8A8 forward is tests/test_w8a8.py's
+# the FP8 cases check the dequantise forward (their tiny shapes do not split on 128-blocks under tensor parallel),
+# every engine here built so; the default W8A8 forward is tests/test_w8a8.py's
+OPTIONS = ModelOptions(fp8="dequant")
 
 
 def v1_params(name: str) -> v1.V1Params:
@@ -69,7 +71,7 @@ def moe_reference(tmp_path_factory):
             write_fp8_and_twin(d.parent / "src", d, d.parent / "twin")
         else:
             make_hf_moe(d, **MOE_CASES[case])
-        e = Engine("cpu", model_dir=str(d), dtype="float32")
+        e = Engine("cpu", model_dir=str(d), dtype="float32", options=OPTIONS)
         e.load()
         out[name] = (d, np.concatenate([e.v2.vectors(e.v2.prepare(BH, PK, NONCES[i:i + 4], SEQ, K)).numpy()
                                         for i in range(0, len(NONCES), 4)]))
@@ -79,7 +81,8 @@ def moe_reference(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def dist_engine(request):
-    e = DistEngine("cpu", model_dir=str(v2_checkpoint("qwen3")), dtype="float32", timeout=60, **LAYOUTS[request.param])
+    e = DistEngine("cpu", model_dir=str(v2_checkpoint("qwen3")), dtype="float32", timeout=60, options=OPTIONS,
+                   **LAYOUTS[request.param])
     e.load()
     e.label = request.param
     yield e
@@ -112,7 +115,7 @@ def test_random_weight_models_on_the_ranks(dist_engine, spec):
     """--model random:<preset>[:fp8] (benchmarks): each rank makes only its own shard of random weights, and they are
     the single process's weights: the same vectors (tp=2 with W8A8 adds its partial sums in another order, so a value
     on an FP8 rounding boundary may round the other way; another model would be L2 ~1.4 away)."""
-    one = Engine("cpu", model_dir=spec, dtype="float32")
+    one = Engine("cpu", model_dir=spec, dtype="float32", options=OPTIONS)
     one.load()
     want = np.concatenate([one.v2.vectors(one.v2.prepare(BH, PK, NONCES[i:i + 4], SEQ, K)).numpy()
                            for i in range(0, len(NONCES), 4)])
@@ -458,25 +461,42 @@ def test_make_engine_picks_the_engine():
     e.close()  # never started: nothing to stop
 
 
-def test_tp_reduce_setting(monkeypatch):
+def test_tp_reduce_setting():
+    """POC_TP_REDUCE is read by ServerConfig (a bad value refused at start) and reaches apply_tp as an argument, from
+    a rank's Part: a sparse MoE block's partial sum leaves it in float32 for the fp32 all-reduce, or rounded to the
+    model dtype with "model" (the all-reduce _expert_parallel installs)."""
+    from poc.model.config import ModelConfig
+    from poc.model.transformer import MoE, Transformer
+    from poc.parallel.build import Part
     from poc.parallel.tp import reduce_in_model_dtype
+    from poc.server.config import parse_args
 
-    monkeypatch.delenv("POC_TP_REDUCE", raising=False)
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96, vocab_size=128,
+                      family="qwen3_moe", n_experts=4, n_experts_per_tok=2, moe_ffn_dim=32, decoder_sparse_step=1)
+    for reduce, sum_dtype in (("fp32", torch.float32), ("model", None)):
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        Part(tp_rank=1, tp_size=2, group=object(), tp_reduce=reduce).shard(model)  # a stand-in group: never used
+        moes = [b.mlp for b in model.layers.values() if isinstance(b.mlp, MoE)]
+        assert moes and all(m.sum_dtype is sum_dtype and "forward" in vars(m) for m in moes), reduce
+
     assert reduce_in_model_dtype() is False  # default: fp32 partial sums, rounded once
-    monkeypatch.setenv("POC_TP_REDUCE", "model")
-    assert reduce_in_model_dtype() is True
-    monkeypatch.setenv("POC_TP_REDUCE", "bf16")
-    with pytest.raises(ValueError, match="POC_TP_REDUCE must be fp32 or model"):
-        reduce_in_model_dtype()
+    assert reduce_in_model_dtype("model") is True
+    with pytest.raises(ValueError, match="tp reduce must be fp32 or model"):
+        reduce_in_model_dtype("bf16")
+    assert parse_args([], env={}).model_options().tp_reduce == "fp32"
+    assert parse_args([], env={"POC_TP_REDUCE": "model"}).model_options().tp_reduce == "model"
+    with pytest.raises(InputError, match="POC_TP_REDUCE must be fp32 or model, got 'bf16'"):
+        parse_args([], env={"POC_TP_REDUCE": "bf16"})
 
 
-def test_rank_profile_writes_a_breakdown_per_rank(tmp_path, monkeypatch):
-    """POC_RANK_PROFILE=DIR: every rank profiles batches 4-7 of its first job and writes DIR/rank<N>.json (on the
+def test_rank_profile_writes_a_breakdown_per_rank(tmp_path):
+    """POC_RANK_PROFILE=DIR (ServerConfig.rank_profile -> profile_dir): every rank profiles batches 4-7 of its first job and writes DIR/rank<N>.json (on the
     CPU the profiler sees CPU ops, all of kind "other"; on CUDA the kernels by kind, NCCL included)."""
     from poc.profiling import KINDS
 
-    monkeypatch.setenv("POC_RANK_PROFILE", str(tmp_path))
-    e = DistEngine("cpu", model_dir=str(v2_checkpoint("qwen3")), dtype="float32", tp=2, world=2, timeout=60)
+    e = DistEngine("cpu", model_dir=str(v2_checkpoint("qwen3")), dtype="float32", tp=2, world=2, timeout=60,
+                   profile_dir=str(tmp_path))
     try:
         e.load()
         arts, dropped = e.v2_artifacts(BH, PK, list(range(20)), SEQ, K, batch_size=2)  # 10 batches

@@ -1,5 +1,7 @@
 """The weight pool drawn by several threads (poc.protocol.pool) against v1.weight_pool's single stream."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -136,11 +138,12 @@ def test_pool_tensor_cpu_is_the_single_stream():
         assert t.dtype == torch.float32 and torch.equal(t, torch.from_numpy(v1.weight_pool("abc", 250_007)))
 
 
-def test_worker_count_from_env(monkeypatch):
+def test_worker_count_given_or_the_cpus(monkeypatch):
+    """The configured count (ModelOptions.pool_workers, from POC_POOL_WORKERS in ServerConfig) wins; none: the
+    CPUs this process may run on. The environment is not read here."""
+    assert pool.pool_workers(5) == 5
     monkeypatch.setenv("POC_POOL_WORKERS", "5")
-    assert pool.pool_workers() == 5
-    monkeypatch.delenv("POC_POOL_WORKERS")
-    assert pool.pool_workers() >= 1
+    assert pool.pool_workers() == len(os.sched_getaffinity(0))
 
 
 class _BrokenSink(pool.HostSink):

@@ -5,7 +5,7 @@ transcription of the spec's formulas (tests/fp8_spec.py: numpy float32 arithmeti
 two, torch's round-to-nearest-even cast to float8_e4m3fn) on adversarial groups and blocks; tiny FP8 Qwen3 and
 Qwen3-MoE checkpoints made here, our W8A8 forward in each format against a float32 emulation of the spec's
 arithmetic (the model's own linears and experts replaced by it, on the checkpoint's weights), in one process and
-over tp=2 / ep=2 on gloo; the dequantise forward kept behind POC_FP8.
+over tp=2 / ep=2 on gloo; the dequantise forward kept behind fp8="dequant" (POC_FP8).
 """
 
 import pytest
@@ -14,8 +14,10 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")  # the checkpoints are made by transformers
 
+from poc.engine.compute import V2Compute  # noqa: E402
 from poc.errors import InputError  # noqa: E402
 from poc.model import experts, fp8  # noqa: E402
+from poc.model.options import ModelOptions  # noqa: E402
 from poc.model.weights import load_model  # noqa: E402
 from tests.checkpoints import make_hf, make_hf_moe, unit_rows, write_fp8_and_twin  # noqa: E402
 from tests.fp8_spec import E4M3, emulation, spec_quantize, spec_requant  # noqa: E402
@@ -153,13 +155,20 @@ def test_ue8m0_weight_requant_is_the_formula_bit_for_bit():
     (fp8.scale_format, "POC_FP8_SCALES", "ue8m0", "float32", "e8m0", "ue8m0 or float32"),
     (fp8.fp8_mode, "POC_FP8", "w8a8", "dequant", "int4", "w8a8 or dequant")])
 def test_fp8_settings(read, var, default, other, bad, message, monkeypatch):
-    """The scale format and the FP8 forward: the value given, else the environment, else the default; a bad value
-    is refused naming the choices."""
+    """The scale format and the FP8 forward: the value given, else the default (the model code reads no
+    environment); the environment variable is ServerConfig's, and a bad value is refused naming the choices, there
+    at start-up as here."""
+    from poc.server.config import parse_args
+
     assert read() == default and read(other) == other
     monkeypatch.setenv(var, other)
-    assert read() == other
+    assert read() == default
+    opts = parse_args([], env={var: other}).model_options()
+    assert read(opts.fp8_scales if var == "POC_FP8_SCALES" else opts.fp8) == other
     with pytest.raises(InputError, match=message):
         read(bad)
+    with pytest.raises(InputError, match=message):
+        parse_args([], env={var: bad})
 
 
 @pytest.mark.gpu
@@ -396,8 +405,8 @@ def test_norm_quant_hands_the_fp8_readers_their_input_quantised(name, ckpts, mon
         outs = [model(x, reflections=vs, last_only=False), model(x, reflections=vs), model(x, last_only=False)]
         return outs, len(calls) - n
 
-    monkeypatch.setattr(fp8, "FUSED_NORM", True)
-    off, n_off = run()
+    assert all(b.fused_norm for b in model.layers.values())  # the default (ModelOptions.fused_norm)
+    off, n_off = run()  # on the CPU the fused path is taken only with its stand-in switched on
     monkeypatch.setattr(fp8, "FUSED_NORM_ON_CPU", True)
     on, n_on = run()
     assert n_off - n_on == 3 * 2 * cfg.n_layers
@@ -410,8 +419,11 @@ def test_norm_quant_hands_the_fp8_readers_their_input_quantised(name, ckpts, mon
     assert r is None and torch.equal(h, model.norm(x))
     r, h = fp8.norm_quant(model.norm, x, residual=x, keep=True)
     assert torch.equal(r, x + x) and torch.equal(h.x, model.norm(x + x)) and h.shape == x.shape
-    monkeypatch.setattr(fp8, "FUSED_NORM", False)
-    assert isinstance(fp8.norm_quant(model.norm, x)[1], torch.Tensor)
+    # the fused norm switched off (POC_FP8_FUSED_NORM=0): the engine's compute sets it on every block
+    V2Compute(model, cfg, torch.bfloat16, torch.device("cpu"), name, options=ModelOptions(fused_norm=False))
+    assert not any(b.fused_norm for b in model.layers.values())
+    unfused, n_unfused = run()
+    assert n_unfused == n_off and all(torch.equal(a, b) for a, b in zip(off, unfused))
 
 
 @pytest.mark.gpu
@@ -459,9 +471,9 @@ def test_cuda_norm_quant_kernel_gives_the_unfused_bits(dtype, D, M, ue8m0):
 @torch.no_grad()
 @pytest.mark.parametrize("fmt", fp8.SCALE_FORMATS)
 @pytest.mark.parametrize("name", ["dense", "moe"])
-def test_cuda_models_compute_the_same_bits_with_the_fused_norm(name, fmt, ckpts, monkeypatch):
+def test_cuda_models_compute_the_same_bits_with_the_fused_norm(name, fmt, ckpts):
     """A bf16 W8A8 model on CUDA, eager and compiled: the same bits with the norm and the quantiser fused
-    (POC_FP8_FUSED_NORM=1) as without, in both scale formats."""
+    (POC_FP8_FUSED_NORM=1, each Block's fused_norm) as without, in both scale formats."""
     from poc.model.compile import maybe_compile
     from poc.model.transformer import Transformer
 
@@ -472,7 +484,8 @@ def test_cuda_models_compute_the_same_bits_with_the_fused_norm(name, fmt, ckpts,
     torch._dynamo.reset()
     outs = {}
     for fused in (True, False):
-        monkeypatch.setattr(fp8, "FUSED_NORM", fused)
+        for b in model.layers.values():
+            b.fused_norm = fused  # ModelOptions.fused_norm, as the engine's V2Compute sets it
         outs[fused] = [model(x, reflections=vs, last_only=False), model(x, reflections=vs),
                        model(x, reflections=vs, last_only=False, step=step)]
     for a, b in zip(outs[True], outs[False]):
@@ -549,7 +562,7 @@ def test_tensor_and_expert_parallel_on_gloo(ckpts, tmp_path):
 
     torch.save((X, VS), tmp_path / "in.pt")
     names = [f"{ckpts[n]}|{fmt}" for n in ("dense", "moe") for fmt in fp8.SCALE_FORMATS]
-    res = run_ranks(_RANK, tmp_path, names, timeout=240, env={"POC_FP8": "w8a8"})
+    res = run_ranks(_RANK, tmp_path, names, timeout=240)
     for name in names:
         path, fmt = name.split("|")
         ours, cfg = load_model(path, dtype=torch.float32, progress=False, fp8_scales=fmt)

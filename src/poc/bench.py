@@ -24,7 +24,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from poc.errors import InputError
 from poc.protocol import v1  # numpy only: the workloads' params
+from poc.server.config import ServerConfig, env_switches  # plain data: the environment's switches
 
 
 def _import_heavy() -> None:
@@ -81,9 +83,6 @@ WORKLOADS = {
     "W7D": {"protocol": "v2", "model": "qwen3-235b-a22b", "seq_len": 1024, "dtype": "bfloat16", "batches": [32, 64],
             "tp": 4},
 }
-
-
-COMPILE_INPUTS = os.environ.get("POC_COMPILE_INPUTS", "1") == "1"
 
 
 def flops_per_nonce(cfg: ModelConfig, seq_len: int, head: bool) -> float:
@@ -192,13 +191,16 @@ def hf_forward_rate(cfg: ModelConfig, seq_len: int, batch: int, dtype: torch.dty
 
 
 def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceiling: float,
-                   warm: int, timed: int) -> list[dict]:
+                   warm: int, timed: int, sw: ServerConfig, compile_inputs: bool = True) -> list[dict]:
+    """sw: the environment's model and rank switches (server.config.env_switches); compile_inputs: the v2 input
+    generator compiled with the model (POC_COMPILE_INPUTS)."""
     w = WORKLOADS[name]
     dtype = DTYPES[w["dtype"]]
     rows = []
     if w.get("tp"):
-        return bench_dist(name, batches, ceiling, warm, timed, compile)
-    engine = make_engine("cuda", replicas=1, compile=compile)
+        return bench_dist(name, batches, ceiling, warm, timed, compile, sw)
+    opts = sw.model_options()
+    engine = make_engine("cuda", replicas=1, compile=compile, options=opts)
     if w["protocol"] == "v1":
         engine.load()  # starts the input processes, as the server does at start
     torch.cuda.reset_peak_memory_stats()
@@ -211,9 +213,10 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
         cfg, seq_len, head = v1_config(p), p.seq_len, True
     else:
         cfg = replace(PRESETS[w["model"]])
-        model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w.get("fp8_forward"), w.get("fp8_scales"))
-        engine.v2 = V2Compute(model, cfg, dtype,
-                              torch.device("cuda"), w["model"], compile=compile, compile_inputs=COMPILE_INPUTS)
+        model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w.get("fp8_forward") or opts.fp8,
+                                w.get("fp8_scales") or opts.fp8_scales)
+        engine.v2 = V2Compute(model, cfg, dtype, torch.device("cuda"), w["model"], compile=compile,
+                              compile_inputs=compile_inputs, options=opts)
         torch.cuda.synchronize()
         seq_len, head = w["seq_len"], False
     build = time.perf_counter() - t0
@@ -233,7 +236,7 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
         row = {"workload": name, "batch": b, "dtype": w["dtype"], "fp8_experts": w.get("fp8", False),
                "fp8_forward": w.get("fp8_forward"), "fp8_scales": w.get("fp8_scales"), "seq_len": seq_len,
                "compile": compile,
-               "compile_inputs": compile and COMPILE_INPUTS and w["protocol"] == "v2",
+               "compile_inputs": compile and compile_inputs and w["protocol"] == "v2",
                "flops_per_nonce": fl, **r, "tflops": r["nonces_per_s"] * fl / 1e12,
                "pct_of_ceiling": 100 * r["nonces_per_s"] * fl / 1e12 / ceiling,
                "flop_limit_nonces_per_s": ceiling * 1e12 / fl,
@@ -265,14 +268,16 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
     return rows
 
 
-def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: int, compile: bool) -> list[dict]:
+def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: int, compile: bool,
+               sw: ServerConfig) -> list[dict]:
     """A workload over tp GPUs through the DistEngine (rank processes, NCCL), random weights made by each rank."""
     w = WORKLOADS[name]
     spec = f"random:{w['model']}" + (":fp8" if w.get("fp8") else "")
     t0 = time.perf_counter()
     gpus = w["tp"] * w.get("pp", 1) * w.get("replicas", 1)
     engine = make_engine("cuda", model_dir=spec, dtype=w["dtype"], tp=w["tp"], pp=w.get("pp", 1),
-                         replicas=w.get("replicas", 1), compile="on" if compile else "off")
+                         replicas=w.get("replicas", 1), compile="on" if compile else "off",
+                         options=sw.model_options(), stage_timing=sw.stage_timing, profile_dir=sw.rank_profile)
     engine.load()
     build = time.perf_counter() - t0
     cfg, seq_len = PRESETS[w["model"]], w["seq_len"]
@@ -289,7 +294,7 @@ def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: 
         row = {"workload": name, "batch": b, "dtype": w["dtype"], "fp8_experts": w.get("fp8", False), "tp": w["tp"],
                "pp": w.get("pp", 1), "replicas": w.get("replicas", 1), "gpus": gpus, "seq_len": seq_len,
                "compile": compile,
-               "tp_reduce": os.environ.get("POC_TP_REDUCE", "fp32"), "flops_per_nonce": fl, **r,
+               "tp_reduce": sw.tp_reduce, "flops_per_nonce": fl, **r,
                "tflops": r["nonces_per_s"] * fl / 1e12,
                "pct_of_ceiling": 100 * r["nonces_per_s"] * fl / 1e12 / (ceiling * gpus),
                "flop_limit_nonces_per_s": ceiling * gpus * 1e12 / fl, "model_build_s": build,
@@ -372,7 +377,7 @@ def one_ulp(comp: V2Compute) -> V2Compute:
     return comp
 
 
-def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4) -> dict:
+def profile(name: str, batch: int, compile: bool, sw: ServerConfig, warm: int = 3, steps: int = 4) -> dict:
     """Where the time of one workload goes: CUDA kernel time by kind (torch.profiler) against wall time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
@@ -382,9 +387,11 @@ def profile(name: str, batch: int, compile: bool, warm: int = 3, steps: int = 4)
     w = WORKLOADS[name]
     dtype = DTYPES[w["dtype"]]
     cfg = replace(PRESETS[w["model"]])
-    engine = make_engine("cuda", replicas=1, compile=compile)
-    model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w.get("fp8_forward"), w.get("fp8_scales"))
-    engine.v2 = V2Compute(model, cfg, dtype, torch.device("cuda"), w["model"], compile=compile)
+    opts = sw.model_options()
+    engine = make_engine("cuda", replicas=1, compile=compile, options=opts)
+    model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w.get("fp8_forward") or opts.fp8,
+                            w.get("fp8_scales") or opts.fp8_scales)
+    engine.v2 = V2Compute(model, cfg, dtype, torch.device("cuda"), w["model"], compile=compile, options=opts)
     job = V2Job(BH, PK, 1, w["seq_len"], 12, v1.worker_nonces(0, 0, 1), batch)
     job.limits = Limits(max_nonces=batch * warm, max_duration=None)
     engine.run(job, lambda b: None, threading.Event())  # compile + warm up
@@ -477,6 +484,15 @@ def main(argv=None) -> None:
         ap.error(f"--batch sizes must be >= 1, got {min(args.batch)}")
     if args.warm < 0 or args.timed < 1:
         ap.error(f"--warm must be >= 0 and --timed >= 1, got {args.warm} and {args.timed}")
+    # the environment's switches, read once here: the server's (README's Configuration table) and the bench's own
+    # POC_COMPILE_INPUTS (1, default: the v2 input generator compiled with the model; 0: eager inputs)
+    try:
+        sw = ServerConfig(**env_switches(os.environ))
+    except InputError as e:
+        ap.error(str(e))
+    compile_inputs = os.environ.get("POC_COMPILE_INPUTS", "1").strip()
+    if compile_inputs not in ("0", "1"):
+        ap.error(f"POC_COMPILE_INPUTS must be 0 or 1, got {compile_inputs!r}")
     _import_heavy()
     if not torch.cuda.is_available():
         raise SystemExit("poc.bench needs a CUDA GPU (none is visible here): nothing was run; "
@@ -486,7 +502,7 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.profile:
         name = args.workload[0]
-        result = profile(name, (args.batch or WORKLOADS[name]["batches"])[0], args.compile)
+        result = profile(name, (args.batch or WORKLOADS[name]["batches"])[0], args.compile, sw)
         out.write_text(json.dumps({**result, "command": command(argv)}, indent=1))
         return
     if args.check:
@@ -499,7 +515,7 @@ def main(argv=None) -> None:
     for name in args.workload:
         w = WORKLOADS[name]
         rows += bench_workload(name, args.batch or w["batches"], args.compile, args.hf, ceil[w["dtype"]],
-                               args.warm, args.timed)
+                               args.warm, args.timed, sw, compile_inputs == "1")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
                "ceiling_tflops": ceil["bfloat16"], "ceilings": ceil, "command": command(argv), "rows": rows,
                "date": time.strftime("%Y-%m-%d %H:%M:%S")}

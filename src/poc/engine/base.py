@@ -25,6 +25,7 @@ from poc.engine import memory
 from poc.engine.jobs import BatchResult, JobSummary, V1Job, V2Job
 from poc.errors import InputError
 from poc.model.config import ModelConfig
+from poc.model.options import ModelOptions
 from poc.protocol import v1, v2
 
 STATES = ("loading", "ready", "busy", "broken")
@@ -104,6 +105,7 @@ class EngineBase(abc.ABC):
     v2: ModelInfo | None
     compile_v1: bool
     compile_v2: bool
+    options: ModelOptions = ModelOptions()  # how models are built and computed (each engine sets its own)
 
     def __init__(self, loading: bool):
         self.lock = DeviceLock()
@@ -279,9 +281,8 @@ class EngineBase(abc.ABC):
         spec = random_spec(getattr(self, "model_dir", None))
         if self.v2.cfg.fp8_block is None and not (spec and spec[1]):
             return None
-        forward = fp8_mode()
-        return {"forward": forward,
-                "scales": scale_format(getattr(self, "fp8_scales", None)) if forward == "w8a8" else None}
+        forward = fp8_mode(self.options.fp8)
+        return {"forward": forward, "scales": scale_format(self.options.fp8_scales) if forward == "w8a8" else None}
 
     def v2_w8a8(self) -> bool:
         """Whether the loaded v2 model is an FP8 checkpoint computed W8A8 (its experts' activations are FP8)."""

@@ -21,6 +21,7 @@ import torch
 
 from poc import dtypes
 from poc.model.compile import maybe_compile, note_new_shape
+from poc.model.options import ModelOptions
 from poc.model.transformer import Transformer
 from poc.parallel.build import Part, V1Weights, build
 from poc.protocol import v1, v2
@@ -155,16 +156,17 @@ class V1Compute:
 
     def __init__(self, params: v1.V1Params, block_hash: str, dtype: torch.dtype, device: torch.device,
                  compile: bool = False, input_workers: int = 0, executor=None, part: Part | None = None,
-                 stage: Stage = WHOLE, stop=None):
+                 stage: Stage = WHOLE, stop=None, pool_workers: int | None = None):
         """`part`: the rank's part of the v1 model to build (parallel.build), None the whole one (`stop`: an event
-        that ends the build early, a client gone)."""
+        that ends the build early, a client gone; `pool_workers`: threads drawing its pool, None the CPUs)."""
         self.params, self.block_hash, self.dtype, self.device = params, block_hash, dtype, device
         self.stage = stage
         self.input_workers = input_workers  # > 0: inputs drawn by that many processes (V1InputPool)
         self._pool = None
         self._executor = executor  # shared worker processes (the engine's), or None: the pool makes its own
         t0 = time.perf_counter()
-        self.model = build(V1Weights(params, block_hash), dtype, device, part, stop=stop)[0].fuse()
+        self.model = build(V1Weights(params, block_hash), dtype, device, part, stop=stop,
+                           pool_workers=pool_workers)[0].fuse()
         self.target = torch.from_numpy(v1.target(block_hash, params.vocab_size)).to(device)  # float64
         self._step = maybe_compile(Transformer.layer_step, compile)
         self._post = maybe_compile(self._distances, compile)
@@ -245,7 +247,10 @@ class V2Compute:
     """A loaded checkpoint; computes artifacts for any (block_hash, public_key, nonces, seq_len, k_dim)."""
 
     def __init__(self, model, cfg, dtype: torch.dtype, device: torch.device, name: str, compile: bool = False,
-                 compile_inputs: bool = True, compile_model: bool = True, stage: Stage = WHOLE):
+                 compile_inputs: bool = True, compile_model: bool = True, stage: Stage = WHOLE,
+                 options: ModelOptions | None = None):
+        """options: the kernels the model's W8A8 layers use (ModelOptions.fused_norm and .gluon; default on)."""
+        options = options or ModelOptions()
         self.model, self.cfg, self.dtype, self.device, self.name = model.fuse(), cfg, dtype, device, name
         self.stage = stage
         self._vectors: tuple[str, torch.Tensor] | None = None
@@ -255,9 +260,13 @@ class V2Compute:
         self._step = maybe_compile(Transformer.layer_step, compile and compile_model)
         self._project = maybe_compile(v2.project_tensors, compile)
         self.compiled = compile
-        for block in self.model.layers.values():  # MoE dispatch: its elementwise steps compiled too
-            if block is not None and hasattr(block.mlp, "fast"):
+        for block in self.model.layers.values():
+            if block is None:
+                continue
+            block.fused_norm = options.fused_norm  # the W8A8 kernels the options name
+            if hasattr(block.mlp, "fast"):  # MoE dispatch: its elementwise steps compiled too
                 block.mlp.fast = compile and compile_model
+                block.mlp.gluon = options.gluon
 
     def reflections(self, block_hash: str) -> torch.Tensor:
         if self._vectors is None or self._vectors[0] != block_hash:

@@ -40,6 +40,7 @@ from poc.engine.engine import Engine
 from poc.engine.jobs import BatchResult, Dealer, JobSummary, Limits, V1Job, V2Job
 from poc.errors import InputError
 from poc.model.config import ModelConfig
+from poc.model.options import ModelOptions
 from poc.model.random_weights import random_spec
 from poc.parallel.layout import Layout, RankConfig
 from poc.protocol import v1
@@ -145,8 +146,8 @@ class DistEngine(EngineBase):
 
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto", tp: int = 1,
                  pp: int = 1, world: int | None = None, timeout: float = 300.0, start_timeout: float = 180.0,
-                 log_level: str | None = None, compile: bool | str = False, fp8_experts: str | None = None,
-                 fp8_scales: str | None = None, stage_delay: float = 0.0):
+                 log_level: str | None = None, compile: bool | str = False, options: ModelOptions | None = None,
+                 stage_delay: float = 0.0, stage_timing: bool = False, profile_dir: str | None = None):
         super().__init__(loading=bool(model_dir))
         self.device = resolve_device(device)
         if self.device.type == "cuda":
@@ -164,8 +165,8 @@ class DistEngine(EngineBase):
         # as Engine (compute.compile_flags); CUDA only (the collectives inside the layer are traced)
         self.compile_v1, self.compile_v2 = compile_flags(compile, self.device)
         self.compile = self.compile_v2
-        self.fp8_experts = fp8_experts
-        self.fp8_scales = fp8_scales
+        self.options = options or ModelOptions()  # the ranks build and compute their models so (RankConfig)
+        self.stage_timing, self.profile_dir = stage_timing, profile_dir  # the ranks' diagnostics (RankConfig)
         self.stage_delay = stage_delay  # tests and CPU smoke runs: seconds a rank sleeps after each forward
         self.last_job_stats: dict | None = None  # the last job's pipeline figures (JobFlight.summary)
         self._ranks: _Ranks | None = None
@@ -203,8 +204,9 @@ class DistEngine(EngineBase):
                 g.conns[msg[1]] = c
             cfg = RankConfig(layout=L, backend="nccl" if cuda else "gloo", device_type=self.device.type,
                              store_port=0, timeout_s=self.timeout, threads=threads, log_level=self.log_level,
-                             compile_v1=self.compile_v1, compile_v2=self.compile_v2, fp8_experts=self.fp8_experts,
-                             fp8_scales=self.fp8_scales, stage_delay_s=self.stage_delay)
+                             compile_v1=self.compile_v1, compile_v2=self.compile_v2, options=self.options,
+                             stage_delay_s=self.stage_delay, stage_timing=self.stage_timing,
+                             profile_dir=self.profile_dir)
             g.send(0, cfg)
             msg = self._recv(g.conns[0], g, deadline)
             if msg[0] != "store":

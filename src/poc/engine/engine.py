@@ -23,6 +23,7 @@ from poc.engine import memory
 from poc.engine.base import EngineBase
 from poc.engine.compute import DTYPE_NAMES, DTYPES, V1Compute, V2Compute, compile_flags, resolve_device
 from poc.engine.jobs import BatchResult, Dealer, JobSummary, V1Job
+from poc.model.options import ModelOptions
 from poc.model.random_init import BuildStopped
 from poc.protocol import v1
 
@@ -33,8 +34,7 @@ class Engine(EngineBase):
     """One device, in this process: the v1 model of the last job kept, the v2 checkpoint loaded at start."""
 
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto",
-                 compile: bool | str = False, v1_input_workers: int | None = None, fp8_experts: str | None = None,
-                 fp8_scales: str | None = None):
+                 compile: bool | str = False, v1_input_workers: int | None = None, options: ModelOptions | None = None):
         super().__init__(loading=bool(model_dir))
         self.device = resolve_device(device)
         memory.return_freed_memory()  # a freed v1 model's memory leaves the process (CPU peaks match the estimate)
@@ -46,8 +46,7 @@ class Engine(EngineBase):
         self.v1_input_workers = v1_input_workers
         self._executor = None  # the v1 input processes, started by load()
         self.model_dir = model_dir
-        self.fp8_experts = fp8_experts  # a Qwen3-MoE FP8 checkpoint's experts: keep (default) or dequant
-        self.fp8_scales = fp8_scales  # an FP8 checkpoint's W8A8 scale format: ue8m0 (default) or float32
+        self.options = options or ModelOptions()  # FP8 forward, scales, experts, kernels, v1 pool threads
         self.dtype_flag = dtype
         self.v2: V2Compute | None = None
         self._v1: V1Compute | None = None
@@ -67,11 +66,13 @@ class Engine(EngineBase):
         from poc.parallel.build import build
 
         t0 = time.perf_counter()
+        o = self.options
         # a checkpoint directory, or random weights of a preset shape (random:<preset>[:fp8]): benchmarks and demos
         model, cfg = build(self.model_dir, self.v2_dtype_arg(), self.device, progress=True,
-                           fp8_experts=self.fp8_experts, fp8_scales=self.fp8_scales)
+                           fp8_experts=o.fp8_experts, fp8=o.fp8, fp8_scales=o.fp8_scales)
         name = Path(self.model_dir).name
-        self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile_v2)
+        self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile_v2,
+                            options=o)
         self.load_seconds = time.perf_counter() - t0
 
     def _unload(self) -> None:
@@ -105,7 +106,7 @@ class Engine(EngineBase):
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             c = V1Compute(params, block_hash, DTYPES[dtype], self.device, self.compile_v1, self.v1_input_workers,
-                          self._executor, stop=stop)
+                          self._executor, stop=stop, pool_workers=self.options.pool_workers)
             log.info("v1 model built: dim=%d layers=%d dtype=%s in %.1f s", params.dim, params.n_layers, dtype,
                      c.build_seconds)
             self._v1 = c

@@ -15,6 +15,7 @@ from poc.engine.base import EngineBase
 from poc.engine.compute import resolve_device
 from poc.engine.engine import Engine
 from poc.errors import InputError
+from poc.model.options import ModelOptions
 
 log = logging.getLogger("poc.engine")
 
@@ -42,13 +43,14 @@ def make_engine(device: str | None = None, model_dir: str | None = None, dtype: 
                 pp: int = 1, replicas: int | None = None, devices: int | None = None, layout: str = "",
                 **kw) -> EngineBase:
     """An Engine in this process when one device does everything, else a DistEngine over world ranks (`kw`: the
-    engines' options, compile, fp8_experts, fp8_scales, and DistEngine's own). replicas None (or 0): on CUDA as
-    many as the visible GPUs allow."""
+    engines' own: compile, options (ModelOptions: the server's ServerConfig.model_options()), and DistEngine's,
+    e.g. stage_timing and profile_dir). replicas None (or 0): on CUDA as many as the visible GPUs allow."""
     if layout == "auto":
         from poc.engine import auto
 
+        o = kw.get("options") or ModelOptions()
         gpus = auto.detect_gpus() if device in (None, "", "auto") or device.startswith("cuda") else []
-        choice = auto.for_model(model_dir, dtype, kw.get("fp8_experts") or "keep", gpus)
+        choice = auto.for_model(model_dir, dtype, o.fp8_experts, gpus, fp8=o.fp8)
         log.info("--layout auto: %s", choice.why)
         tp, pp, replicas = choice.tp, choice.pp, choice.replicas
     elif layout:
@@ -56,7 +58,7 @@ def make_engine(device: str | None = None, model_dir: str | None = None, dtype: 
     world = world_for(resolve_device(device), tp, pp, replicas, devices)
     if world == 1:
         return Engine(device=device, model_dir=model_dir, dtype=dtype, compile=kw.pop("compile", False),
-                      fp8_experts=kw.pop("fp8_experts", None), fp8_scales=kw.pop("fp8_scales", None))
+                      options=kw.pop("options", None))
     from poc.engine.dist import DistEngine
 
     return DistEngine(device=device, model_dir=model_dir, dtype=dtype, tp=tp, pp=pp, world=world, **kw)

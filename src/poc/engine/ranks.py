@@ -213,8 +213,8 @@ class Rank:
         self.leader = L.leader(self.replica)
         self.is_first, self.is_last = self.stage == 0, self.stage == L.pp - 1
         self.is_reporter = rank == L.reporter(self.replica)
-        if "POC_POOL_WORKERS" not in os.environ:  # the ranks of a host draw v1 pools at once: share the cores
-            os.environ["POC_POOL_WORKERS"] = str(max(1, pool_workers() // L.world))
+        # threads drawing a v1 pool: the ranks of a host draw theirs at once, so by default they share the cores
+        self.pool_workers = cfg.options.pool_workers or max(1, pool_workers() // L.world)
         if cfg.device_type == "cuda":
             self.device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
@@ -230,8 +230,8 @@ class Rank:
         self.io = Stage(first=self.is_first, last=self.is_last, reporter=self.is_reporter,
                         recv=lambda shape, dtype: pp.recv(shape, dtype, self.device, self.prev),
                         send=lambda out: pp.send(out, self.next), mark=self._mark)
-        self._profile_dir, self._profiled = os.environ.get("POC_RANK_PROFILE"), False
-        timing = os.environ.get("POC_STAGE_TIMING") == "1" and self.device.type == "cuda"
+        self._profile_dir, self._profiled = cfg.profile_dir, False
+        timing = cfg.stage_timing and self.device.type == "cuda"
         self._timing, self._prev_end, self._host_s = (collections.deque() if timing else None), None, {}
         self.clock: JobClock | None = None  # the running job's (run_job)
         self._starve_t0: float | None = None  # the leader found nothing queued: since when (a job's batch ends it)
@@ -261,7 +261,8 @@ class Rank:
         # pipeline sends/receives are point-to-point on the world group, between the same tp rank of two stages
         self.prev = L.rank(self.replica, self.stage - 1, self.tp_rank) if not self.is_first else None
         self.next = L.rank(self.replica, self.stage + 1, self.tp_rank) if not self.is_last else None
-        self.part = Part(self.stage, L.pp, self.tp_rank, L.tp, self.tp_group)  # this rank's part of every model
+        # this rank's part of every model, its partial sums all-reduced as the options say
+        self.part = Part(self.stage, L.pp, self.tp_rank, L.tp, self.tp_group, self.cfg.options.tp_reduce)
 
     def send(self, msg) -> None:
         with self._send_lock:
@@ -339,13 +340,14 @@ class Rank:
         self.v2 = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        L = self.layout
+        L, o = self.layout, self.cfg.options
         # a checkpoint's slices read from its files, or a preset's random weights made on this device: only this part
-        model, mcfg = build(model_dir, dtype, self.device, self.part, fp8_experts=self.cfg.fp8_experts,
-                            fp8_scales=self.cfg.fp8_scales)
+        model, mcfg = build(model_dir, dtype, self.device, self.part, fp8_experts=o.fp8_experts, fp8=o.fp8,
+                            fp8_scales=o.fp8_scales)
         mdtype = next(model.parameters()).dtype
         # compiled at fixed shapes like the single-device engine (a short last batch compiles its own shape)
-        self.v2 = V2Compute(model, mcfg, mdtype, self.device, Path(model_dir).name, self.cfg.compile_v2, stage=self.io)
+        self.v2 = V2Compute(model, mcfg, mdtype, self.device, Path(model_dir).name, self.cfg.compile_v2, stage=self.io,
+                            options=o)
         n_bytes = sum(t.numel() * t.element_size() for t in self.v2.model.state_dict().values())
         log.info("loaded %s: stage %d/%d tp %d/%d, %.1f MB on this rank in %.1f s", model_dir, self.stage, L.pp,
                  self.tp_rank, L.tp, n_bytes / 1e6, time.perf_counter() - t0)
@@ -360,7 +362,7 @@ class Rank:
                 torch.cuda.empty_cache()
             t0 = time.perf_counter()
             self.v1 = (key, V1Compute(job.params, job.block_hash, DTYPES[job.dtype], self.device, self.cfg.compile_v1,
-                                      part=self.part, stage=self.io))
+                                      part=self.part, stage=self.io, pool_workers=self.pool_workers))
             log.info("v1 model built: dim=%d layers=%d dtype=%s in %.1f s", job.params.dim, job.params.n_layers,
                      job.dtype, time.perf_counter() - t0)
         return self.v1[1]

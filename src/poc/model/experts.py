@@ -14,7 +14,6 @@ MoE round.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -78,14 +77,15 @@ def dispatch_modules(x: Tensor, weights: Tensor, index: Tensor, experts: Sequenc
 def dispatch_stacked(x: Tensor, weights: Tensor, index: Tensor, w13: Tensor, w2: Tensor, n_experts: int,
                      first: int = 0, *, w13_scale: Tensor | None = None, w2_scale: Tensor | None = None,
                      w8a8: bool = False, ue8m0: bool = False, xq: fp8.Quantized | None = None, fast: bool = False,
-                     out_dtype: torch.dtype | None = None) -> Tensor:
+                     gluon: bool = True, out_dtype: torch.dtype | None = None) -> Tensor:
     """As dispatch_modules over the stacked experts w13 (E_local, 2F, D) and w2 (E_local, D, F), experts first ..
     first + E_local - 1: the (token, choice) pairs are sorted so that these experts come first, in expert order, and
     one grouped GEMM per projection covers exactly those rows. With every expert here all shapes are static (no host
     sync: rows past the last group get weight zero); under expert parallel one host sync per layer sizes the gather
     to this rank's rows. FP8 weights (with their block scales) run W8A8 (`w8a8`, power-of-two activation scales with
     `ue8m0`) or are dequantised for the duration of this call. fast: the elementwise steps as compiled kernels (the
-    engine compiles; CUDA only). xq: x quantised already (norm_quant), for the W8A8 experts. The (T, D) sum is
+    engine compiles; CUDA only). xq: x quantised already (norm_quant), for the W8A8 experts; gluon: their Hopper
+    kernels where they apply (grouped_w8a8). The (T, D) sum is
     rounded to out_dtype (default x's)."""
     T, k = index.shape
     n_local = w13.shape[0]
@@ -105,7 +105,8 @@ def dispatch_stacked(x: Tensor, weights: Tensor, index: Tensor, w13: Tensor, w2:
     comb = _fast(combine, partial) if fast else combine
     n_valid = ends[-1]
     if w8a8 and w13_scale is not None and fp8.current_recipe() != "dequant":  # the validators' recipe
-        y, dest = grouped_w8a8(x, rows, k, ends, w13, w13_scale, w2, w2_scale, act, xq, ue8m0=ue8m0)
+        y, dest = grouped_w8a8(x, rows, k, ends, w13, w13_scale, w2, w2_scale, act, xq, ue8m0=ue8m0,
+                               gluon=gluon)
         # outputs in a padded layout: route each (token, choice) slot through dest; another rank's slots stay out
         pos = torch.where(pos < n_valid, dest[pos.clamp(max=dest.numel() - 1)], y.shape[0])
         n_valid = y.shape[0]
@@ -184,7 +185,7 @@ def _fast(fn, dynamic: bool = False):
 
 def grouped_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13: Tensor, w2: Tensor, s2: Tensor,
                  act: Callable[[Tensor], Tensor] = swiglu, xq: fp8.Quantized | None = None,
-                 ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+                 ue8m0: bool = False, gluon: bool = True) -> tuple[Tensor, Tensor]:
     """The routed expert outputs (N, D) in the model dtype, as the fork's fused MoE computes them: each routed copy
     of a token's hidden state quantised per group (per row: the same numbers as quantising the token once), the w13
     FP8 GEMM, SwiGLU in the model dtype, quantised again, the w2 FP8 GEMM. rows: the (token, choice) pairs in expert
@@ -198,10 +199,10 @@ def grouped_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
     (the same bits as act and quantize_act after it, tests/test_w8a8.py on CUDA): fp8_gluon's on Hopper,
     fp8_triton's elsewhere; on the CPU one block-scaled GEMM per expert, then act, then the quantiser. xq: x already
     quantised (norm_quant). ue8m0: both quantisers with power-of-two scales (the weights and their float32 block
-    scales as the checkpoint's)."""
+    scales as the checkpoint's). gluon=False: the Triton kernels on Hopper too (same bits, slower; POC_FP8_GLUON)."""
     dest, tile_expert, a_rows = padded_layout(rows, k, ends)
     kern = fp8.kernels() if x.is_cuda and fp8.current_recipe() == "fast" else None
-    glu = gluon_kernels(x.device) if kern is not None else None
+    glu = gluon_kernels(x.device) if kern is not None and gluon else None
     if glu is not None and glu.fits(w13, w2):
         # Hopper: the warp-specialised kernels (the Triton kernels' bits). A 16-bit model's w13 gathers each token's
         # quantised row in its loads; a float32 model's tokens are quantised into their routed rows first
@@ -260,17 +261,15 @@ _GLUON: dict = {}  # device index -> the fp8_gluon module, or None where it does
 
 def gluon_kernels(device: torch.device):
     """The Hopper expert kernels (model/kernels/fp8_gluon.py) for this device, or None: not sm_90, no Gluon in this
-    Triton, or POC_FP8_GLUON=0 (the Triton kernels then run: the same bits, slower)."""
+    Triton (the Triton kernels then run: the same bits, slower)."""
     if device.index not in _GLUON:
-        mod = None
-        if os.environ.get("POC_FP8_GLUON", "1") != "0":
-            try:
-                from poc.model.kernels import fp8_gluon as mod
-            except ImportError:
-                mod = None
-            if mod is not None and (mod.GROUP != fp8.GROUP or GROUP_ROWS % mod.ROWS):
-                raise RuntimeError(f"fp8_gluon tiles {mod.GROUP}/{mod.ROWS} do not fit {fp8.GROUP}/{GROUP_ROWS}")
-            if mod is not None and not mod.supported(device):
-                mod = None
+        try:
+            from poc.model.kernels import fp8_gluon as mod
+        except ImportError:
+            mod = None
+        if mod is not None and (mod.GROUP != fp8.GROUP or GROUP_ROWS % mod.ROWS):
+            raise RuntimeError(f"fp8_gluon tiles {mod.GROUP}/{mod.ROWS} do not fit {fp8.GROUP}/{GROUP_ROWS}")
+        if mod is not None and not mod.supported(device):
+            mod = None
         _GLUON[device.index] = mod
     return _GLUON[device.index]

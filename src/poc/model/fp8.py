@@ -15,19 +15,18 @@ module is that recipe:
   Hopper or newer, elsewhere an exact emulation (dequantise both operands, float32 matmul, one rounding);
 - `Fp8Linear`: the module the loader puts where the checkpoint has an FP8 linear (`use_fp8_linears`), with the
   checkpoint's parameter names (`weight`, `weight_scale_inv`), so loading stays a name match;
-- `norm_quant`: a norm whose readers are FP8 linears hands them its output already quantised (`Quantized`); with
-  POC_FP8_FUSED_NORM=1 the residual add, the norm and the quantiser are one kernel on CUDA;
+- `norm_quant`: a norm whose readers are FP8 linears hands them its output already quantised (`Quantized`); the
+  residual add, the norm and the quantiser are one kernel on CUDA (the Block's `fused_norm`, ModelOptions.fused_norm);
 - `kernels()`: the CUDA kernels of `kernels/fp8_triton.py`. The MoE experts' W8A8 GEMMs, which use these pieces, are
   `experts.grouped_w8a8`.
 
-The router, norms and embeddings are not quantised. `POC_FP8=dequant` (or `fp8="dequant"`) keeps the older forward:
+The router, norms and embeddings are not quantised. `fp8="dequant"` (POC_FP8=dequant) keeps the older forward:
 weights dequantised to the model dtype, bf16 activations; it is a different arithmetic, kept for diagnosis.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -51,8 +50,8 @@ log = logging.getLogger(__name__)
 
 def fp8_mode(value: str | None = None) -> str:
     """`w8a8` (default): FP8 checkpoints compute the validators' W8A8 recipe; `dequant`: weights dequantised to the
-    model dtype at load (experts per layer), activations unquantised. The value, else env POC_FP8, else w8a8."""
-    v = value or os.environ.get("POC_FP8") or "w8a8"
+    model dtype at load (experts per layer), activations unquantised. The value (ModelOptions.fp8), else w8a8."""
+    v = value or "w8a8"
     if v not in FP8_MODES:
         raise InputError(f"fp8 forward must be w8a8 or dequant, got {v!r}", "fp8")
     return v
@@ -61,8 +60,8 @@ def fp8_mode(value: str | None = None) -> str:
 def scale_format(value: str | None = None) -> str:
     """`ue8m0` (default): power-of-two scales, what the network's Hopper validators compute (vLLM with DeepGEMM's
     E8M0, on by default there); `float32`: the float32-scale recipe (vLLM without DeepGEMM: other GPUs, or a
-    validator image whose MoE runs FlashInfer). The value, else env POC_FP8_SCALES, else ue8m0."""
-    v = value or os.environ.get("POC_FP8_SCALES") or "ue8m0"
+    validator image whose MoE runs FlashInfer). The value (ModelOptions.fp8_scales), else ue8m0."""
+    v = value or "ue8m0"
     if v not in SCALE_FORMATS:
         raise InputError(f"fp8 scales must be ue8m0 or float32, got {v!r}", "fp8_scales")
     return v
@@ -218,9 +217,6 @@ class Quantized(NamedTuple):
     x: Tensor | None
 
 
-# 1 (default): norm_quant runs the norm and its FP8 readers' quantiser as one kernel on CUDA (the same bits in both
-# scale formats, eager and compiled: tests/test_w8a8.py's CUDA tests); 0: two passes (benchmarks/h100/W6Q_fused_norm.json)
-FUSED_NORM = os.environ.get("POC_FP8_FUSED_NORM", "1") == "1"
 FUSED_NORM_ON_CPU = False  # tests run the fused path's plumbing on the CPU (the composition stands in)
 
 
@@ -228,9 +224,9 @@ FUSED_NORM_ON_CPU = False  # tests run the fused path's plumbing on the CPU (the
 def norm_quant(norm: nn.Module, x: Tensor, residual: Tensor | None = None, keep: bool = False,
                ue8m0: bool = False) -> tuple[Tensor | None, Tensor | Quantized]:
     """(r, h) for a norm whose output only FP8 linears read (keep: and a 16-bit reader too): r = residual + x
-    rounded to x's dtype (None without a residual), h = norm(r). Where the fused kernel applies (POC_FP8_FUSED_NORM=1,
-    CUDA, the fast recipe, 16-bit rows of whole 128-groups) h is Quantized: one pass reads x (and the residual) and
-    writes r, the quantised norm and with keep the norm itself; its q and s are bit for bit
+    rounded to x's dtype (None without a residual), h = norm(r). Where the fused kernel applies (CUDA, the fast
+    recipe, 16-bit rows of whole 128-groups) h is Quantized: one pass reads x (and the residual) and writes r, the
+    quantised norm and with keep the norm itself; its q and s are bit for bit
     quantize_act(norm(r), ue8m0=ue8m0) (tests/test_w8a8.py's CUDA test). Elsewhere h is the norm, a tensor its
     readers quantise themselves. ue8m0: the readers' scale format.
     `norm` is the model's RMSNorm (its weight, eps and formula: transformer.RMSNorm.forward)."""
@@ -254,7 +250,7 @@ def norm_quant(norm: nn.Module, x: Tensor, residual: Tensor | None = None, keep:
 
 
 def _fused_norm_ok(x: Tensor, residual: Tensor | None) -> bool:
-    if not FUSED_NORM or _RECIPE[0] != "fast" or x.dtype not in (torch.bfloat16, torch.float16):
+    if _RECIPE[0] != "fast" or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if x.shape[-1] % GROUP or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape)):
         return False
@@ -455,8 +451,8 @@ def use_fp8_linears(model: nn.Module, is_fp8: Callable[[str], bool]) -> list[str
 
 
 def use_scales(model: nn.Module, fmt: str | None = None) -> str:
-    """Put a loaded (and sharded) W8A8 model in scale format `fmt` (scale_format: the value, env POC_FP8_SCALES, or
-    ue8m0) and return it. ue8m0, as vLLM with DeepGEMM on Hopper: every Fp8Linear's weight re-quantised to
+    """Put a loaded (and sharded) W8A8 model in scale format `fmt` (scale_format: the value, or ue8m0) and return
+    it. ue8m0, as vLLM with DeepGEMM on Hopper: every Fp8Linear's weight re-quantised to
     power-of-two block scales and its input quantised with power-of-two scales; the W8A8 experts quantise both
     GEMMs' inputs with power-of-two scales and keep the checkpoint's weights and float32 block scales. float32: as
     loaded. Blocks are independent, so this may run on a rank's shard."""

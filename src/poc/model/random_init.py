@@ -144,7 +144,7 @@ class _TorchSink:
 def pool_tensor(block_hash: str, size: int, device: torch.device, workers: int | None = None,
                 chunk: int = CHUNK, stop=None) -> torch.Tensor:
     """The float32 pool on `device`, bit-identical to v1.weight_pool: drawn by `workers` threads (default
-    poc.protocol.pool.pool_workers(): POC_POOL_WORKERS or the CPU count), each copying its piece to the device
+    poc.protocol.pool.pool_workers(): the CPU count), each copying its piece to the device
     as it goes."""
     device = torch.device(device)
     # ordinary tensors even when the caller is in inference mode (a rank builds its model inside one): the
@@ -158,13 +158,13 @@ def pool_tensor(block_hash: str, size: int, device: torch.device, workers: int |
 
 
 def build_v1_model(p: v1.V1Params, block_hash: str, dtype: torch.dtype, device="cpu", stop=None,
-                   shard: Callable[[Transformer], Mapping[str, tuple[int, int, int]] | None] | None = None
-                   ) -> Transformer:
+                   shard: Callable[[Transformer], Mapping[str, tuple[int, int, int]] | None] | None = None,
+                   workers: int | None = None) -> Transformer:
     """The reference's random model for (params, block_hash), in `dtype` on `device`, with its head. `stop` (a
     threading.Event), once set, ends the build with BuildStopped within one drawn chunk or one placed tensor.
     `shard(model)` (parallel.build: a rank's part) runs on the meta model first (keep a pipeline stage, apply tensor
     parallel) and returns the slices it cut (name -> (dim, start, stop)): only the parameters and slices it kept are
-    placed, the same values as in the whole model."""
+    placed, the same values as in the whole model. workers: threads drawing the pool (pool_tensor)."""
     device = torch.device(device)
     cfg = v1_config(p)
     with torch.device("meta"):
@@ -173,7 +173,7 @@ def build_v1_model(p: v1.V1Params, block_hash: str, dtype: torch.dtype, device="
     plan = (shard(model) or {}) if shard is not None else {}
     want = set(model.state_dict(keep_vars=True))
     t0 = time.perf_counter()
-    pool = pool_tensor(block_hash, v1.pool_size(p.total_params), device, stop=stop)
+    pool = pool_tensor(block_hash, v1.pool_size(p.total_params), device, workers, stop=stop)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t_pool = time.perf_counter()

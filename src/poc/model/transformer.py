@@ -228,6 +228,7 @@ class MoE(nn.Module):
         self.ue8m0 = False  # W8A8 experts: power-of-two activation scales (fp8.use_scales)
         self.fast = False  # compiled elementwise steps in the dispatch (set by the engine when it compiles)
         self.sum_dtype: torch.dtype | None = None  # the output's dtype; None: the input's (parallel.tp: float32)
+        self.gluon = True  # W8A8 on Hopper: the Gluon expert kernels, else Triton's (ModelOptions.gluon: the engine)
 
     def keep_experts(self, first: int, stop: int) -> None:
         """Hold only experts first..stop-1 (before loading or fuse)."""
@@ -279,7 +280,7 @@ class MoE(nn.Module):
         else:  # the sum leaves the kernel in sum_dtype (fp32 partials for the all-reduce), else rounded there
             out = dispatch_stacked(x, weights, index, self.w13, self.w2, E, self.first, w13_scale=self.w13_scale,
                                    w2_scale=self.w2_scale, w8a8=self.w8a8, ue8m0=self.ue8m0, xq=xq, fast=self.fast,
-                                   out_dtype=self.sum_dtype or x.dtype)
+                                   gluon=self.gluon, out_dtype=self.sum_dtype or x.dtype)
         return out.to(self.sum_dtype or x.dtype).view(B, S, D)
 
 
@@ -290,13 +291,14 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.dim, cfg.ffn_dim)
+        self.fused_norm = True  # W8A8: norm + quantiser in one pass (fp8.norm_quant; ModelOptions.fused_norm: engine)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, last_only: bool = False) -> tuple[Tensor, Tensor]:
         """The split pair (mlp branch, residual) as vLLM returns it; the layer output is their sum.
 
         last_only: compute only the last position (B, 1, D) (keys and values still see every position)."""
         res = x[:, -1:] if last_only else x
-        fuse = fp8.FUSED_NORM  # else the norms stay in the compiled graph, their readers quantise
+        fuse = self.fused_norm  # else the norms stay in the compiled graph, their readers quantise
         if fuse and self.self_attn.reads_fp8():  # the norm and the projections' quantiser in one pass
             h = fp8.norm_quant(self.input_layernorm, x, ue8m0=self.self_attn.reads_ue8m0())[1]
         else:

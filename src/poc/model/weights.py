@@ -12,7 +12,6 @@ and placed on its own, and `load_state_dict(assign=True)` adopts the placed tens
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -302,8 +301,8 @@ FP8_EXPERTS = ("keep", "dequant")
 
 def fp8_experts_mode(value: str | None = None) -> str:
     """`keep` (default): a Qwen3-MoE FP8 checkpoint's experts stay FP8 in memory, dequantised per layer in the
-    forward (same numbers; half the memory); `dequant`: everything dequantised at load. Env POC_FP8_EXPERTS."""
-    v = value or os.environ.get("POC_FP8_EXPERTS") or "keep"
+    forward (same numbers; half the memory); `dequant`: everything dequantised at load. The value (ModelOptions)."""
+    v = value or "keep"
     if v not in FP8_EXPERTS:
         raise InputError(f"fp8 experts must be keep or dequant, got {v!r}", "fp8_experts")
     return v

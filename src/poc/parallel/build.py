@@ -37,34 +37,38 @@ class V1Weights:
 @dataclass(frozen=True)
 class Part:
     """A rank's part of a model: stage `stage` of `n_stages`, tensor-parallel rank `tp_rank` of `tp_size`; `group`
-    the tp process group (None: no all-reduce, the caller sums the partial outputs, as tests do)."""
+    the tp process group (None: no all-reduce, the caller sums the partial outputs, as tests do), whose partial sums
+    are all-reduced in fp32 or, with tp_reduce "model", rounded to the model dtype first (ModelOptions.tp_reduce)."""
 
     stage: int = 0
     n_stages: int = 1
     tp_rank: int = 0
     tp_size: int = 1
     group: Any = None
+    tp_reduce: str = "fp32"
 
     def shard(self, model: Transformer) -> Plan:
         """Cut a meta-built (or built) model down to this part; the slices cut, for the loader."""
         keep_stage(model, self.stage, self.n_stages)
-        return apply_tp(model, self.tp_rank, self.tp_size, self.group)
+        return apply_tp(model, self.tp_rank, self.tp_size, self.group, self.tp_reduce)
 
 
 def build(source: str | Path | V1Weights, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
           part: Part | None = None, *, with_head: bool = False, progress: bool = False,
           fp8_experts: str | None = None, fp8: str | None = None, fp8_scales: str | None = None,
-          stop=None) -> tuple[Transformer, ModelConfig]:
+          stop=None, pool_workers: int | None = None) -> tuple[Transformer, ModelConfig]:
     """(model, config) in eval mode: the whole model, or only `part` of it.
 
     dtype: "auto" (the checkpoint's or preset's own) or a name / torch dtype; a v1 model takes a torch dtype.
     A checkpoint: headless unless `with_head`, a progress bar on stderr with `progress`; an FP8 one computed as
     fp8 says (fp8.fp8_mode: w8a8 or dequant), W8A8 in scale format fp8_scales, its Qwen3-MoE experts kept FP8 or
     dequantised (fp8_experts). A preset: headless and fused, `:fp8` an FP8 checkpoint's model. A v1 model: with
-    its head; `stop` (a threading.Event), once set, ends the build with random_init.BuildStopped."""
+    its head, its pool drawn by `pool_workers` threads (ModelOptions.pool_workers; None: the CPUs); `stop` (a
+    threading.Event), once set, ends the build with random_init.BuildStopped."""
     shard = part.shard if part is not None else None
     if isinstance(source, V1Weights):
-        model = build_v1_model(source.params, source.block_hash, dtype, device, stop=stop, shard=shard)
+        model = build_v1_model(source.params, source.block_hash, dtype, device, stop=stop, shard=shard,
+                               workers=pool_workers)
         return model, model.cfg
     spec = random_spec(str(source))
     if spec is not None:

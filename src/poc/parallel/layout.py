@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from poc.errors import InputError
+from poc.model.options import ModelOptions
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class RankConfig:
     store_host: str = "127.0.0.1"
     compile_v1: bool = False  # torch.compile of the decoder layer (and v2's input generator) in the ranks
     compile_v2: bool = False
-    fp8_experts: str | None = None  # FP8 checkpoint experts: keep (default) or dequant
-    fp8_scales: str | None = None  # FP8 checkpoint W8A8 scale format: ue8m0 (default) or float32
+    options: ModelOptions = ModelOptions()  # FP8 forward, scales and experts, kernels, tp reduce, v1 pool threads
+    stage_timing: bool = False  # POC_STAGE_TIMING: log each batch's forward and idle time (CUDA events)
+    profile_dir: str | None = None  # POC_RANK_PROFILE: profile batches 4-7 of the first job into DIR/rank<N>.json
     stage_delay_s: float = 0.0  # tests: seconds slept after each forward, standing in for device time

@@ -15,8 +15,6 @@ and a MoE layer's state dict then names only the local experts, so the loader re
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -63,7 +61,8 @@ def tp_plan(model: Transformer, tp_rank: int, tp_size: int) -> Plan:
     return plan
 
 
-def apply_tp(model: Transformer, tp_rank: int, tp_size: int, group: "dist.ProcessGroup | None") -> Plan:
+def apply_tp(model: Transformer, tp_rank: int, tp_size: int, group: "dist.ProcessGroup | None",
+             reduce: str = "fp32") -> Plan:
     """Shard `model` in place for rank `tp_rank` of `tp_size` and return the plan (name -> (dim, start, stop)).
 
     Works on meta parameters (shapes only; load the slices afterwards) and on real ones (sliced copies).
@@ -72,7 +71,8 @@ def apply_tp(model: Transformer, tp_rank: int, tp_size: int, group: "dist.Proces
     the router stays whole). Without a group (tests), the caller sums the
     partial outputs; a MoE block then returns its partial sum rounded to the model dtype (exact in float32; sum
     fp32 partials, e.g. from experts.dispatch_modules, to match one device in half precision).
-    o_proj's bias stays on tp rank 0 only, so it is added once.
+    o_proj's bias stays on tp rank 0 only, so it is added once. reduce: "fp32", or "model" to all-reduce partials
+    rounded to the model dtype (ModelOptions.tp_reduce, reduce_in_model_dtype).
     """
     cfg = model.cfg
     if tp_size == 1:
@@ -86,6 +86,7 @@ def apply_tp(model: Transformer, tp_rank: int, tp_size: int, group: "dist.Proces
     for name, n in sizes:
         if n % tp_size:
             raise ValueError(f"{name}={n} is not divisible by tp={tp_size}")
+    half_reduce = reduce_in_model_dtype(reduce)
     plan = tp_plan(model, tp_rank, tp_size)
     params = dict(model.named_parameters())
     for name, (dim, start, stop) in plan.items():
@@ -110,11 +111,11 @@ def apply_tp(model: Transformer, tp_rank: int, tp_size: int, group: "dist.Proces
         if tp_rank != 0 and attn.o_proj.bias is not None:
             attn.o_proj.bias = None
         if group is not None:
-            attn.o_proj.forward = _row_parallel(attn.o_proj, group)
+            attn.o_proj.forward = _row_parallel(attn.o_proj, group, half_reduce)
             if moe:
-                mlp.forward = _expert_parallel(mlp, group)
+                mlp.forward = _expert_parallel(mlp, group, half_reduce)
             else:
-                mlp.down_proj.forward = _row_parallel(mlp.down_proj, group)
+                mlp.down_proj.forward = _row_parallel(mlp.down_proj, group, half_reduce)
     return plan
 
 
@@ -143,21 +144,20 @@ def _narrow(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
 _MM_OUT_DTYPE = [True]  # torch.mm(..., out_dtype=) (CUDA, torch >= 2.8); off after the first failure
 
 
-def reduce_in_model_dtype() -> bool:
-    """POC_TP_REDUCE=model: all-reduce half-precision partial sums (half the bytes; each partial is rounded before
-    the sum, so results move within the dtype's rounding). Default fp32: partials summed in fp32, rounded once."""
-    v = os.environ.get("POC_TP_REDUCE", "fp32")
-    if v not in ("fp32", "model"):
-        raise ValueError(f"POC_TP_REDUCE must be fp32 or model, got {v!r}")
-    return v == "model"
+def reduce_in_model_dtype(reduce: str = "fp32") -> bool:
+    """reduce="model" (POC_TP_REDUCE): all-reduce half-precision partial sums (half the bytes; each partial is
+    rounded before the sum, so results move within the dtype's rounding). Default fp32: partials summed in fp32,
+    rounded once."""
+    if reduce not in ("fp32", "model"):
+        raise ValueError(f"tp reduce must be fp32 or model, got {reduce!r}")
+    return reduce == "model"
 
 
-def _expert_parallel(moe: MoE, group):
+def _expert_parallel(moe: MoE, group, half_reduce: bool = False):
     """The forward of a tp rank's sparse MoE block: the terms of its own experts summed in float32 (MoE.sum_dtype),
-    all-reduced over the ranks and rounded once; with POC_TP_REDUCE=model each rank's partial is rounded to the model
-    dtype first (half the bytes)."""
+    all-reduced over the ranks and rounded once; with half_reduce (reduce_in_model_dtype: POC_TP_REDUCE=model) each
+    rank's partial is rounded to the model dtype first (half the bytes)."""
 
-    half_reduce = reduce_in_model_dtype()
     moe.sum_dtype = None if half_reduce else torch.float32
     block = MoE.forward  # not moe.forward: this replaces it
 
@@ -170,12 +170,11 @@ def _expert_parallel(moe: MoE, group):
     return forward
 
 
-def _row_parallel(lin: nn.Linear, group):
+def _row_parallel(lin: nn.Linear, group, half_reduce: bool = False):
     """The forward of a tp rank's o_proj / down_proj: its partial product is kept in float32, summed in float32
     over the ranks and rounded once, as one device rounds its whole fp32-accumulated product once. (An all-reduce
-    of half-precision partials rounds each partial and the sum: at bf16 that moved artifacts by L2 0.029.)"""
-
-    half_reduce = reduce_in_model_dtype()
+    of half-precision partials rounds each partial and the sum: at bf16 that moved artifacts by L2 0.029.)
+    half_reduce: round each partial to the model dtype first (reduce_in_model_dtype)."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if isinstance(lin, Fp8Linear):  # W8A8 on this rank's 128-column groups; the partial in fp32 unless asked

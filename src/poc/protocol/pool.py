@@ -80,11 +80,11 @@ def _lcg_steps(cur: int, target: int, inc: int) -> int:
     return steps
 
 
-def pool_workers() -> int:
-    """Default worker count: POC_POOL_WORKERS, else the CPUs this process may run on."""
-    env = os.environ.get("POC_POOL_WORKERS")
-    if env:
-        return max(1, int(env))
+def pool_workers(workers: int | None = None) -> int:
+    """The worker count: `workers` when given (ModelOptions.pool_workers, POC_POOL_WORKERS), else the CPUs this
+    process may run on."""
+    if workers is not None:
+        return max(1, workers)
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
@@ -258,7 +258,7 @@ def draw_pool(block_hash: str, size: int, sink: PoolSink, workers: int | None = 
     tests: tiny worker ranges so that boundaries fall inside normals, no marks to force the fallback, and
     workers that draw past `size`.
     """
-    workers = pool_workers() if workers is None else max(1, workers)
+    workers = pool_workers(workers)
     raw_total = int(size * raw_per_normal) - 64
     k_n = min(workers, raw_total // max(1, min_raw)) if raw_total > 0 else 0
     r = raw_total // k_n if k_n else 0

@@ -32,7 +32,8 @@ def create_app(config: ServerConfig) -> web.Application:
     """The only way to get an app. Raises InputError for an unusable config (e.g. --device cuda without CUDA)."""
     engine = factory.make_engine(config.device, config.model, config.dtype, tp=config.tp, pp=config.pp,
                                  replicas=config.replicas, layout=config.layout, compile=config.compile,
-                                 fp8_experts=config.fp8_experts, fp8_scales=config.fp8_scales)
+                                 options=config.model_options(), stage_timing=config.stage_timing,
+                                 profile_dir=config.rank_profile)
     metrics = Metrics()
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware],
                           handler_args=security.handler_args(config))

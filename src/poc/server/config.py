@@ -9,8 +9,10 @@
 Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_SERVED_MODEL_NAME (comma-separated), POC_DTYPE,
 POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR, POC_TP, POC_PP, POC_REPLICAS, POC_LAYOUT, POC_COMPILE, POC_FP8_EXPERTS,
 POC_FP8_SCALES) > default. Environment only: POC_API_TOKEN, SIGNER_PUBKEY, POC_ALLOWED_ORIGINS, POC_OUTBOUND_ALLOW,
-POC_ALLOWED_CLIENTS (comma-separated), POC_V1_CACHE_IDLE (seconds). The other fields are limits and timings; tests
-override them directly.
+POC_ALLOWED_CLIENTS (comma-separated), POC_V1_CACHE_IDLE (seconds), and the model's and the ranks' switches POC_FP8,
+POC_FP8_FUSED_NORM, POC_FP8_GLUON, POC_TP_REDUCE, POC_POOL_WORKERS, POC_STAGE_TIMING, POC_RANK_PROFILE (read here
+only: the engines get them as ModelOptions and arguments). The other fields are limits and timings; tests override
+them directly.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Mapping, Sequence
 
 from poc import dtypes
 from poc.errors import InputError
+from poc.model.options import ModelOptions
 
 DTYPE_CHOICES = ("auto", *dtypes.NAMES)
 ENV = {"host": "POC_HOST", "port": "POC_PORT", "model": "POC_MODEL", "dtype": "POC_DTYPE", "device": "POC_DEVICE",
@@ -48,6 +51,14 @@ class ServerConfig:
     compile: str = "auto"  # torch.compile on CUDA: auto = on (both protocols; compute.compile_flags), off
     fp8_experts: str = "keep"  # a Qwen3-MoE FP8 checkpoint's experts: keep (FP8 in memory) or dequant (at load)
     fp8_scales: str = "ue8m0"  # an FP8 checkpoint's W8A8 scale format: ue8m0 (Hopper validators) or float32
+    # env only (README's Configuration table): the rest of ModelOptions, and the ranks' diagnostics
+    fp8: str = "w8a8"  # POC_FP8: an FP8 checkpoint's forward, w8a8 (the validators' recipe) or dequant
+    fp8_fused_norm: bool = True  # POC_FP8_FUSED_NORM: W8A8 on CUDA, a norm and its readers' quantiser in one kernel
+    fp8_gluon: bool = True  # POC_FP8_GLUON: W8A8 experts on Hopper run the Gluon kernels (0: Triton's, same bits)
+    tp_reduce: str = "fp32"  # POC_TP_REDUCE: tp/ep partial sums all-reduced in fp32, or in the model dtype ("model")
+    pool_workers: int | None = None  # POC_POOL_WORKERS: threads drawing v1's pool (None: the CPUs; a rank its share)
+    stage_timing: bool = False  # POC_STAGE_TIMING: each rank logs its forward and idle time per batch (CUDA)
+    rank_profile: str | None = None  # POC_RANK_PROFILE: a folder where each rank writes a profile of its first job
     # limits: answered with 400/413/422/429 before any GPU work
     max_body_bytes: int = 16 << 20  # the routes that carry nonce lists (security.BULK_PATHS)
     max_small_body_bytes: int = 64 << 10  # every other route (their real bodies are a few KiB)
@@ -134,6 +145,13 @@ class ServerConfig:
             raise InputError("max_connections and stream_max_waiting must be >= 1", "max_connections")
         if self.dtype not in DTYPE_CHOICES:
             raise InputError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}", "dtype")
+        self.model_options()  # its own checks: the env-only switches
+
+    def model_options(self) -> ModelOptions:
+        """How the engines build and compute models (fp8, scales, experts, kernels, tp reduce, v1 pool threads)."""
+        return ModelOptions(fp8=self.fp8, fp8_scales=self.fp8_scales, fp8_experts=self.fp8_experts,
+                            fused_norm=self.fp8_fused_norm, gluon=self.fp8_gluon, tp_reduce=self.tp_reduce,
+                            pool_workers=self.pool_workers)
 
 
 def check_spool_dir(path: str | None) -> None:
@@ -149,6 +167,34 @@ def check_spool_dir(path: str | None) -> None:
         raise InputError(f"--spool-dir {path} cannot be created: {e.strerror or e}", "spool_dir") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise InputError(f"--spool-dir {path} is not writable", "spool_dir")
+
+
+def _env_flag(env: Mapping[str, str], name: str, default: bool, field: str) -> bool:
+    v = env.get(name, "").strip().lower()
+    if v not in ("", "0", "1", "false", "true"):
+        raise InputError(f"{name} must be 0 or 1, got {v!r}", field)
+    return default if v == "" else v in ("1", "true")
+
+
+def env_switches(env: Mapping[str, str]) -> dict:
+    """The model's and the ranks' environment switches, as ServerConfig fields (ServerConfig checks their values;
+    a number that does not parse is an InputError naming it here): POC_FP8, POC_FP8_SCALES, POC_FP8_EXPERTS (the
+    server's flags override these two), POC_FP8_FUSED_NORM, POC_FP8_GLUON, POC_TP_REDUCE, POC_POOL_WORKERS,
+    POC_STAGE_TIMING, POC_RANK_PROFILE. The CLI and the bench read them here too: ServerConfig(**env_switches(env))."""
+    d = ServerConfig()
+    workers = env.get("POC_POOL_WORKERS", "").strip()
+    try:
+        pool_workers = int(workers) if workers else None
+    except ValueError:
+        raise InputError(f"POC_POOL_WORKERS must be an integer >= 1, got {workers!r}", "pool_workers") from None
+    return dict(fp8=env.get("POC_FP8", "").strip() or d.fp8,
+                fp8_scales=env.get(ENV["fp8_scales"], "").strip() or d.fp8_scales,
+                fp8_experts=env.get(ENV["fp8_experts"], "").strip() or d.fp8_experts,
+                fp8_fused_norm=_env_flag(env, "POC_FP8_FUSED_NORM", d.fp8_fused_norm, "fp8_fused_norm"),
+                fp8_gluon=_env_flag(env, "POC_FP8_GLUON", d.fp8_gluon, "fp8_gluon"),
+                tp_reduce=env.get("POC_TP_REDUCE", "").strip() or d.tp_reduce, pool_workers=pool_workers,
+                stage_timing=_env_flag(env, "POC_STAGE_TIMING", d.stage_timing, "stage_timing"),
+                rank_profile=env.get("POC_RANK_PROFILE") or None)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -209,9 +255,7 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     level = str(a.log_level).upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise InputError(f"--log-level must be debug, info, warning or error, got {a.log_level!r}", "log_level")
-    keepalive = env.get("POC_FATAL_KEEPALIVE", "0").strip().lower()
-    if keepalive not in ("", "0", "1", "false", "true"):
-        raise InputError(f"POC_FATAL_KEEPALIVE must be 0 or 1, got {keepalive!r}", "fatal_keepalive")
+    keepalive = _env_flag(env, "POC_FATAL_KEEPALIVE", d.fatal_keepalive, "fatal_keepalive")
     from poc.server import warm_start
 
     shapes = warm_start.parse(a.compile_at_start, a.model)
@@ -230,6 +274,6 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
                         host=a.host, port=port, model=a.model, served_model_name=tuple(a.served_model_name),
                         dtype=a.dtype, device=a.device, log_level=level,
                         spool_dir=a.spool_dir, compile=str(a.compile), layout=str(a.layout).strip().lower(),
-                        fp8_experts=str(a.fp8_experts), fp8_scales=str(a.fp8_scales),
-                        fatal_keepalive=keepalive in ("1", "true"),
+                        fatal_keepalive=keepalive,
+                        **{**env_switches(env), "fp8_experts": str(a.fp8_experts), "fp8_scales": str(a.fp8_scales)},
                         compile_at_start=shapes, **par)

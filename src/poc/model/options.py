@@ -1,0 +1,39 @@
+"""ModelOptions: how a model is built and computed, chosen once at start-up and passed down.
+
+The server reads them in ServerConfig (flags and POC_* environment variables, server/config.py), the CLI and the
+bench in their argument parsing; the engines hand them to the loaders, the tensor-parallel rewrite and the compute
+(a rank process gets them in its RankConfig), and nothing below reads the environment. The defaults are what the
+network's validators compute. Plain data, no torch: the server's config imports it before any model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from poc.errors import InputError
+
+FP8_FORWARDS = ("w8a8", "dequant")
+FP8_SCALES = ("ue8m0", "float32")
+FP8_EXPERTS = ("keep", "dequant")
+TP_REDUCES = ("fp32", "model")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    fp8: str = "w8a8"  # an FP8 checkpoint's forward: w8a8 (the validators' recipe) or dequant (POC_FP8)
+    fp8_scales: str = "ue8m0"  # W8A8's scale format: ue8m0 (Hopper validators) or float32 (POC_FP8_SCALES)
+    fp8_experts: str = "keep"  # with fp8=dequant, a Qwen3-MoE's FP8 experts: keep or dequant at load (POC_FP8_EXPERTS)
+    fused_norm: bool = True  # W8A8 on CUDA: a norm and its readers' quantiser in one kernel (POC_FP8_FUSED_NORM)
+    gluon: bool = True  # W8A8 experts on Hopper: the Gluon kernels, else the Triton ones, same bits (POC_FP8_GLUON)
+    tp_reduce: str = "fp32"  # tp/ep partial sums all-reduced in fp32 or in the model dtype (POC_TP_REDUCE)
+    pool_workers: int | None = None  # threads drawing v1's pool; None: the CPUs, a rank its share (POC_POOL_WORKERS)
+
+    def __post_init__(self):
+        for name, value, allowed in (("POC_FP8", self.fp8, FP8_FORWARDS),
+                                     ("POC_FP8_SCALES", self.fp8_scales, FP8_SCALES),
+                                     ("POC_FP8_EXPERTS", self.fp8_experts, FP8_EXPERTS),
+                                     ("POC_TP_REDUCE", self.tp_reduce, TP_REDUCES)):
+            if value not in allowed:
+                raise InputError(f"{name} must be {' or '.join(allowed)}, got {value!r}", name.lower()[4:])
+        if self.pool_workers is not None and (not isinstance(self.pool_workers, int) or self.pool_workers < 1):
+            raise InputError(f"POC_POOL_WORKERS must be an integer >= 1, got {self.pool_workers!r}", "pool_workers")
