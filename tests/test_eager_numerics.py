@@ -97,8 +97,9 @@ def test_compiled_bf16_forward_is_bit_identical_to_eager_cuda():
     eager = model(x, reflections=refl)
     compiled = model(x, reflections=refl, step=maybe_compile(Transformer.layer_step, True))
     assert torch.equal(compiled, eager)
-    # and the comparison can fail: one ulp on one input element moves the result
-    x[0, 5, 3] = (x[0, 5, 3].view(torch.int16) + 1).view(BF16)
+    # and the comparison can fail: one ulp on one input element of the position the output is read at moves the
+    # result (one ulp at an earlier position reaches it only through attention's weights and can round away)
+    x[0, -1, 3] = (x[0, -1, 3].view(torch.int16) + 1).view(BF16)
     assert not torch.equal(model(x, reflections=refl), eager)
 
 
