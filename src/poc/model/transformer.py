@@ -92,14 +92,10 @@ class Attention(nn.Module):
             if qkv is not None:
                 self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = qkv, None, None, None
             return
-        ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
-        qkv = nn.Linear(ws[0].shape[1], sum(w.shape[0] for w in ws), bias=self.q_proj.bias is not None,
-                        device=ws[0].device, dtype=ws[0].dtype)
-        with torch.no_grad():
-            qkv.weight.copy_(torch.cat(ws))
-            if qkv.bias is not None:
-                qkv.bias.copy_(torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
-        self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = qkv, None, None, None
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        bias = None if self.q_proj.bias is None else [p.bias for p in parts]
+        self.qkv_proj = _stacked_linear([p.weight for p in parts], bias)
+        self.q_proj, self.k_proj, self.v_proj = None, None, None
 
     def reads_fp8(self) -> bool:
         """Whether only an FP8 linear reads this block's input (the fused q|k|v): it may come quantised."""
@@ -156,6 +152,18 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, gqa: bool
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **extra)
 
 
+def _stacked_linear(weights: list[Tensor], biases: list[Tensor] | None = None) -> nn.Linear:
+    """One nn.Linear whose rows are `weights` stacked (and `biases`): made on the meta device and given the
+    concatenation, so no throwaway initialisation of the fused matrix is computed (on a CPU that random fill took
+    longer than the whole v1 model's placing)."""
+    w = torch.cat([x.detach() for x in weights])
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=biases is not None, device="meta", dtype=w.dtype)
+    lin.weight = nn.Parameter(w, requires_grad=False)
+    if biases is not None:
+        lin.bias = nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
+    return lin
+
+
 def _split3(qkv: Tensor, q_dim: int) -> tuple[Tensor, Tensor, Tensor]:
     kv = (qkv.shape[-1] - q_dim) // 2
     return qkv.split([q_dim, kv, kv], dim=-1)
@@ -179,11 +187,8 @@ class MLP(nn.Module):
             if gu is not None:
                 self.gate_up_proj, self.gate_proj, self.up_proj = gu, None, None
             return
-        g, u = self.gate_proj.weight, self.up_proj.weight
-        gu = nn.Linear(g.shape[1], 2 * g.shape[0], bias=False, device=g.device, dtype=g.dtype)
-        with torch.no_grad():
-            gu.weight.copy_(torch.cat([g, u]))
-        self.gate_up_proj, self.gate_proj, self.up_proj = gu, None, None
+        self.gate_up_proj = _stacked_linear([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_proj, self.up_proj = None, None
 
     def reads_fp8(self) -> bool:
         """Whether only an FP8 linear reads this block's input (the fused gate|up): it may come quantised."""
