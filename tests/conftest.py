@@ -4,8 +4,18 @@ import pytest
 
 from poc.server.app import create_app
 
-from .fakes import FakeOrchestrator
+from .fakes import ROOT, FakeOrchestrator
 from .servers import QWEN3, Sink, server_config, wait_status
+
+
+@pytest.fixture(scope="session", autouse=True)
+def checkout_stays_clean():
+    """No test writes into the checkout: a server started without --spool-dir spools to ./spool, and one test did
+    (a fresh clone's run left spool/seg-*.jsonl behind)."""
+    spool = ROOT / "spool"
+    before = spool.exists()
+    yield
+    assert before or not spool.exists(), f"a test created {spool}: give its server a --spool-dir under tmp_path"
 
 
 @pytest.fixture

@@ -376,7 +376,8 @@ async def wait_until(cond, timeout: float = 10.0, what: str = "") -> None:
 
 
 class ServerProcess:
-    """model_server.py on 127.0.0.1:<port>, its output in a log file; stopped by its PID."""
+    """model_server.py on 127.0.0.1:<port>, its output in a log file; stopped by its PID. Its spool is beside the
+    log unless the arguments or the environment name one (the default, ./spool, is inside the checkout)."""
 
     def __init__(self, log: Path, *args: str, port: int | None = None, env: dict | None = None):
         self.port = port or free_port()
@@ -384,6 +385,8 @@ class ServerProcess:
         self.log = log
         self._out = open(log, "ab")
         e = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if "--spool-dir" not in args and not e.get("POC_SPOOL_DIR"):
+            args = (*args, "--spool-dir", str(log.parent / f"{log.stem}-spool"))
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "model_server.py"), "--port", str(self.port),
                                       "--device", "cpu", *args], stdout=self._out, stderr=subprocess.STDOUT,
                                      cwd=ROOT, env=e)

@@ -180,9 +180,10 @@ def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_server_goes_on(tm
     assert "Thread 0x" in s.text() and "serve.py" in s.text()
 
 
-def test_fatal_keepalive_setting_is_checked():
-    p = subprocess.run([sys.executable, str(ROOT / "model_server.py"), "--device", "cpu"], capture_output=True,
-                       text=True, timeout=60, env={**os.environ, "POC_FATAL_KEEPALIVE": "maybe"})
+def test_fatal_keepalive_setting_is_checked(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "model_server.py"), "--device", "cpu", "--spool-dir",
+                        str(tmp_path / "sp")], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "POC_FATAL_KEEPALIVE": "maybe"})
     assert p.returncode == 2 and "POC_FATAL_KEEPALIVE must be 0 or 1" in p.stderr
 
 
