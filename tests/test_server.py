@@ -268,8 +268,46 @@ async def test_disconnect_stops_the_job(client):
     assert metric(text, 'poc_nonces_computed_total{protocol="v1"}') == computed  # nothing runs any more
 
 
+async def test_a_cancelled_handler_counts_its_job_as_a_disconnect_when_the_engine_ends_first(aiohttp_client,
+                                                                                             monkeypatch):
+    """aiohttp's TestServer cancels the handler of a gone client. The stream's generator then stops the job at once,
+    and the engine thread may end before the handler names the reason; the job was then counted `stopped` (seen once
+    in a CI run of the test above). Here nothing else can notice the client first (no progress lines, a batch every
+    0.25 s), and the watch task takes 1.5 s to leave, so the thread, with at most two batches in flight, ends first."""
+    from poc.server import stream
+
+    async def slow_to_leave(w, runner):
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await asyncio.sleep(1.5)  # the engine thread ends its batches and is accounted for meanwhile
+            raise
+
+    monkeypatch.setattr(stream, "_watch_client", slow_to_leave)
+    app = create_app(server_config(progress_interval=60.0))
+    engine = app[engine_key]
+    real = engine.v1_compute
+
+    def slow(*a, **kw):
+        c = real(*a, **kw)
+        collect = c.collect
+        c.collect = lambda h: (time.sleep(0.25), collect(h))[1]
+        return c
+
+    engine.v1_compute = slow
+    client = await aiohttp_client(app)
+    await wait_status(client)
+    r = await client.post("/generate", json=v1_request(batch_size=1, max_nonces=None, max_duration=60))
+    assert "worker_id" in await first_batch_line(r)
+    r.close()
+    await wait_status(client, ("ready",), timeout=5)
+    text = await (await client.get("/metrics")).text()
+    jobs = [line for line in text.splitlines() if line.startswith("poc_jobs_total")]
+    assert metric(text, 'poc_jobs_total{protocol="v1",reason="disconnect"}') == 1.0, jobs
+
+
 @pytest.mark.parametrize("cancel", [False, True], ids=["production", "handler_cancellation"])
-async def test_disconnect_logs_the_batches_computed_after_it(aiohttp_client, caplog, cancel):
+async def test_disconnect_logs_the_batches_computed_after_it(aiohttp_client, caplog, monkeypatch, cancel):
     """The batch on the device when the client goes is computed all the same; it cannot reach the client, and the
     log says so (how many batches and nonces, which) instead of dropping it silently. Both ways a server meets a
     gone client: model_server.py's web.run_app (no handler cancellation: the stream notices on its next write or
@@ -290,6 +328,12 @@ async def test_disconnect_logs_the_batches_computed_after_it(aiohttp_client, cap
     engine.v1_compute = slow
     req = v1_request(batch_size=1, max_nonces=None, max_duration=60)
     if cancel:
+        from poc.server import stream
+
+        async def blind_watch(w, runner):  # only the cancelled handler can tell the runner its client went
+            await asyncio.Event().wait()
+
+        monkeypatch.setattr(stream, "_watch_client", blind_watch)
         client = await aiohttp_client(app)
         await wait_status(client)
         r = await client.post("/generate", json=req)

@@ -399,10 +399,20 @@ class JobRunner:
 async def pump(w: "NdjsonWriter", runner: JobRunner, make_line) -> None:
     """A job's events as NDJSON lines: make_line(batch, runner) per batch (None: nothing to say), progress lines, an
     error line if it failed, the done line. A client that went away stops the job (watched also while nothing is
-    written, e.g. during a v1 model build); a reader that takes nothing ends it as `stalled`."""
+    written, e.g. during a v1 model build); a reader that takes nothing ends it as `stalled`. A cancelled handler
+    (the server cancels it when its client goes; a shutdown has named its own reason first) ends the job as
+    `disconnect`, a failure here as `error`, re-raised for the caller's error line. The reason is given before this
+    yields to the loop again: the engine thread may end meanwhile, and the job is counted under the reason it has
+    then (it was counted `stopped` when the thread ended during the wait for the watch below)."""
     watch = asyncio.create_task(_watch_client(w, runner))
     try:
         await _pump_events(w, runner, make_line)
+    except asyncio.CancelledError:
+        runner.stop("disconnect")
+        raise
+    except Exception:
+        runner.stop("error")
+        raise
     finally:
         watch.cancel()
         await asyncio.gather(watch, return_exceptions=True)

@@ -7,7 +7,6 @@ every computed nonce (F9), uses the request's batch_size (F10), and adds progres
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from aiohttp import web
@@ -95,11 +94,7 @@ async def stream_job(request: web.Request, runner: JobRunner, make_line) -> web.
     await w.open()
     try:
         await pump(w, runner, make_line)
-    except asyncio.CancelledError:  # the client went away and the server cancels its handlers
-        runner.stop("disconnect")
-        raise
-    except Exception as e:  # after the 200 went out, a failure can only be one more line
-        runner.stop("error")
+    except Exception as e:  # after the 200 went out, a failure can only be one more line (pump ended the job)
         log.warning("stream failed %s", describe(e))
         await w.write({"error": str(e), "error_type": type(e).__name__})
     await w.close()

@@ -144,11 +144,7 @@ async def _generate(app: web.Application, w: NdjsonWriter, cb: str, job_id: str 
     runner = new_runner(app, job, claim, label)
     try:
         await pump(w, runner, lines.line)
-    except asyncio.CancelledError:
-        runner.stop("disconnect")
-        raise
-    except Exception as e:
-        runner.stop("error")
+    except Exception as e:  # pump ended the job as an error
         log.warning("warmup %s stream failed %s", job_id, describe(e))
         await w.write({"error": str(e), "error_type": type(e).__name__})
         return
