@@ -10,8 +10,8 @@ from .servers import QWEN3, Sink, server_config, wait_status
 
 @pytest.fixture(scope="session", autouse=True)
 def checkout_stays_clean():
-    """No test writes into the checkout: a server started without --spool-dir spools to ./spool, and one test did
-    (a fresh clone's run left spool/seg-*.jsonl behind)."""
+    """No test writes into the checkout: a server started without --spool-dir spools to ./spool (its default),
+    which a fresh clone's run would leave behind."""
     spool = ROOT / "spool"
     before = spool.exists()
     yield

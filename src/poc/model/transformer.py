@@ -154,8 +154,8 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, gqa: bool
 
 def _stacked_linear(weights: list[Tensor], biases: list[Tensor] | None = None) -> nn.Linear:
     """One nn.Linear whose rows are `weights` stacked (and `biases`): made on the meta device and given the
-    concatenation, so no throwaway initialisation of the fused matrix is computed (on a CPU that random fill took
-    longer than the whole v1 model's placing)."""
+    concatenation: no throwaway random initialisation of the fused matrix (on a CPU that fill costs more than placing
+    the whole v1 model) and no second copy of it."""
     w = torch.cat([x.detach() for x in weights])
     lin = nn.Linear(w.shape[1], w.shape[0], bias=biases is not None, device="meta", dtype=w.dtype)
     lin.weight = nn.Parameter(w, requires_grad=False)

@@ -402,8 +402,8 @@ async def pump(w: "NdjsonWriter", runner: JobRunner, make_line) -> None:
     written, e.g. during a v1 model build); a reader that takes nothing ends it as `stalled`. A cancelled handler
     (the server cancels it when its client goes; a shutdown has named its own reason first) ends the job as
     `disconnect`, a failure here as `error`, re-raised for the caller's error line. The reason is given before this
-    yields to the loop again: the engine thread may end meanwhile, and the job is counted under the reason it has
-    then (it was counted `stopped` when the thread ended during the wait for the watch below)."""
+    yields to the loop again (the wait for the watch below): an engine thread that ends meanwhile is counted under
+    the reason the job has then."""
     watch = asyncio.create_task(_watch_client(w, runner))
     try:
         await _pump_events(w, runner, make_line)
