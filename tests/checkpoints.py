@@ -150,3 +150,88 @@ def write_fp8_and_twin(src, fp8_dir, twin_dir) -> int:
         save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
         (d / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16", **extra}))
     return sum(quantized(n, t) for n, t in sd.items())
+
+
+# --- MiniMax-M2 as transformers 5.23 saves it, and its FP8 form as MiniMax ships it ------------------------------------
+
+MINIMAX_RELEASE_FIELDS = {  # config.json fields of the release that transformers 5.23 does not write
+    "architectures": ["MiniMaxM2ForCausalLM"], "use_qk_norm": True, "qk_norm_type": "per_layer",
+    "scoring_func": "sigmoid", "use_routing_bias": True, "shared_intermediate_size": 0, "use_mtp": True,
+    "num_mtp_modules": 3, "mtp_transformer_layers": 1}
+
+
+def hf_minimax_config(**overrides):
+    import transformers
+
+    kw = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, rotary_dim=8, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6,
+              rope_theta=5e6, num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False, bos_token_id=1,
+              eos_token_id=2)
+    kw.update(overrides)
+    cfg = transformers.MiniMaxM2Config(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def make_hf_minimax(tmp_path, bias_std: float = 0.1, **overrides):
+    """A randomized transformers MiniMaxM2ForCausalLM (eval mode, eager attention) saved in tmp_path in the
+    release's layout (transformers 5.23 writes block_sparse_moe / experts.E.w1|w2|w3), its config.json given the
+    release's own fields (rotary_dim, scoring_func, use_routing_bias, the MTP declaration, ...). The routing bias
+    is N(0, bias_std): large enough to change many tokens' chosen experts."""
+    import transformers
+
+    hf = transformers.MiniMaxM2ForCausalLM(hf_minimax_config(**overrides))
+    randomize(hf)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            b = layer.mlp.e_score_correction_bias
+            b.copy_(bias_std * torch.randn(b.shape, generator=g))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    path = tmp_path / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(MINIMAX_RELEASE_FIELDS, rotary_dim=hf.config.rotary_dim, rope_theta=hf.config.rope_parameters["rope_theta"])
+    path.write_text(json.dumps(cfg))
+    return hf.eval()
+
+
+MINIMAX_QUANT = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
+                 "weight_block_size": [128, 128], "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
+
+
+def minimax_quantized(name: str, t: torch.Tensor) -> bool:
+    """MiniMax's FP8 release keeps embeddings, lm_head, norms, the router (float32) and its bias unquantised."""
+    return t.dim() == 2 and name.endswith(".weight") and not any(
+        k in name for k in ("embed_tokens", "lm_head", "norm", "block_sparse_moe.gate."))
+
+
+def write_minimax_fp8(src, dst, fmt: str = "float8_e4m3fn", mtp_layers: int = 0, seed: int = 11) -> dict:
+    """The checkpoint in src (make_hf_minimax) as MiniMax ships its FP8 release, in dst: the linears float8_e4m3fn
+    with float32 128x128 block scales (weight_scale_inv), norms and embeddings bf16, the router and its bias float32,
+    quantization_config with `fmt` (float8_e4m3fn as MiniMax writes it; e4m3 as Qwen does); with mtp_layers, that
+    many multi-token-prediction layers' tensors under model.layers.{n_layers + i} (as vLLM's loader names them),
+    which the PoC forward does not read. Returns the tensors written."""
+    sd, cfg = load_file(src / "model.safetensors"), json.loads((src / "config.json").read_text())
+    out = {}
+    for name, t in sd.items():
+        if minimax_quantized(name, t):
+            q, s = quantize(t)
+            out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = q, s
+        elif "block_sparse_moe.gate." in name or name.endswith("e_score_correction_bias"):
+            out[name] = t.float()
+        else:
+            out[name] = t.bfloat16()
+    L, D = cfg["num_hidden_layers"], cfg["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    for i in range(L, L + mtp_layers):  # an MTP module: its own norms, a projection and a decoder layer
+        for name, t in list(out.items()):
+            if name.startswith("model.layers.0."):
+                out[name.replace("model.layers.0.", f"model.layers.{i}.")] = t.clone()
+        out[f"model.layers.{i}.enorm.weight"] = torch.ones(D, dtype=torch.bfloat16)
+        out[f"model.layers.{i}.hnorm.weight"] = torch.ones(D, dtype=torch.bfloat16)
+        out[f"model.layers.{i}.eh_proj.weight"] = torch.randn(D, 2 * D, generator=g).bfloat16()
+    dst.mkdir(exist_ok=True)
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    quant = dict(MINIMAX_QUANT, fmt=fmt)
+    (dst / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16", "quantization_config": quant}))
+    return out

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 from poc.model.weights import INDEX_FILE, checkpoint_files, dequantize_fp8, load_model  # noqa: E402
+from poc.model.options import ModelOptions  # noqa: E402
 from poc.parallel.build import Part, build  # noqa: E402
 from tests.checkpoints import quantize, randomize  # noqa: E402
 
@@ -136,7 +137,7 @@ def reference(path):
 
 
 def check_parity(path, ref_path, dim: int):
-    ours, cfg = load_model(path, dtype=torch.float32, progress=False, fp8=FP8_FORWARD)
+    ours, cfg = load_model(path, dtype=torch.float32, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
     hf = reference(ref_path)
     x = torch.randn(2, 11, dim, generator=torch.Generator().manual_seed(1))
     want = hf.model(inputs_embeds=x).last_hidden_state
@@ -150,7 +151,7 @@ def check_tp_slices(path, whole, dtype=torch.float32) -> None:
     """Each of 2 tp ranks holds exactly its slices of the whole model's parameters (experts: its half)."""
     full = whole.state_dict()
     for rank in (0, 1):
-        part, _ = build(path, dtype, "cpu", Part(tp_rank=rank, tp_size=2), fp8=FP8_FORWARD)
+        part, _ = build(path, dtype, "cpu", Part(tp_rank=rank, tp_size=2), options=ModelOptions(fp8=FP8_FORWARD))
         sd = part.state_dict()
         assert sd and set(sd) <= set(full)
         for k, v in sd.items():
@@ -169,7 +170,7 @@ def test_hub_form_matches_transformers(name, tmp_path):
     path = write_hub_checkpoint(tmp_path / "m", hub_config(config), **opts)
     ours, _ = check_parity(path, path, config["hidden_size"])
     check_tp_slices(path, ours)
-    check_tp_slices(path, load_model(path, progress=False, fp8=FP8_FORWARD)[0], "auto")  # as stored (bf16)
+    check_tp_slices(path, load_model(path, progress=False, options=ModelOptions(fp8=FP8_FORWARD))[0], "auto")  # as stored (bf16)
 
 
 # --- FP8 ------------------------------------------------------------------------------------------------------
@@ -235,12 +236,11 @@ def test_fp8_hub_form_matches_dequantised_twin(name, tmp_path):
     src = write_hub_checkpoint(tmp_path / "src", config, shards=True, extra=True)
     assert fp8_twin(src, tmp_path / "fp8", tmp_path / "twin", keep, scale_dtype) > 0
     check_parity(tmp_path / "fp8", tmp_path / "twin", config["hidden_size"])
-    twin, _ = load_model(tmp_path / "twin", dtype=torch.float32, fp8_experts="dequant", progress=False, fp8=FP8_FORWARD)
+    twin, _ = load_model(tmp_path / "twin", dtype=torch.float32, progress=False, options=ModelOptions(fp8_experts="dequant", fp8=FP8_FORWARD))
     check_tp_slices(tmp_path / "twin", twin)
     # an FP8 rank's slices: dequantised at load (experts too), equal to the twin's
     for rank in (0, 1):
-        a, _ = build(tmp_path / "fp8", torch.float32, "cpu", Part(tp_rank=rank, tp_size=2), fp8_experts="dequant",
-                     fp8=FP8_FORWARD)
-        b, _ = build(tmp_path / "twin", torch.float32, "cpu", Part(tp_rank=rank, tp_size=2), fp8=FP8_FORWARD)
+        a, _ = build(tmp_path / "fp8", torch.float32, "cpu", Part(tp_rank=rank, tp_size=2), options=ModelOptions(fp8_experts="dequant", fp8=FP8_FORWARD))
+        b, _ = build(tmp_path / "twin", torch.float32, "cpu", Part(tp_rank=rank, tp_size=2), options=ModelOptions(fp8=FP8_FORWARD))
         sa, sb = a.state_dict(), b.state_dict()
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 pytest.importorskip("transformers")  # the checkpoints are made by transformers
 
 from poc.errors import InputError  # noqa: E402
+from poc.model.options import ModelOptions  # noqa: E402
 from poc.model.weights import dequantize_fp8, load_model  # noqa: E402
 from tests.checkpoints import (MOE_CASES, QUANT, make_hf, make_hf_moe, quantize, unit_rows,  # noqa: E402
                                write_fp8_and_twin)
@@ -48,8 +49,8 @@ def test_fp8_matches_dequantised_twin(ckpts):
     """Tolerance 0: dequantising (fp8 x scale in fp32, rounded to bf16) is the same arithmetic the twin's weights
     were made with, so the two models hold bit-identical parameters and one forward code path runs on both."""
     _, fp8_dir, twin_dir = ckpts
-    fp8, cfg = load_model(fp8_dir, progress=False, fp8=FP8_FORWARD)
-    twin, _ = load_model(twin_dir, progress=False, fp8=FP8_FORWARD)
+    fp8, cfg = load_model(fp8_dir, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
+    twin, _ = load_model(twin_dir, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
     assert cfg.fp8_block == (128, 128) and next(fp8.parameters()).dtype == torch.bfloat16
     a, b = fp8.state_dict(), twin.state_dict()
     assert a.keys() == b.keys() and not any("scale_inv" in k for k in a)
@@ -58,8 +59,8 @@ def test_fp8_matches_dequantised_twin(ckpts):
     vs = unit_rows(cfg.n_layers, cfg.dim)
     assert torch.equal(fp8(x, reflections=vs, last_only=False), twin(x, reflections=vs, last_only=False))
     # float32: the dequantised weights unrounded; the twin's bf16 weights differ by at most half a bf16 ulp
-    f32, _ = load_model(fp8_dir, dtype=torch.float32, progress=False, fp8=FP8_FORWARD)
-    t32, _ = load_model(twin_dir, dtype=torch.float32, progress=False, fp8=FP8_FORWARD)
+    f32, _ = load_model(fp8_dir, dtype=torch.float32, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
+    t32, _ = load_model(twin_dir, dtype=torch.float32, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
     w8, wt = f32.state_dict(), t32.state_dict()
     assert all(((w8[k] - wt[k]).abs() <= w8[k].abs() * 2 ** -8).all() for k in w8)
 
@@ -73,9 +74,9 @@ def test_fp8_close_to_unquantised(ckpts):
     fp8 10-16% against bf16 0.9-1.0% (x11-18; the MoE case includes router top-k flips). It must also exceed 0.1%,
     so the weights really went through fp8."""
     src, fp8_dir, _ = ckpts
-    ref, cfg = load_model(src, dtype=torch.float32, progress=False, fp8=FP8_FORWARD)
-    q, _ = load_model(fp8_dir, dtype=torch.float32, progress=False, fp8=FP8_FORWARD)
-    rounded, _ = load_model(src, dtype=torch.float32, progress=False, fp8=FP8_FORWARD)
+    ref, cfg = load_model(src, dtype=torch.float32, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
+    q, _ = load_model(fp8_dir, dtype=torch.float32, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
+    rounded, _ = load_model(src, dtype=torch.float32, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
     rounded.load_state_dict({k: v.bfloat16().float() for k, v in ref.state_dict().items()})
     x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(4))
     vs = unit_rows(cfg.n_layers, cfg.dim)
@@ -101,7 +102,7 @@ def test_fp8_errors(ckpts, tmp_path):
         save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
         (d / "config.json").write_text(json.dumps(config))
         with pytest.raises(InputError) as e:
-            load_model(d, progress=False, fp8=FP8_FORWARD)
+            load_model(d, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
         return e.value.message
 
     assert "no quantization_config" in write("noq", sd, {k: v for k, v in cfg.items() if k != "quantization_config"})
@@ -121,8 +122,8 @@ def test_fp8_tensor_parallel_slices(tmp_path):
     make_hf(tmp_path / "src", "qwen3", intermediate_size=320)
     write_fp8_and_twin(tmp_path / "src", tmp_path / "fp8", tmp_path / "twin")
     for rank in (0, 1):
-        a, _ = build(tmp_path / "fp8", "auto", "cpu", Part(tp_rank=rank, tp_size=2), fp8=FP8_FORWARD)
-        b, _ = build(tmp_path / "twin", "auto", "cpu", Part(tp_rank=rank, tp_size=2), fp8=FP8_FORWARD)
+        a, _ = build(tmp_path / "fp8", "auto", "cpu", Part(tp_rank=rank, tp_size=2), options=ModelOptions(fp8=FP8_FORWARD))
+        b, _ = build(tmp_path / "twin", "auto", "cpu", Part(tp_rank=rank, tp_size=2), options=ModelOptions(fp8=FP8_FORWARD))
         sa, sb = a.state_dict(), b.state_dict()
         assert sa["layers.0.mlp.down_proj.weight"].shape == (64, 160)
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -147,19 +148,18 @@ def test_fp8_experts_kept_in_memory(tmp_path, device):
     x = torch.randn(2, 7, 192, generator=torch.Generator().manual_seed(5)).bfloat16().to(device)
     vs = unit_rows(3, 192).to(device)
     for dtype in (torch.bfloat16, torch.float32):
-        kept, cfg = load_model(tmp_path / "fp8", dtype=dtype, device=device, progress=False, fp8=FP8_FORWARD)
+        kept, cfg = load_model(tmp_path / "fp8", dtype=dtype, device=device, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
         moes = [b.mlp for b in kept.layers.values() if isinstance(b.mlp, MoE)]
         assert moes and all(m.w13.dtype == torch.float8_e4m3fn and m.w13.shape == (8, 256, 192) for m in moes)
         assert all(m.w13_scale.shape == (8, 2, 2) and m.w2_scale.shape == (8, 2, 1) for m in moes)
         assert not any(".experts." in k for k in kept.state_dict())
-        full, _ = load_model(tmp_path / "fp8", dtype=dtype, device=device, progress=False, fp8=FP8_FORWARD,
-                             fp8_experts="dequant")
+        full, _ = load_model(tmp_path / "fp8", dtype=dtype, device=device, progress=False, options=ModelOptions(fp8=FP8_FORWARD, fp8_experts="dequant"))
         assert all(b.mlp.w13 is None for b in full.layers.values() if isinstance(b.mlp, MoE))
         xs = x.to(dtype)
         kept.fuse(), full.fuse()  # the same attention GEMMs, and stacked experts in both (grouped GEMM on CUDA)
         assert torch.equal(kept(xs, reflections=vs.to(dtype), last_only=False),
                            full(xs, reflections=vs.to(dtype), last_only=False))
-    rank, _ = build(tmp_path / "fp8", torch.bfloat16, "cpu", Part(tp_rank=1, tp_size=2), fp8=FP8_FORWARD)
+    rank, _ = build(tmp_path / "fp8", torch.bfloat16, "cpu", Part(tp_rank=1, tp_size=2), options=ModelOptions(fp8=FP8_FORWARD))
     m = next(b.mlp for b in rank.layers.values() if isinstance(b.mlp, MoE))
     assert (m.first, m.stop) == (4, 8) and m.w13.shape == (4, 256, 192) and m.w13.dtype == torch.float8_e4m3fn
     assert fp8_experts_mode("dequant") == "dequant"

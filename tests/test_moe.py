@@ -9,6 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from poc.errors import InputError  # noqa: E402
+from poc.model.options import ModelOptions  # noqa: E402
 from poc.model import experts  # noqa: E402
 from poc.model.config import ModelConfig  # noqa: E402
 from poc.model.transformer import MLP, MoE, Transformer  # noqa: E402
@@ -24,7 +25,7 @@ FP8_FORWARD = "dequant"  # the FP8 cases check the dequantise forward (their tin
 @pytest.fixture(params=sorted(MOE_CASES))
 def case(request, tmp_path):
     hf = make_hf_moe(tmp_path, **MOE_CASES[request.param])
-    ours, cfg = load_model(tmp_path, dtype=torch.float32, with_head=True, progress=False, fp8=FP8_FORWARD)
+    ours, cfg = load_model(tmp_path, dtype=torch.float32, with_head=True, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
     x = torch.randn(3, 11, 64, generator=torch.Generator().manual_seed(1))
     return hf, ours, cfg, x
 
@@ -58,7 +59,7 @@ def test_reflections_match_hooked_hf(case):
 def test_moe_block_bf16_matches_hf(tmp_path):
     """In bfloat16 the sparse block alone (router, top-k weights, expert sums) rounds as transformers' does."""
     hf = make_hf_moe(tmp_path, **MOE_CASES["top-3-of-6-tied"]).to(torch.bfloat16)
-    ours, _ = load_model(tmp_path, dtype=torch.bfloat16, progress=False, fp8=FP8_FORWARD)
+    ours, _ = load_model(tmp_path, dtype=torch.bfloat16, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
     x = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     want = hf.model.layers[1].mlp(x)
     got = ours.layers["1"].mlp(x)
@@ -71,7 +72,7 @@ def test_stacked_grouped_and_expert_ranges(tmp_path, monkeypatch):
     """The fused block (stacked experts) in bf16: the per-expert loop and the grouped GEMM give the unfused block's
     numbers, and two halves of the experts (expert parallel without the all-reduce) add up to the whole."""
     make_hf_moe(tmp_path, **MOE_CASES["mlp-only-layer-norm-topk"])
-    ours, _ = load_model(tmp_path, dtype=torch.bfloat16, progress=False, fp8=FP8_FORWARD)
+    ours, _ = load_model(tmp_path, dtype=torch.bfloat16, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
     moe = ours.layers["0"].mlp
     x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     want = moe(x)
@@ -235,11 +236,11 @@ def test_tensor_parallel_partials_sum_to_the_whole(name, moe_ckpt):
     from poc.parallel.tp import apply_tp, expert_range
 
     ckpt = moe_ckpt(name)[0]
-    full, cfg = load_model(ckpt, dtype=torch.float32, progress=False, fp8=FP8_FORWARD)
+    full, cfg = load_model(ckpt, dtype=torch.float32, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
     E = cfg.n_experts
     shards = []
     for r in range(2):
-        m, _ = load_model(ckpt, dtype=torch.float32, progress=False, fp8=FP8_FORWARD)
+        m, _ = load_model(ckpt, dtype=torch.float32, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
         plan = apply_tp(m, r, 2, None)
         assert expert_range(E, r, 2) == (r * E // 2, (r + 1) * E // 2)
         for i in range(cfg.n_layers):
@@ -290,7 +291,7 @@ def test_a_rank_part_reads_only_its_experts(name, moe_ckpt, monkeypatch):
         monkeypatch.setattr(W, "read_tensor", lambda ref, *a: read.append(ref.key) or read_tensor(ref, *a))
         monkeypatch.setattr(W, "check_checkpoint", lambda refs, model, names: checked.extend(names) or check(
             refs, model, names))
-        model, _ = build(ckpt, torch.float32, "cpu", Part(tp_rank=r, tp_size=2), fp8=FP8_FORWARD)
+        model, _ = build(ckpt, torch.float32, "cpu", Part(tp_rank=r, tp_size=2), options=ModelOptions(fp8=FP8_FORWARD))
         mine = set(range(r * cfg.n_experts // 2, (r + 1) * cfg.n_experts // 2))
         seen = {int(k.split(".")[4]) for k in asked + [k.removeprefix("model.") for k in read] if ".experts." in k}
         assert seen == mine, (r, seen)
@@ -307,6 +308,7 @@ def test_a_rank_part_reads_only_its_experts(name, moe_ckpt, monkeypatch):
 _RANK = r"""
 import sys
 import torch, torch.distributed as dist
+from poc.model.options import ModelOptions
 from poc.parallel.build import Part, build
 
 rank, world, io, ckpts = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
@@ -315,8 +317,8 @@ dist.init_process_group("gloo", init_method="file://" + io + "/store", rank=rank
 x, vs = torch.load(io + "/in.pt")
 out = {}
 for ckpt in ckpts:
-    model, cfg = build(ckpt, torch.float32, "cpu", Part(tp_rank=rank, tp_size=world, group=dist.group.WORLD),
-                       fp8="dequant")  # FP8_FORWARD
+    part = Part(tp_rank=rank, tp_size=world, group=dist.group.WORLD)
+    model, cfg = build(ckpt, torch.float32, "cpu", part, ModelOptions(fp8="dequant"))  # FP8_FORWARD
     held = {k: tuple(t.shape) for k, t in model.state_dict().items()}
     with torch.no_grad():
         plain = model(x, last_only=False)
@@ -361,7 +363,7 @@ def test_tensor_parallel_on_gloo_matches_one_process_and_transformers(name, moe_
     transformers' Qwen3MoeForCausalLM. Each rank read and holds only its half of the experts and the whole router,
     the dense layers' MLP by columns, attention by heads: under 0.6 of the model's parameters."""
     ckpt, hf = moe_ckpt(name)
-    ours, cfg = load_model(ckpt, dtype=torch.float32, progress=False, fp8=FP8_FORWARD)
+    ours, cfg = load_model(ckpt, dtype=torch.float32, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
     want_hf, want_hf_refl = hf.model(inputs_embeds=X).last_hidden_state, hooked_hf_forward(hf, VS, X)
     want, want_refl = ours(X, last_only=False), ours(X, reflections=VS, last_only=False)
     E, whole = cfg.n_experts, ours.state_dict()
@@ -389,7 +391,7 @@ def test_tensor_parallel_on_gloo_matches_one_process_and_transformers(name, moe_
 def test_fp8_moe_tensor_parallel_on_gloo(moe_ckpt, tp_ranks):
     """An FP8 Qwen3-MoE checkpoint (each expert's weight_scale_inv read with it) under tp=2 over gloo equals its
     single-process float32 model within max abs 1e-5; each rank holds half the experts, dequantised."""
-    ours, cfg = load_model(moe_ckpt("fp8")[0], dtype=torch.float32, progress=False, fp8=FP8_FORWARD)
+    ours, cfg = load_model(moe_ckpt("fp8")[0], dtype=torch.float32, progress=False, options=ModelOptions(fp8=FP8_FORWARD))
     want = ours(X, reflections=VS, last_only=False)
     for r, res in enumerate(tp_ranks["fp8"]):
         for got in (res["refl"], res["fused"]):

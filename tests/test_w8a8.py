@@ -345,7 +345,7 @@ def test_w8a8_forward_equals_the_spec_emulation(name, fmt, ckpts, monkeypatch):
     """Our W8A8 forward in scale format fmt against the spec's arithmetic emulated in float32 on the checkpoint's
     weights (tests/fp8_spec.emulation: for UE8M0 it re-quantises the dense weights itself and quantises every
     activation with power-of-two scales); the two formats give different outputs."""
-    ours, cfg = load_model(ckpts[name], dtype=torch.float32, progress=False, fp8_scales=fmt)
+    ours, cfg = load_model(ckpts[name], dtype=torch.float32, progress=False, options=ModelOptions(fp8_scales=fmt))
     assert fp8.scales_of(ours) == fmt
     lins = [m for m in ours.modules() if isinstance(m, fp8.Fp8Linear)]
     dense_layers = sum(not cfg.is_moe_layer(i) for i in range(cfg.n_layers))
@@ -358,7 +358,7 @@ def test_w8a8_forward_equals_the_spec_emulation(name, fmt, ckpts, monkeypatch):
     ours.fuse()
     fused = ours(X, reflections=VS[:cfg.n_layers], last_only=False)
     last = ours(X, reflections=VS[:cfg.n_layers])
-    ref, _ = load_model(ckpts[name], dtype=torch.float32, progress=False, fp8_scales="float32")  # as the file holds
+    ref, _ = load_model(ckpts[name], dtype=torch.float32, progress=False, options=ModelOptions(fp8_scales="float32"))  # as the file holds
     linear, emulated_experts = emulation(fmt)
     monkeypatch.setattr(fp8, "linear", linear)
     monkeypatch.setattr(experts, "grouped_w8a8", emulated_experts)
@@ -376,7 +376,7 @@ def test_w8a8_forward_equals_the_spec_emulation(name, fmt, ckpts, monkeypatch):
     # the dequantise forward is another arithmetic on the same weights: not equal (the activations really are
     # quantised), and near (these sharp random weights amplify it; in the MoE a few top-k choices flip too)
     monkeypatch.undo()
-    deq, _ = load_model(ckpts[name], dtype=torch.float32, progress=False, fp8="dequant")
+    deq, _ = load_model(ckpts[name], dtype=torch.float32, progress=False, options=ModelOptions(fp8="dequant"))
     assert not any(isinstance(m, fp8.Fp8Linear) for m in deq.modules())
     other = deq(X, reflections=VS[:cfg.n_layers], last_only=False)
     rel = ((other - want).norm() / want.norm()).item()
@@ -419,8 +419,9 @@ def test_norm_quant_hands_the_fp8_readers_their_input_quantised(name, ckpts, mon
     assert r is None and torch.equal(h, model.norm(x))
     r, h = fp8.norm_quant(model.norm, x, residual=x, keep=True)
     assert torch.equal(r, x + x) and torch.equal(h.x, model.norm(x + x)) and h.shape == x.shape
-    # the fused norm switched off (POC_FP8_FUSED_NORM=0): the engine's compute sets it on every block
-    V2Compute(model, cfg, torch.bfloat16, torch.device("cpu"), name, options=ModelOptions(fused_norm=False))
+    # the fused norm switched off (POC_FP8_FUSED_NORM=0): the model reads it when it is built
+    model, _ = load_model(ckpts[name], dtype=torch.bfloat16, progress=False, options=ModelOptions(fused_norm=False))
+    model.fuse()
     assert not any(b.fused_norm for b in model.layers.values())
     unfused, n_unfused = run()
     assert n_unfused == n_off and all(torch.equal(a, b) for a, b in zip(off, unfused))
@@ -477,7 +478,7 @@ def test_cuda_models_compute_the_same_bits_with_the_fused_norm(name, fmt, ckpts)
     from poc.model.compile import maybe_compile
     from poc.model.transformer import Transformer
 
-    model, cfg = load_model(ckpts[name], dtype=torch.bfloat16, device="cuda", progress=False, fp8_scales=fmt)
+    model, cfg = load_model(ckpts[name], dtype=torch.bfloat16, device="cuda", progress=False, options=ModelOptions(fp8_scales=fmt))
     model.fuse()
     x, vs = X.bfloat16().cuda(), VS[:cfg.n_layers].bfloat16().cuda()
     step = maybe_compile(Transformer.layer_step, True)
@@ -510,7 +511,7 @@ def test_tensor_parallel_split_off_the_blocks_is_refused(tmp_path):
     write_fp8_and_twin(tmp_path / "src", tmp_path / "fp8", tmp_path / "twin")
     with pytest.raises(ValueError, match="128-blocks"):
         build(tmp_path / "fp8", torch.float32, "cpu", Part(tp_rank=0, tp_size=2))
-    m, _ = build(tmp_path / "fp8", torch.float32, "cpu", Part(tp_rank=0, tp_size=2), fp8="dequant")
+    m, _ = build(tmp_path / "fp8", torch.float32, "cpu", Part(tp_rank=0, tp_size=2), options=ModelOptions(fp8="dequant"))
     assert not any(isinstance(x, fp8.Fp8Linear) for x in m.modules())
 
 
@@ -518,6 +519,7 @@ _RANK = r"""
 import os, sys
 import torch, torch.distributed as dist
 from poc.model import experts, fp8
+from poc.model.options import ModelOptions
 from poc.parallel.build import Part, build
 from tests.fp8_spec import emulation
 
@@ -530,8 +532,8 @@ out = {}
 for arg in ckpts:
     ckpt, fmt = arg.split("|")
     part = Part(tp_rank=rank, tp_size=world, group=dist.group.WORLD)
-    model, cfg = build(ckpt, torch.float32, "cpu", part, fp8_scales=fmt)
-    ref, _ = build(ckpt, torch.float32, "cpu", part, fp8_scales="float32")  # the checkpoint's shard as held
+    model, cfg = build(ckpt, torch.float32, "cpu", part, ModelOptions(fp8_scales=fmt))
+    ref, _ = build(ckpt, torch.float32, "cpu", part, ModelOptions(fp8_scales="float32"))  # the checkpoint's shard as held
     held = {k: (tuple(t.shape), str(t.dtype)) for k, t in model.state_dict().items()}
     held.update({f"layers.{k}.mlp.w13": (tuple(b.mlp.w13.shape), str(b.mlp.w13.dtype))
                  for k, b in model.layers.items() if getattr(b.mlp, "w13", None) is not None})
@@ -565,7 +567,7 @@ def test_tensor_and_expert_parallel_on_gloo(ckpts, tmp_path):
     res = run_ranks(_RANK, tmp_path, names, timeout=240)
     for name in names:
         path, fmt = name.split("|")
-        ours, cfg = load_model(path, dtype=torch.float32, progress=False, fp8_scales=fmt)
+        ours, cfg = load_model(path, dtype=torch.float32, progress=False, options=ModelOptions(fp8_scales=fmt))
         want = ours(X, reflections=VS[:cfg.n_layers], last_only=False)
         scale = want.abs().max().item()
         for r in range(2):

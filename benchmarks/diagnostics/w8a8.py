@@ -44,6 +44,7 @@ from poc.bench import cuda_time, pyplot
 from poc.engine.compute import V2Compute
 from poc.model import experts, fp8
 from poc.model.config import PRESETS
+from poc.model.options import ModelOptions
 from poc.model.kernels import fp8_triton
 from poc.model.random_weights import fp8_payload, random_model
 from poc.protocol import v2
@@ -286,7 +287,8 @@ def accuracy(args) -> dict:
         nonces = list(range(n))
         ours, emu = {}, {}
         for fmt in ("ue8m0", "float32"):  # the same checkpoint-like weights (seed 0), each scale format
-            model = random_model(cfg, torch.bfloat16, "cuda", fp8_experts=True, fp8="w8a8", seed=0, fp8_scales=fmt)
+            model = random_model(cfg, torch.bfloat16, "cuda", fp8_ckpt=True, seed=0,
+                                 options=ModelOptions(fp8="w8a8", fp8_scales=fmt))
             comp = V2Compute(model, cfg, torch.bfloat16, torch.device("cuda"), SHAPE, compile=args.compile)
             t0 = time.perf_counter()
             ours[fmt] = artifacts(comp, nonces, args.batch)

@@ -145,11 +145,12 @@ def fp8_ceiling(n: int = 8192) -> float:
     return _FP8_CEILING[0]
 
 
-def random_v2_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8: bool = False,
-                    fp8_forward: str | None = None, fp8_scales: str | None = None) -> "Transformer":
+def random_v2_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8: bool, w: dict,
+                    opts: "ModelOptions") -> "Transformer":
     """A model of the real shape with N(0, 0.02) weights and norms near 1, made on the device (FP8 weights with
-    fp8: computed as fp8_forward says, w8a8 or dequant, W8A8 in scale format fp8_scales)."""
-    return random_model(cfg, dtype, device, fp8_experts=fp8, fp8=fp8_forward, fp8_scales=fp8_scales)
+    fp8), computed as the options say, with the workload's own FP8 forward and scale format where it names them."""
+    opts = replace(opts, fp8=w.get("fp8_forward") or opts.fp8, fp8_scales=w.get("fp8_scales") or opts.fp8_scales)
+    return random_model(cfg, dtype, device, fp8_ckpt=fp8, options=opts)
 
 
 def run_engine(engine, job, warm_batches: int, timed_batches: int) -> dict:
@@ -213,10 +214,10 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
         cfg, seq_len, head = v1_config(p), p.seq_len, True
     else:
         cfg = replace(PRESETS[w["model"]])
-        model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w.get("fp8_forward") or opts.fp8,
-                                w.get("fp8_scales") or opts.fp8_scales)
+        model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w, opts)
+        cfg = model.cfg
         engine.v2 = V2Compute(model, cfg, dtype, torch.device("cuda"), w["model"], compile=compile,
-                              compile_inputs=compile_inputs, options=opts)
+                              compile_inputs=compile_inputs)
         torch.cuda.synchronize()
         seq_len, head = w["seq_len"], False
     build = time.perf_counter() - t0
@@ -389,9 +390,9 @@ def profile(name: str, batch: int, compile: bool, sw: ServerConfig, warm: int = 
     cfg = replace(PRESETS[w["model"]])
     opts = sw.model_options()
     engine = make_engine("cuda", replicas=1, compile=compile, options=opts)
-    model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w.get("fp8_forward") or opts.fp8,
-                            w.get("fp8_scales") or opts.fp8_scales)
-    engine.v2 = V2Compute(model, cfg, dtype, torch.device("cuda"), w["model"], compile=compile, options=opts)
+    model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w, opts)
+    cfg = model.cfg
+    engine.v2 = V2Compute(model, cfg, dtype, torch.device("cuda"), w["model"], compile=compile)
     job = V2Job(BH, PK, 1, w["seq_len"], 12, v1.worker_nonces(0, 0, 1), batch)
     job.limits = Limits(max_nonces=batch * warm, max_duration=None)
     engine.run(job, lambda b: None, threading.Event())  # compile + warm up

@@ -165,8 +165,8 @@ class V1Compute:
         self._pool = None
         self._executor = executor  # shared worker processes (the engine's), or None: the pool makes its own
         t0 = time.perf_counter()
-        self.model = build(V1Weights(params, block_hash), dtype, device, part, stop=stop,
-                           pool_workers=pool_workers)[0].fuse()
+        self.model = build(V1Weights(params, block_hash), dtype, device, part, ModelOptions(pool_workers=pool_workers),
+                           stop=stop)[0].fuse()
         self.target = torch.from_numpy(v1.target(block_hash, params.vocab_size)).to(device)  # float64
         self._step = maybe_compile(Transformer.layer_step, compile)
         self._post = maybe_compile(self._distances, compile)
@@ -247,10 +247,8 @@ class V2Compute:
     """A loaded checkpoint; computes artifacts for any (block_hash, public_key, nonces, seq_len, k_dim)."""
 
     def __init__(self, model, cfg, dtype: torch.dtype, device: torch.device, name: str, compile: bool = False,
-                 compile_inputs: bool = True, compile_model: bool = True, stage: Stage = WHOLE,
-                 options: ModelOptions | None = None):
-        """options: the kernels the model's W8A8 layers use (ModelOptions.fused_norm and .gluon; default on)."""
-        options = options or ModelOptions()
+                 compile_inputs: bool = True, compile_model: bool = True, stage: Stage = WHOLE):
+        """model: built (parallel.build) with the options it computes with."""
         self.model, self.cfg, self.dtype, self.device, self.name = model.fuse(), cfg, dtype, device, name
         self.stage = stage
         self._vectors: tuple[str, torch.Tensor] | None = None
@@ -261,12 +259,8 @@ class V2Compute:
         self._project = maybe_compile(v2.project_tensors, compile)
         self.compiled = compile
         for block in self.model.layers.values():
-            if block is None:
-                continue
-            block.fused_norm = options.fused_norm  # the W8A8 kernels the options name
-            if hasattr(block.mlp, "fast"):  # MoE dispatch: its elementwise steps compiled too
+            if block is not None and hasattr(block.mlp, "fast"):  # MoE dispatch: its elementwise steps compiled too
                 block.mlp.fast = compile and compile_model
-                block.mlp.gluon = options.gluon
 
     def reflections(self, block_hash: str) -> torch.Tensor:
         if self._vectors is None or self._vectors[0] != block_hash:

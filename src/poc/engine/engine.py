@@ -68,11 +68,9 @@ class Engine(EngineBase):
         t0 = time.perf_counter()
         o = self.options
         # a checkpoint directory, or random weights of a preset shape (random:<preset>[:fp8]): benchmarks and demos
-        model, cfg = build(self.model_dir, self.v2_dtype_arg(), self.device, progress=True,
-                           fp8_experts=o.fp8_experts, fp8=o.fp8, fp8_scales=o.fp8_scales)
+        model, cfg = build(self.model_dir, self.v2_dtype_arg(), self.device, options=o, progress=True)
         name = Path(self.model_dir).name
-        self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile_v2,
-                            options=o)
+        self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile_v2)
         self.load_seconds = time.perf_counter() - t0
 
     def _unload(self) -> None:

@@ -342,12 +342,10 @@ class Rank:
             torch.cuda.empty_cache()
         L, o = self.layout, self.cfg.options
         # a checkpoint's slices read from its files, or a preset's random weights made on this device: only this part
-        model, mcfg = build(model_dir, dtype, self.device, self.part, fp8_experts=o.fp8_experts, fp8=o.fp8,
-                            fp8_scales=o.fp8_scales)
+        model, mcfg = build(model_dir, dtype, self.device, self.part, o)
         mdtype = next(model.parameters()).dtype
         # compiled at fixed shapes like the single-device engine (a short last batch compiles its own shape)
-        self.v2 = V2Compute(model, mcfg, mdtype, self.device, Path(model_dir).name, self.cfg.compile_v2, stage=self.io,
-                            options=o)
+        self.v2 = V2Compute(model, mcfg, mdtype, self.device, Path(model_dir).name, self.cfg.compile_v2, stage=self.io)
         n_bytes = sum(t.numel() * t.element_size() for t in self.v2.model.state_dict().values())
         log.info("loaded %s: stage %d/%d tp %d/%d, %.1f MB on this rank in %.1f s", model_dir, self.stage, L.pp,
                  self.tp_rank, L.tp, n_bytes / 1e6, time.perf_counter() - t0)

@@ -7,9 +7,12 @@
   the validators compute them, `grouped_w8a8` (both GEMMs over all experts in one kernel each on CUDA:
   `kernels/fp8_gluon.py` on Hopper, `kernels/fp8_triton.py` elsewhere), then `combine`.
 Both hold only this rank's experts `first .. first + n_local - 1` of `n_experts` (expert parallel): a token routed
-elsewhere adds nothing here, and the caller all-reduces the partial sums. Each weighted expert output is rounded to
-the model dtype and a token's k terms are summed exactly (float64), as transformers' grouped_mm and vLLM's fused
-MoE round.
+elsewhere adds nothing here, and the caller all-reduces the partial sums. Two ways of weighing the experts:
+- (Qwen3-MoE, as transformers' grouped_mm rounds) each expert output rounded to the model dtype, times its routing
+  weight rounded to the model dtype, rounded again; a token's k terms summed exactly (float64);
+- `weighted` (MiniMax-M2, as vLLM's fused MoE computes: ../shared/spec/minimax-m2.md step 9) the float32 routing
+  weight multiplies the down projection's float32 accumulator and the product is rounded once (in the GEMM's
+  epilogue on CUDA); a token's k terms are summed in float32 in selection order, then rounded.
 """
 
 from __future__ import annotations
@@ -53,12 +56,13 @@ def positions(rows: Tensor) -> Tensor:
 
 
 @torch.compiler.disable
-def dispatch_modules(x: Tensor, weights: Tensor, index: Tensor, experts: Sequence[Callable[[Tensor], Tensor]],
-                     first: int, n_experts: int) -> Tensor:
+def dispatch_modules(x: Tensor, weights: Tensor, index: Tensor, experts: Sequence[Callable[..., Tensor]],
+                     first: int, n_experts: int, weighted: bool = False) -> Tensor:
     """Sum over each token's k chosen experts of weight * expert(token), for x (T, D) and the routing weights and
-    expert indices (T, k); experts[j] is expert first + j. Each weighted output is rounded to the model dtype; the k
-    of a token are summed in fp32 (T, D), the caller rounds once. Data-dependent shapes: kept out of compiled
-    graphs."""
+    expert indices (T, k); experts[j] is expert first + j. Each weighted output is rounded to the model dtype
+    (`weighted`: the expert applies the float32 weight to its down projection's accumulator, `expert(x, w)`); the k
+    of a token are summed in fp32 (T, D) (exactly, or with `weighted` in selection order), the caller rounds once.
+    Data-dependent shapes: kept out of compiled graphs."""
     T, k = index.shape
     rows, local = routed(index, first, first + len(experts), n_experts)
     counts = torch.bincount(local, minlength=len(experts)).tolist()
@@ -68,16 +72,28 @@ def dispatch_modules(x: Tensor, weights: Tensor, index: Tensor, experts: Sequenc
     for j, n in enumerate(counts):
         if n:
             r = rows[start:start + n]
-            out[r] = mul(experts[j](x[r // k]), w[r, None])
+            out[r] = experts[j](x[r // k], w[r]) if weighted else mul(experts[j](x[r // k]), w[r, None])
         start += n
-    return out.view(T, k, -1).double().sum(dim=1).float()  # (T*k, D) -> (T, k, D) -> (T, D), exact
+    out = out.view(T, k, -1)  # (T*k, D) -> (T, k, D)
+    if weighted:
+        return sum_in_order([out[:, c] for c in range(k)])
+    return out.double().sum(dim=1).float()  # (T, D), exact
+
+
+def sum_in_order(terms: Sequence[Tensor]) -> Tensor:
+    """The terms added one after the other in float32 (a token's k expert terms in selection order, as vLLM's
+    reduction over top-k adds them)."""
+    acc = terms[0].float()
+    for t in terms[1:]:
+        acc = acc + t.float()
+    return acc
 
 
 @torch.compiler.disable
 def dispatch_stacked(x: Tensor, weights: Tensor, index: Tensor, w13: Tensor, w2: Tensor, n_experts: int,
                      first: int = 0, *, w13_scale: Tensor | None = None, w2_scale: Tensor | None = None,
                      w8a8: bool = False, ue8m0: bool = False, xq: fp8.Quantized | None = None, fast: bool = False,
-                     gluon: bool = True, out_dtype: torch.dtype | None = None) -> Tensor:
+                     gluon: bool = True, out_dtype: torch.dtype | None = None, weighted: bool = False) -> Tensor:
     """As dispatch_modules over the stacked experts w13 (E_local, 2F, D) and w2 (E_local, D, F), experts first ..
     first + E_local - 1: the (token, choice) pairs are sorted so that these experts come first, in expert order, and
     one grouped GEMM per projection covers exactly those rows. With every expert here all shapes are static (no host
@@ -85,8 +101,9 @@ def dispatch_stacked(x: Tensor, weights: Tensor, index: Tensor, w13: Tensor, w2:
     to this rank's rows. FP8 weights (with their block scales) run W8A8 (`w8a8`, power-of-two activation scales with
     `ue8m0`) or are dequantised for the duration of this call. fast: the elementwise steps as compiled kernels (the
     engine compiles; CUDA only). xq: x quantised already (norm_quant), for the W8A8 experts; gluon: their Hopper
-    kernels where they apply (grouped_w8a8). The (T, D) sum is
-    rounded to out_dtype (default x's)."""
+    kernels where they apply (grouped_w8a8). weighted: the float32 routing weights multiply the down projection's
+    accumulator before its rounding and the k terms add in float32 in selection order (MiniMax-M2, vLLM's fused
+    MoE), else transformers' order (the module docstring). The (T, D) sum is rounded to out_dtype (default x's)."""
     T, k = index.shape
     n_local = w13.shape[0]
     out_dtype = out_dtype or x.dtype
@@ -104,32 +121,45 @@ def dispatch_stacked(x: Tensor, weights: Tensor, index: Tensor, w13: Tensor, w2:
     act = _fast(swiglu, partial) if fast else swiglu
     comb = _fast(combine, partial) if fast else combine
     n_valid = ends[-1]
+    row_weight = weights.reshape(-1)[rows].float() if weighted else None  # the routed rows', in expert order
     if w8a8 and w13_scale is not None and fp8.current_recipe() != "dequant":  # the validators' recipe
         y, dest = grouped_w8a8(x, rows, k, ends, w13, w13_scale, w2, w2_scale, act, xq, ue8m0=ue8m0,
-                               gluon=gluon)
+                               gluon=gluon, row_weight=row_weight)
         # outputs in a padded layout: route each (token, choice) slot through dest; another rank's slots stay out
         pos = torch.where(pos < n_valid, dest[pos.clamp(max=dest.numel() - 1)], y.shape[0])
         n_valid = y.shape[0]
     else:
-        y = grouped(x[rows // k], ends, w13, w2, act, w13_scale, w2_scale)
+        y = grouped(x[rows // k], ends, w13, w2, act, w13_scale, w2_scale, row_weight=row_weight)
+    if weighted:
+        comb = _fast(combine_weighted, partial) if fast else combine_weighted
+        return comb(y, pos, n_valid, T, k, out_dtype)
     return comb(y, weights.reshape(-1), pos, n_valid, T, k, out_dtype)
 
 
 def grouped(xs: Tensor, ends: Tensor, w13: Tensor, w2: Tensor, act: Callable[[Tensor], Tensor] = swiglu,
-            w13_scale: Tensor | None = None, w2_scale: Tensor | None = None) -> Tensor:
+            w13_scale: Tensor | None = None, w2_scale: Tensor | None = None,
+            row_weight: Tensor | None = None) -> Tensor:
     """The expert outputs (N, D) of the routed copies xs (N, D), grouped by expert (group j ends at ends[j]), on
-    weights in the model dtype (FP8 ones, with their block scales, dequantised for the duration of this call)."""
+    weights in the model dtype (FP8 ones, with their block scales, dequantised for the duration of this call).
+    row_weight (N,) float32: each row's down projection multiplied by it in float32, then rounded once."""
     if w13_scale is not None:
         w13, w2 = fp8.dequantize_blocks(w13, w13_scale, xs.dtype), fp8.dequantize_blocks(w2, w2_scale, xs.dtype)
     if grouped_mm_ok(xs, w13):
         offs = ends.to(torch.int32)
-        return torch._grouped_mm(act(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)), w2.transpose(1, 2),
-                                 offs=offs)  # (N, D); rows past ends[-1] are not computed
+        h = act(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))
+        if row_weight is None:
+            return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)  # (N, D); rows past ends[-1] not computed
+        y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs, out_dtype=torch.float32)
+        return (y * row_weight[:, None]).to(xs.dtype)
     y = xs.new_zeros(xs.shape)
     start = 0
     for j, stop in enumerate(ends.tolist()):
         if stop > start:
-            y[start:stop] = F.linear(act(F.linear(xs[start:stop], w13[j])), w2[j])
+            h = act(F.linear(xs[start:stop], w13[j]))
+            if row_weight is None:
+                y[start:stop] = F.linear(h, w2[j])
+            else:  # float32 accumulation of the model-dtype operands, weighted, rounded once
+                y[start:stop] = (F.linear(h.float(), w2[j].float()) * row_weight[start:stop, None]).to(xs.dtype)
         start = stop
     return y
 
@@ -167,6 +197,19 @@ def combine(y: Tensor, w: Tensor, pos: Tensor, n_valid: Tensor, T: int, k: int,
     return acc.float().to(out_dtype)
 
 
+def combine_weighted(y: Tensor, pos: Tensor, n_valid: Tensor, T: int, k: int,
+                     out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """combine's gather for outputs that carry their routing weight already (`weighted`): each token's k rows of y
+    added in float32 in selection order (sum_in_order), rounded to out_dtype."""
+    pos = pos.view(T, k)
+    zero = torch.zeros((), dtype=y.dtype, device=y.device)
+    terms = []
+    for c in range(k):
+        p = pos[:, c]
+        terms.append(torch.where((p < n_valid)[:, None], y[p.clamp(max=y.shape[0] - 1)], zero))
+    return sum_in_order(terms).to(out_dtype)
+
+
 _FAST: dict = {}
 
 
@@ -185,7 +228,7 @@ def _fast(fn, dynamic: bool = False):
 
 def grouped_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13: Tensor, w2: Tensor, s2: Tensor,
                  act: Callable[[Tensor], Tensor] = swiglu, xq: fp8.Quantized | None = None,
-                 ue8m0: bool = False, gluon: bool = True) -> tuple[Tensor, Tensor]:
+                 ue8m0: bool = False, gluon: bool = True, row_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The routed expert outputs (N, D) in the model dtype, as the fork's fused MoE computes them: each routed copy
     of a token's hidden state quantised per group (per row: the same numbers as quantising the token once), the w13
     FP8 GEMM, SwiGLU in the model dtype, quantised again, the w2 FP8 GEMM. rows: the (token, choice) pairs in expert
@@ -199,8 +242,14 @@ def grouped_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
     (the same bits as act and quantize_act after it, tests/test_w8a8.py on CUDA): fp8_gluon's on Hopper,
     fp8_triton's elsewhere; on the CPU one block-scaled GEMM per expert, then act, then the quantiser. xq: x already
     quantised (norm_quant). ue8m0: both quantisers with power-of-two scales (the weights and their float32 block
-    scales as the checkpoint's). gluon=False: the Triton kernels on Hopper too (same bits, slower; POC_FP8_GLUON)."""
+    scales as the checkpoint's). gluon=False: the Triton kernels on Hopper too (same bits, slower; POC_FP8_GLUON).
+    row_weight (N,) float32, the routed rows' routing weights: each w2 product multiplied by its row's weight in
+    float32 before its rounding (the GEMM's epilogue on CUDA)."""
     dest, tile_expert, a_rows = padded_layout(rows, k, ends)
+    rw = None
+    if row_weight is not None:  # one weight per padded row (padding rows: 0)
+        rw = torch.zeros(a_rows.numel(), dtype=torch.float32, device=x.device)
+        rw[dest] = row_weight
     kern = fp8.kernels() if x.is_cuda and fp8.current_recipe() == "fast" else None
     glu = gluon_kernels(x.device) if kern is not None and gluon else None
     if glu is not None and glu.fits(w13, w2):
@@ -214,14 +263,15 @@ def grouped_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
         else:
             qt, st = (xq.q, xq.s) if xq is not None else fp8.quantize_act(x, ue8m0=ue8m0)
             aq, as_ = glu.w13_swiglu_quant(qt, st.t(), w13, s13, tile_expert, x.dtype, a_rows, ue8m0=ue8m0)
-        return glu.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype), dest
+        return glu.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype, row_weight=rw), dest
     # each token quantised once (the quantisation is per row); its routed copies are rows of that
     qt, st = (xq.q, xq.s) if xq is not None else fp8.quantize_act(x, ue8m0=ue8m0)
     if kern is not None and w13.shape[2] % fp8.GROUP == 0 and w2.shape[2] % fp8.GROUP == 0:
         # w13, SwiGLU (act's arithmetic) and the re-quantisation in one kernel; the gather is in its loads
         aq, as_ = kern.w13_swiglu_quant(qt, fp8.col_major(st), w13, s13, tile_expert, x.dtype, a_rows,
                                         group_rows=GROUP_ROWS, ue8m0=ue8m0)
-        return kern.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype, group_rows=GROUP_ROWS), dest
+        return (kern.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype, group_rows=GROUP_ROWS, row_weight=rw),
+                dest)
     tok = rows // k
     q = torch.zeros((a_rows.numel(), x.shape[1]), dtype=fp8.FP8, device=x.device)
     q[dest] = qt[tok]
@@ -233,7 +283,9 @@ def grouped_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
     n = bounds[-1] if bounds else 0
     h = fp8.fp8_grouped_mm(q[:n], s[:n], w13, s13, bounds, x.dtype)
     aq, as_ = fp8.quantize_act(act(h), ue8m0=ue8m0)
-    return fp8.fp8_grouped_mm(aq, as_, w2, s2, bounds, x.dtype), dest
+    if rw is None:
+        return fp8.fp8_grouped_mm(aq, as_, w2, s2, bounds, x.dtype), dest
+    return (fp8.fp8_grouped_mm(aq, as_, w2, s2, bounds, torch.float32) * rw[:n, None]).to(x.dtype), dest
 
 
 def padded_layout(rows: Tensor, k: int, ends: Tensor) -> tuple[Tensor, Tensor, Tensor]:

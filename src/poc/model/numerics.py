@@ -42,6 +42,12 @@ def softmax(z: Tensor) -> Tensor:
     return e / sum_exact(e)
 
 
+def sigmoid(z: Tensor) -> Tensor:
+    """1 / (1 + exp(-z)), written out (the validators' formula) so that eager PyTorch and a compiled graph compute
+    the same bits: each op rounds in z's dtype."""
+    return 1 / (1 + torch.exp(-z))
+
+
 def reflect(x: Tensor, v: Tensor) -> Tensor:
     """Householder reflection x - 2 (x.v) v along the last dim, in x's dtype (v a unit vector of that dtype),
     rounding as the reference's plain tensor ops do: x*v, the sum, 2*dot*v and the difference."""

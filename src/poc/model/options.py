@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from poc.errors import InputError
 
+ATTENTIONS = ("auto", "fp8", "fp8kv", "bf16")  # model/attention.py's recipes, or auto (attention_for)
 FP8_FORWARDS = ("w8a8", "dequant")
 FP8_SCALES = ("ue8m0", "float32")
 FP8_EXPERTS = ("keep", "dequant")
@@ -27,9 +28,11 @@ class ModelOptions:
     gluon: bool = True  # W8A8 experts on Hopper: the Gluon kernels, else the Triton ones, same bits (POC_FP8_GLUON)
     tp_reduce: str = "fp32"  # tp/ep partial sums all-reduced in fp32 or in the model dtype (POC_TP_REDUCE)
     pool_workers: int | None = None  # threads drawing v1's pool; None: the CPUs, a rank its share (POC_POOL_WORKERS)
+    attention: str = "auto"  # the attention recipe (model/attention.py): auto, fp8, fp8kv or bf16 (POC_ATTENTION)
 
     def __post_init__(self):
-        for name, value, allowed in (("POC_FP8", self.fp8, FP8_FORWARDS),
+        for name, value, allowed in (("POC_ATTENTION", self.attention, ATTENTIONS),
+                                     ("POC_FP8", self.fp8, FP8_FORWARDS),
                                      ("POC_FP8_SCALES", self.fp8_scales, FP8_SCALES),
                                      ("POC_FP8_EXPERTS", self.fp8_experts, FP8_EXPERTS),
                                      ("POC_TP_REDUCE", self.tp_reduce, TP_REDUCES)):
@@ -37,3 +40,12 @@ class ModelOptions:
                 raise InputError(f"{name} must be {' or '.join(allowed)}, got {value!r}", name.lower()[4:])
         if self.pool_workers is not None and (not isinstance(self.pool_workers, int) or self.pool_workers < 1):
             raise InputError(f"POC_POOL_WORKERS must be an integer >= 1, got {self.pool_workers!r}", "pool_workers")
+
+    def attention_for(self, cfg) -> str:
+        """The attention recipe a model of `cfg` (a ModelConfig) computes: the one asked for, or with auto the
+        validators' own: `fp8` (Q, K, V and P in FP8, vLLM 0.25 on Hopper with an fp8 KV cache) for an FP8
+        MiniMax-M2 checkpoint computed W8A8, `bf16` (attention in the model dtype) for every other model."""
+        if self.attention != "auto":
+            return self.attention
+        fp8 = cfg.fp8_block is not None and self.fp8 == "w8a8"
+        return "fp8" if cfg.family == "minimax_m2" and fp8 else "bf16"

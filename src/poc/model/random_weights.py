@@ -15,33 +15,43 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from poc.model.config import ModelConfig
 from poc.model.fp8 import FP8, fp8_mode, use_fp8_linears, use_scales
+from poc.model.options import ModelOptions
 from poc.model.transformer import MoE, Transformer
 
 RANDOM_PREFIX = "random:"  # a model "directory" of the form random:<preset>[:fp8] (benchmarks, demos)
 FP8_SPREAD = 64.0  # the fp8 payload is N(0, 64) (max 448), its scale 0.02 / 64: dequantised N(0, 0.02)
 
 
-def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_experts: bool = False, seed: int = 0,
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_ckpt: bool = False, seed: int = 0,
                  shard: Callable[[Transformer], Mapping[str, tuple[int, int, int]] | None] | None = None,
-                 fp8: str | None = None, fp8_scales: str | None = None) -> Transformer:
+                 options: ModelOptions | None = None) -> Transformer:
     """A fused, eval-mode headless model of `cfg`'s shape. `shard(model)` runs on the meta model first (e.g. keep a
     pipeline stage, apply tensor/expert parallel) so only this rank's part is ever allocated; it returns the slices
-    it cut (parallel.tp.apply_tp's plan: name -> (dim, start, stop) of the full tensor), or None. fp8_experts: an
-    FP8 checkpoint's model, run as fp8 says (fp8.fp8_mode: w8a8 or dequant), W8A8 in scale format fp8_scales
-    (fp8.scale_format: ue8m0 or float32; the checkpoint-like weights drawn here are then re-quantised, fp8.use_scales).
+    it cut (parallel.tp.apply_tp's plan: name -> (dim, start, stop) of the full tensor), or None. fp8_ckpt: an FP8
+    checkpoint's model, run as options.fp8 says (fp8.fp8_mode: w8a8 or dequant), W8A8 in scale format
+    options.fp8_scales (ue8m0 or float32; the checkpoint-like weights drawn here are then re-quantised,
+    fp8.use_scales); the rest of the options as the loader reads them (the attention recipe, the kernels).
 
     Every tensor is drawn whole from its own stream (seeded by `seed` and its name; each expert of a MoE layer its
     own), then cut to this rank's slice: the same weights on one device and in any tp x pp layout."""
     device = torch.device(device)
+    options = options or ModelOptions()
+    if fp8_ckpt and cfg.fp8_block is None:  # an FP8 checkpoint's config says so (the attention recipe reads it)
+        cfg = replace(cfg, fp8_block=(128, 128))
     with torch.device("meta"):
-        model = Transformer(cfg).to(dtype)
-    w8a8 = fp8_experts and fp8_mode(fp8) == "w8a8"
+        model = Transformer(cfg, options=options)
+    keep = set(model.float32_params())
+    for name, p in model.named_parameters():  # the model dtype, but for a float32 router
+        if name not in keep:
+            p.data = p.data.to(dtype)
+    w8a8 = fp8_ckpt and fp8_mode(options.fp8) == "w8a8"
     if w8a8:
         use_fp8_linears(model, lambda name: True)
     whole = {name: p.shape for name, p in model.named_parameters()}
@@ -60,7 +70,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_experts: bool
         for key, moe in moes.items():
             f, d = cfg.moe_ffn_dim, cfg.dim
             mine = range(moe.first, moe.stop)
-            if fp8_experts:
+            if fp8_ckpt:
                 w13, s13 = _fp8_experts(f"layers.{key}.mlp.w13", mine, 2 * f, d, device, seed)
                 w2, s2 = _fp8_experts(f"layers.{key}.mlp.w2", mine, d, f, device, seed)
                 moe.set_fp8(w13, s13, w2, s2, w8a8=w8a8)
@@ -72,7 +82,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_experts: bool
                     moe.w2[i].normal_(0.0, 0.02, generator=_stream(device, seed, f"layers.{key}.mlp.w2.{j}"))
     model.init_rope(device)
     if w8a8:
-        use_scales(model, fp8_scales)
+        use_scales(model, options.fp8_scales)
     return model.fuse().requires_grad_(False).eval()
 
 
@@ -123,4 +133,7 @@ def random_spec(model: str | None) -> tuple[ModelConfig, bool] | None:
     if name not in PRESETS or opt not in ("", "fp8"):
         raise InputError(f"--model {model!r}: expected random:<preset>[:fp8] with a preset of "
                          f"{', '.join(sorted(PRESETS))}", "model")
-    return PRESETS[name], opt == "fp8"
+    cfg = PRESETS[name]
+    if opt == "fp8":  # an FP8 checkpoint's config: its quantization_config's blocks
+        cfg = replace(cfg, fp8_block=(128, 128))
+    return cfg, opt == "fp8"

@@ -1,7 +1,9 @@
-"""The Llama/Qwen2/Qwen3/Qwen3-MoE decoder as one single-device forward pass on input embeddings.
+"""The Llama/Qwen2/Qwen3/Qwen3-MoE/MiniMax-M2 decoder as one single-device forward pass on input embeddings.
 
-Parameter names are those of the HF checkpoints without their `model.` prefix, so loading is a prefix strip.
+Parameter names are those of the HF checkpoints without their `model.` prefix, so loading is a prefix strip (a
+MiniMax-M2 checkpoint's Mixtral-style MoE names are mapped by the loader: weights.CHECKPOINT_NAMES).
 There is no token lookup and no KV cache: a proof-of-compute pass is one causal forward over (B, S, D) embeddings.
+The numerics settings (ModelOptions: the attention recipe, the FP8 kernels) are read here when the model is built.
 """
 
 from __future__ import annotations
@@ -12,15 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from poc.model import fp8, route
+from poc.model import attention, fp8, route
 from poc.model.config import ModelConfig
 from poc.model.experts import dispatch_modules, dispatch_stacked
 from poc.model.fp8 import Fp8Linear
-from poc.model.numerics import add, mul, reflect, softmax, sum_exact
-
-# enable_gqa arrived in torch 2.5; before that the kv heads are repeated by hand
-_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
-
+from poc.model.numerics import add, mul, reflect, sigmoid, softmax, sum_exact
+from poc.model.options import ModelOptions
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -33,6 +32,26 @@ class RMSNorm(nn.Module):
         y = x.float()
         y = y * torch.rsqrt(sum_exact(y.pow(2)) / y.shape[-1] + self.eps)
         return mul(y.to(x.dtype), self.weight)
+
+
+class AllHeadsRMSNorm(nn.Module):
+    """MiniMax-M2's q/k norm: one RMSNorm over all heads of a token at once (weight [H * D]), computed in float32 and
+    rounded once, the weight multiplied in float32 (the validators' recipe; transformers rounds before the weight,
+    the same in float32). Under tensor parallel a rank holds some heads: `width` stays the whole H * D, and
+    parallel/tp.py makes `sum_squares` all-reduce the ranks' float32 sums of squares."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.eps, self.width = eps, width
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def sum_squares(self, y: Tensor) -> Tensor:
+        """(..., 1) float32: the sum of this rank's squares (the whole row on one device)."""
+        return sum_exact(y * y)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x.float()
+        return (y * torch.rsqrt(self.sum_squares(y) / self.width + self.eps) * self.weight.float()).to(x.dtype)
 
 
 def rope_freqs(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> Tensor:
@@ -69,8 +88,19 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x.float() * cos + rotate_half(x).float() * sin).to(x.dtype)
 
 
+def apply_partial_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """MiniMax-M2's RoPE: the first R dims of each head (x (..., S, D), the table (S, R)) rotated in NeoX pairs
+    (i, i + R/2), the rest passed through; in the model dtype, each product and the sum rounded (vLLM's rotary kernel
+    and transformers compute it so)."""
+    R = cos.shape[-1]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    rot = x[..., :R]
+    rot = rot * cos + rotate_half(rot) * sin
+    return rot if R == x.shape[-1] else torch.cat([rot, x[..., R:]], dim=-1)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, recipe: str = "bf16"):
         super().__init__()
         # local head counts: tensor parallel slices the projections and lowers these, never the config
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -80,8 +110,16 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, kv_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_dim, cfg.dim, bias=cfg.o_bias)
         self.qkv_proj: nn.Linear | None = None  # set by fuse()
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # Qwen3: per head, weight [D]; MiniMax-M2: over all heads at once, weight [H * D] (before the split)
+        self.all_heads_norm = cfg.qk_norm and cfg.qk_norm_all_heads
+        if not cfg.qk_norm:
+            self.q_norm = self.k_norm = None
+        elif self.all_heads_norm:
+            self.q_norm, self.k_norm = AllHeadsRMSNorm(q_dim, cfg.norm_eps), AllHeadsRMSNorm(kv_dim, cfg.norm_eps)
+        else:
+            self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps), RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.partial_rope = cfg.family == "minimax_m2"  # rotary_dim of each head, rounded as MiniMax's validators
+        self.recipe = attention.check_recipe(recipe)  # how softmax(q k^T) v is computed (ModelOptions.attention)
 
     def fuse(self) -> None:
         """Replace q/k/v by one projection (one GEMM instead of three); same numbers per output element."""
@@ -125,31 +163,20 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         q, k, v = self._project(x, last_only)
         Sq = q.shape[1]
+        if self.all_heads_norm:  # MiniMax-M2: over all heads, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, Sq, self.n_heads, self.head_dim)  # (B, Sq, H*D) -> (B, Sq, H, D)
         k = k.view(B, S, self.n_kv_heads, self.head_dim)
         v = v.view(B, S, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: per head, before RoPE
+        if self.q_norm is not None and not self.all_heads_norm:  # Qwen3: per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, S, H, D) -> (B, H, S, D)
-        q, k = apply_rope(q, cos[S - Sq:], sin[S - Sq:]), apply_rope(k, cos, sin)
-        gqa = self.n_heads != self.n_kv_heads
-        if gqa and not _SDPA_HAS_GQA:
-            # kv head j serves query heads j*n_rep ... j*n_rep + n_rep - 1: repeat_interleave, not a tile
-            n_rep = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        extra = {"enable_gqa": True} if gqa and _SDPA_HAS_GQA else {}
-        # a single last query sees every key: no mask (SDPA's causal mask is top-left aligned)
-        y = _sdpa(q, k, v, Sq > 1, 1 / math.sqrt(self.head_dim), bool(extra))
+        rope = apply_partial_rope if self.partial_rope else apply_rope
+        q, k = rope(q, cos[S - Sq:], sin[S - Sq:]), rope(k, cos, sin)
+        # a single last query sees every key (the last position of a last-position pass)
+        y = attention.attend(q, k, v, self.recipe, 1 / math.sqrt(self.head_dim))
         y = y.transpose(1, 2).reshape(B, Sq, self.n_heads * self.head_dim)  # (B, H, Sq, D) -> (B, Sq, H*D)
         return self.o_proj(y)
-
-
-@torch.compiler.disable
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, gqa: bool) -> Tensor:
-    """The attention kernel, always run as eager PyTorch runs it (flash/memory-efficient SDPA): a compiled graph
-    around it must not re-lower attention with different half-precision rounding."""
-    extra = {"enable_gqa": True} if gqa else {}
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **extra)
 
 
 def _stacked_linear(weights: list[Tensor], biases: list[Tensor] | None = None) -> nn.Linear:
@@ -205,9 +232,25 @@ class MLP(nn.Module):
             g, u = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(mul(F.silu(g), u))  # silu of a bf16 tensor: fp32 math, one rounding
 
+    def weighted(self, x: Tensor, weight: Tensor) -> Tensor:
+        """An expert's output times its rows' float32 routing weights (weight (N,)), multiplied into the down
+        projection's float32 accumulator and rounded once (vLLM's fused MoE; MoE with a sigmoid router)."""
+        if self.gate_up_proj is not None:
+            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            g, u = self.gate_proj(x), self.up_proj(x)
+        h = mul(F.silu(g), u)
+        return (F.linear(h.float(), self.down_proj.weight.float()) * weight[:, None].float()).to(x.dtype)
+
 
 class MoE(nn.Module):
-    """Qwen3-MoE sparse block: softmax router over experts, top-k, optional renormalisation, no shared expert.
+    """A sparse MoE block (no shared expert), with one of two routers (ModelConfig.router):
+    - softmax (Qwen3-MoE, as transformers): the router's logits in the model dtype, softmax in float32, top-k,
+      optional renormalisation, the weights rounded to the model dtype (experts.py: transformers' weighing);
+    - sigmoid (MiniMax-M2, as its validators: ../shared/spec/minimax-m2.md step 8): the router in true float32 (a
+      float32 `gate`), sigma = 1 / (1 + exp(-z)); the k experts with the largest sigma + e_score_correction_bias
+      (descending, ties to the lower expert: route.topk), weighted by their UNBIASED sigmas divided by their sum,
+      kept in float32 and applied to each expert's down projection before its rounding (experts.py `weighted`).
 
     Names as the Hub checkpoints: `gate` (the router, E x D) and `experts.{j}.gate_proj/up_proj/down_proj`.
     `fuse()` stacks the experts into `w13` (E, 2F, D) and `w2` (E, D, F), the layout of one grouped GEMM on CUDA.
@@ -219,11 +262,16 @@ class MoE(nn.Module):
     dispatches the routed tokens, computes the experts and combines their outputs.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, gluon: bool = True):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.n_experts_per_tok, cfg.norm_topk_prob
         self.first, self.stop = 0, cfg.n_experts
-        self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.sigmoid = cfg.router == "sigmoid"
+        # MiniMax's router and its bias are float32 in the checkpoint and stay so (float32_params)
+        router_dtype = torch.float32 if self.sigmoid else None
+        self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False, dtype=router_dtype)
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(cfg.n_experts, dtype=torch.float32),
+                                                     requires_grad=False) if cfg.routing_bias else None)
         self.experts = nn.ModuleDict({str(j): MLP(cfg.dim, cfg.moe_ffn_dim) for j in range(self.first, self.stop)})
         self.w13: Tensor | None = None  # set by fuse(): (E_local, 2F, D)
         self.w2: Tensor | None = None  # (E_local, D, F)
@@ -233,7 +281,7 @@ class MoE(nn.Module):
         self.ue8m0 = False  # W8A8 experts: power-of-two activation scales (fp8.use_scales)
         self.fast = False  # compiled elementwise steps in the dispatch (set by the engine when it compiles)
         self.sum_dtype: torch.dtype | None = None  # the output's dtype; None: the input's (parallel.tp: float32)
-        self.gluon = True  # W8A8 on Hopper: the Gluon expert kernels, else Triton's (ModelOptions.gluon: the engine)
+        self.gluon = gluon  # W8A8 on Hopper: the Gluon expert kernels, else Triton's (ModelOptions.gluon)
 
     def keep_experts(self, first: int, stop: int) -> None:
         """Hold only experts first..stop-1 (before loading or fuse)."""
@@ -272,31 +320,44 @@ class MoE(nn.Module):
             xq, x = x, x.x
         B, S, D = x.shape
         x = x.reshape(B * S, D)  # (B, S, D) -> (T, D)
+        weights, index = self.route(x)
+        E = self.gate.out_features
+        if self.w13 is None:
+            mine = [self.experts[str(j)].weighted if self.sigmoid else self.experts[str(j)]
+                    for j in range(self.first, self.stop)]
+            out = dispatch_modules(x, weights, index, mine, self.first, E, weighted=self.sigmoid)
+        else:  # the sum leaves the kernel in sum_dtype (fp32 partials for the all-reduce), else rounded there
+            out = dispatch_stacked(x, weights, index, self.w13, self.w2, E, self.first, w13_scale=self.w13_scale,
+                                   w2_scale=self.w2_scale, w8a8=self.w8a8, ue8m0=self.ue8m0, xq=xq, fast=self.fast,
+                                   gluon=self.gluon, out_dtype=self.sum_dtype or x.dtype, weighted=self.sigmoid)
+        return out.to(self.sum_dtype or x.dtype).view(B, S, D)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(weights, experts), each (T, k), for the tokens x (T, D): the chosen experts in selection order (by
+        descending score, ties to the lower index; a kernel on CUDA) and their routing weights (float32 for the
+        sigmoid router, else in the model dtype)."""
+        if self.sigmoid:  # true float32: a float32 x float32 GEMM (no TF32: torch's default)
+            sigma = sigmoid(F.linear(x.float(), self.gate.weight.float()))  # (T, E)
+            bias = self.e_score_correction_bias
+            index = route.topk(sigma if bias is None else sigma + bias.float(), self.top_k)[1]
+            weights = sigma.gather(1, index)
+            return weights / sum_exact(weights), index
         # as transformers: softmax in fp32, top-k, renormalise in fp32, weights rounded to the model dtype
         probs = softmax(self.gate(x).float())  # (T, E)
         weights, index = route.topk(probs, self.top_k)  # (T, k): torch.topk's choice (a kernel on CUDA)
         if self.norm_topk_prob:
             weights = weights / sum_exact(weights)
-        weights = weights.to(x.dtype)
-        E = self.gate.out_features
-        if self.w13 is None:
-            mine = [self.experts[str(j)] for j in range(self.first, self.stop)]
-            out = dispatch_modules(x, weights, index, mine, self.first, E)
-        else:  # the sum leaves the kernel in sum_dtype (fp32 partials for the all-reduce), else rounded there
-            out = dispatch_stacked(x, weights, index, self.w13, self.w2, E, self.first, w13_scale=self.w13_scale,
-                                   w2_scale=self.w2_scale, w8a8=self.w8a8, ue8m0=self.ue8m0, xq=xq, fast=self.fast,
-                                   gluon=self.gluon, out_dtype=self.sum_dtype or x.dtype)
-        return out.to(self.sum_dtype or x.dtype).view(B, S, D)
+        return weights.to(x.dtype), index
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, options: ModelOptions = ModelOptions()):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, options.attention_for(cfg))
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.dim, cfg.ffn_dim)
-        self.fused_norm = True  # W8A8: norm + quantiser in one pass (fp8.norm_quant; ModelOptions.fused_norm: engine)
+        self.mlp = MoE(cfg, options.gluon) if cfg.is_moe_layer(layer) else MLP(cfg.dim, cfg.ffn_dim)
+        self.fused_norm = options.fused_norm  # W8A8: norm + quantiser in one pass (fp8.norm_quant)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, last_only: bool = False) -> tuple[Tensor, Tensor]:
         """The split pair (mlp branch, residual) as vLLM returns it; the layer output is their sum.
@@ -319,12 +380,15 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, with_head: bool = False):
+    def __init__(self, cfg: ModelConfig, with_head: bool = False, options: ModelOptions | None = None):
+        """options: the numerics settings the blocks read now (the attention recipe, the W8A8 kernels)."""
         super().__init__()
         self.cfg = cfg
+        self.options = options = options or ModelOptions()
+        self.attention = options.attention_for(cfg)  # the recipe every layer's attention computes
         # PoC feeds embeddings and v2 reads hidden states: the token table and head exist only when asked for
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim) if with_head else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, options) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if with_head else None
         self.tie_weights()
@@ -340,6 +404,17 @@ class Transformer(nn.Module):
                 block.mlp.fuse()
         return self
 
+    def float32_params(self) -> list[str]:
+        """The parameters kept in float32 whatever the model dtype: a sigmoid router and its bias (MiniMax-M2
+        ships them float32 and its validators compute the router in float32)."""
+        names = []
+        for key, block in self.layers.items():
+            if block is not None and isinstance(block.mlp, MoE) and block.mlp.sigmoid:
+                names.append(f"layers.{key}.mlp.gate.weight")
+                if block.mlp.e_score_correction_bias is not None:
+                    names.append(f"layers.{key}.mlp.e_score_correction_bias")
+        return names
+
     def tie_weights(self) -> None:
         """Point lm_head at embed_tokens' matrix (needed again after load_state_dict(assign=True))."""
         if self.cfg.tie_embeddings and self.lm_head is not None and self.embed_tokens is not None:
@@ -352,11 +427,11 @@ class Transformer(nn.Module):
         n_pos = n_pos or self.cfg.max_seq_len
         if torch.empty(0, device=device).is_meta:
             # shapes only: meta kernels for the table's math would pull in torch._dynamo and sympy (~70 MB of RSS)
-            self.rope_cos = torch.empty(n_pos, self.cfg.head_dim, device=device)
-            self.rope_sin = torch.empty(n_pos, self.cfg.head_dim, device=device)
+            self.rope_cos = torch.empty(n_pos, self.cfg.rope_dim, device=device)
+            self.rope_sin = torch.empty(n_pos, self.cfg.rope_dim, device=device)
             return
         self.rope_cos, self.rope_sin = rope_table(
-            self.cfg.head_dim, n_pos, self.cfg.rope_theta, self.cfg.rope_scaling, device=device)
+            self.cfg.rope_dim, n_pos, self.cfg.rope_theta, self.cfg.rope_scaling, device=device)
 
     @staticmethod
     def layer_step(block: Block, h: Tensor, cos: Tensor, sin: Tensor, v: Tensor | None, last: bool) -> Tensor:

@@ -1,6 +1,11 @@
 """Safetensors checkpoint (one file or shards) -> Transformer, one tensor at a time.
 
-FP8 checkpoints (float8_e4m3fn weights with per-128x128-block weight_scale_inv, as Qwen ships them) are loaded for
+Names: a tensor's name in the file less its `model.` prefix is the model's parameter name; a MiniMax-M2 checkpoint's
+Mixtral-style MoE names are mapped onto the one MoE module (CHECKPOINT_NAMES), its multi-token-prediction layers
+(`model.layers.{n_layers + i}`) are skipped with a log line, and any other tensor the model does not expect is
+refused, naming it.
+
+FP8 checkpoints (float8_e4m3fn weights with per-128x128-block weight_scale_inv, as Qwen and MiniMax ship them) are loaded for
 the validators' W8A8 forward by default (fp8.py: FP8 linears stay float8 with their scales, a Qwen3-MoE model's
 experts stacked float8); with fp8="dequant" (POC_FP8) they are dequantised into the model dtype at load time, one
 tensor at a time (a Qwen3-MoE model's experts kept FP8 and dequantised per layer unless fp8_experts="dequant").
@@ -12,6 +17,8 @@ and placed on its own, and `load_state_dict(assign=True)` adopts the placed tens
 from __future__ import annotations
 
 import json
+import logging
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -25,7 +32,10 @@ from tqdm import tqdm
 from poc.errors import InputError
 from poc.model.config import ModelConfig
 from poc.model.fp8 import fp8_mode, use_fp8_linears, use_scales
+from poc.model.options import ModelOptions
 from poc.model.transformer import Transformer
+
+log = logging.getLogger("poc.weights")
 
 FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                "F8_E4M3": torch.float8_e4m3fn}  # FP8 only with its weight_scale_inv, dequantised while loading
@@ -37,6 +47,15 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 INDEX_FILE = "model.safetensors.index.json"
+# a family's checkpoint names -> the model's (regex, replacement), applied in order after `model.` is stripped:
+# MiniMax-M2's Mixtral-style sparse block (block_sparse_moe, experts' w1 = gate, w3 = up, w2 = down) is the MoE module
+CHECKPOINT_NAMES = {
+    "minimax_m2": ((re.compile(r"^(layers\.\d+)\.block_sparse_moe\."), r"\1.mlp."),
+                   (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
+                   (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
+                   (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj.")),
+}
+STRICT_FAMILIES = ("minimax_m2",)  # a tensor the model does not expect is an error (others: ignored, as before)
 CHUNK_BYTES = 8 << 20  # staging block for dtype conversion and device copies: the only transient on top
 COLUMN_BYTES = 1 << 20  # staging block for column slices: small, since the rank holds only its share
 
@@ -105,16 +124,57 @@ def _data_offsets(file: Path) -> dict[str, int]:
     return {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
 
 
-def index_checkpoint(path: str | Path) -> dict[str, TensorRef]:
-    """Model parameter name (`model.` stripped) -> TensorRef, for every tensor in the checkpoint's files."""
+def model_name(key: str, family: str | None = None) -> str:
+    """The model's parameter name of a checkpoint tensor: `model.` stripped, then the family's renames."""
+    name = key.removeprefix("model.")
+    for pattern, repl in CHECKPOINT_NAMES.get(family, ()):
+        name = pattern.sub(repl, name)
+    return name
+
+
+def index_checkpoint(path: str | Path, family: str | None = None) -> dict[str, TensorRef]:
+    """Model parameter name (model_name: `model.` stripped, the family's renames) -> TensorRef, for every tensor in
+    the checkpoint's files."""
     refs = {}
     for file in checkpoint_files(Path(path)):
         with _open(file) as f:  # safetensors checks the header and that the file is long enough
             shapes = {key: (tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype()) for key in f.keys()}
         offsets = _data_offsets(file)
         for key, (shape, dtype) in shapes.items():
-            refs[key.removeprefix("model.")] = TensorRef(file, key, shape, dtype, offsets[key])
+            name = model_name(key, family)
+            if name in refs:
+                raise InputError(f"{key} in {file.name} and {refs[name].key} in {refs[name].file.name} are the same "
+                                 f"parameter ({name})", "model")
+            refs[name] = TensorRef(file, key, shape, dtype, offsets[key])
     return refs
+
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def drop_extra_layers(refs: dict[str, TensorRef], n_layers: int) -> dict[str, TensorRef]:
+    """refs without the tensors of layers past the model's n_layers (MiniMax-M2's multi-token-prediction modules,
+    `model.layers.{n_layers + i}`, as vLLM and sglang name them: not part of the PoC forward), logged."""
+    extra = [n for n in refs if (m := _LAYER.match(n)) and int(m.group(1)) >= n_layers]
+    if extra:
+        layers = sorted({int(_LAYER.match(n).group(1)) for n in extra})
+        log.info("skipping %d tensors of layers %s (multi-token-prediction modules: not in the PoC forward of %d "
+                 "layers)", len(extra), ", ".join(map(str, layers)), n_layers)
+    return {n: r for n, r in refs.items() if n not in set(extra)}
+
+
+def check_unexpected(refs: dict[str, TensorRef], model: Transformer) -> None:
+    """For a strict family (STRICT_FAMILIES): every tensor is one the model has (or lm_head / embed_tokens, which a
+    headless model does not read, or an FP8 weight's scales); anything else is an InputError naming it."""
+    if model.cfg.family not in STRICT_FAMILIES:
+        return
+    known = set(model.state_dict(keep_vars=True)) | {"lm_head.weight", "embed_tokens.weight"}
+    known |= {scale_name(n) for n in known if n.endswith(".weight")}
+    unexpected = sorted(refs[n].key for n in refs if n not in known)
+    if unexpected:
+        more = f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""
+        raise InputError(f"checkpoint has {len(unexpected)} tensors a {model.cfg.family} model does not have: "
+                         f"{', '.join(unexpected[:8])}{more}", "model")
 
 
 def read_tensor(ref: TensorRef, index=None) -> Tensor:
@@ -359,13 +419,13 @@ def keep_fp8_experts(model: Transformer, refs: dict[str, TensorRef], device: tor
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
-               with_head: bool = False, progress: bool = True, fp8_experts: str | None = None,
-               fp8: str | None = None, fp8_scales: str | None = None,
+               with_head: bool = False, progress: bool = True, options: ModelOptions | None = None,
                shard: Callable[[Transformer], Mapping[str, tuple[int, int, int]] | None] | None = None,
                ) -> tuple[Transformer, ModelConfig]:
     """Build the model of a HF checkpoint directory on meta and fill it from its safetensors, in eval mode.
-    fp8: an FP8 checkpoint's forward, w8a8 (default) or dequant (fp8.fp8_mode); fp8_scales: W8A8's scale format,
-    ue8m0 (default) or float32 (fp8.scale_format, applied by fp8.use_scales).
+    options (ModelOptions, the defaults when None): how it is built and computed, among them an FP8 checkpoint's
+    forward (fp8: w8a8 or dequant), W8A8's scale format (fp8_scales: ue8m0, applied by fp8.use_scales, or float32),
+    a Qwen3-MoE's FP8 experts under dequant (fp8_experts) and the attention recipe (attention_for).
 
     `shard(model)` (parallel.build: a rank's part) runs on the meta model after the whole model is checked against
     the file headers: it keeps a pipeline stage and applies tensor/expert parallel, returning the slices it cut
@@ -376,18 +436,22 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: torc
     path = Path(path)
     if not path.is_dir():
         raise InputError(f"model directory {path} does not exist", "model")
+    options = options or ModelOptions()
     cfg = ModelConfig.from_hf(path)
     dtype = resolve_dtype(dtype, cfg)
     device = torch.device(device)
     with torch.device("meta"):
-        model = Transformer(cfg, with_head=with_head)
-    refs = index_checkpoint(path)  # unused tensors (lm_head without a head, rotary inv_freq, ...) are never read
-    dtypes, stack_experts = use_fp8(model, refs, fp8, fp8_experts)
+        model = Transformer(cfg, with_head=with_head, options=options)
+    # unused tensors (lm_head without a head, rotary inv_freq, ...) are never read
+    refs = drop_extra_layers(index_checkpoint(path, cfg.family), cfg.n_layers)
+    dtypes, stack_experts = use_fp8(model, refs, options.fp8, options.fp8_experts)
+    dtypes.update({n: torch.float32 for n in model.float32_params()})  # a float32 router stays float32
     check_checkpoint(refs, model, expected_keys(model))  # the whole model against the file headers: reads nothing
+    check_unexpected(refs, model)
     plan = (shard(model) or {}) if shard is not None else {}
     names = expected_keys(model)
     if stack_experts:
-        kept = keep_fp8_experts(model, refs, device, w8a8=fp8_mode(fp8) == "w8a8")
+        kept = keep_fp8_experts(model, refs, device, w8a8=fp8_mode(options.fp8) == "w8a8")
         names = [n for n in names if n not in kept]
 
     sd = {}
@@ -405,7 +469,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: torc
         raise InputError(f"checkpoint did not fill {', '.join(left)}", "model")
     model.init_rope(device)
     model.requires_grad_(False)
-    finish_fp8(model, fp8, fp8_scales)
+    finish_fp8(model, options.fp8, options.fp8_scales)
     return model.eval(), cfg
 
 

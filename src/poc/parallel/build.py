@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from poc.model.config import ModelConfig
+from poc.model.options import ModelOptions
 from poc.model.random_init import build_v1_model
 from poc.model.random_weights import random_model, random_spec
 from poc.model.transformer import Transformer
@@ -54,26 +55,26 @@ class Part:
 
 
 def build(source: str | Path | V1Weights, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
-          part: Part | None = None, *, with_head: bool = False, progress: bool = False,
-          fp8_experts: str | None = None, fp8: str | None = None, fp8_scales: str | None = None,
-          stop=None, pool_workers: int | None = None) -> tuple[Transformer, ModelConfig]:
-    """(model, config) in eval mode: the whole model, or only `part` of it.
+          part: Part | None = None, options: ModelOptions | None = None, *, with_head: bool = False,
+          progress: bool = False, stop=None) -> tuple[Transformer, ModelConfig]:
+    """(model, config) in eval mode: the whole model, or only `part` of it, built and computed as `options` say
+    (ModelOptions; None: the defaults, the validators' arithmetic).
 
     dtype: "auto" (the checkpoint's or preset's own) or a name / torch dtype; a v1 model takes a torch dtype.
     A checkpoint: headless unless `with_head`, a progress bar on stderr with `progress`; an FP8 one computed as
-    fp8 says (fp8.fp8_mode: w8a8 or dequant), W8A8 in scale format fp8_scales, its Qwen3-MoE experts kept FP8 or
-    dequantised (fp8_experts). A preset: headless and fused, `:fp8` an FP8 checkpoint's model. A v1 model: with
-    its head, its pool drawn by `pool_workers` threads (ModelOptions.pool_workers; None: the CPUs); `stop` (a
-    threading.Event), once set, ends the build with random_init.BuildStopped."""
+    options.fp8 says (w8a8 or dequant), W8A8 in scale format options.fp8_scales, its Qwen3-MoE experts kept FP8 or
+    dequantised (options.fp8_experts). A preset: headless and fused, `:fp8` an FP8 checkpoint's model. A v1 model:
+    with its head, its pool drawn by options.pool_workers threads (None: the CPUs); `stop` (a threading.Event), once
+    set, ends the build with random_init.BuildStopped."""
+    options = options or ModelOptions()
     shard = part.shard if part is not None else None
     if isinstance(source, V1Weights):
         model = build_v1_model(source.params, source.block_hash, dtype, device, stop=stop, shard=shard,
-                               workers=pool_workers)
+                               workers=options.pool_workers)
         return model, model.cfg
     spec = random_spec(str(source))
     if spec is not None:
         cfg, fp8_ckpt = spec
-        return random_model(cfg, resolve_dtype(dtype, cfg), device, fp8_experts=fp8_ckpt, shard=shard, fp8=fp8,
-                            fp8_scales=fp8_scales), cfg
-    return load_model(source, dtype, device, with_head=with_head, progress=progress, fp8_experts=fp8_experts,
-                      fp8=fp8, fp8_scales=fp8_scales, shard=shard)
+        model = random_model(cfg, resolve_dtype(dtype, cfg), device, fp8_ckpt=fp8_ckpt, shard=shard, options=options)
+        return model, model.cfg
+    return load_model(source, dtype, device, with_head=with_head, progress=progress, options=options, shard=shard)

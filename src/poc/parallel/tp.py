@@ -3,10 +3,12 @@ MoE block by whole experts (expert parallel inside the tp group).
 
 q/k/v (and their biases) and gate/up keep the rows of this rank's heads / ffn columns; o_proj and down_proj keep
 the matching input columns and produce partial sums, so one all-reduce after each restores the full output.
-A Qwen3-MoE sparse block keeps its router (`gate`) whole and only experts [r*E/N, (r+1)*E/N) on tp rank r of N
-(`MoE.keep_experts`); every rank routes every token, sums the terms of its own experts in float32, and one
-all-reduce of those float32 partial sums (installed here after the block, as after o_proj/down_proj) restores the
-block's output, rounded once. The model code holds no collective.
+A sparse MoE block keeps its router (`gate`, and MiniMax-M2's e_score_correction_bias) whole and only experts
+[r*E/N, (r+1)*E/N) on tp rank r of N (`MoE.keep_experts`); every rank routes every token, sums the terms of its own
+experts in float32, and one all-reduce of those float32 partial sums (installed here after the block, as after
+o_proj/down_proj) restores the block's output, rounded once. MiniMax-M2's q/k norm over all heads keeps its weights'
+slice of this rank's heads, and its float32 sums of squares are all-reduced before the division by the whole width
+(AllHeadsRMSNorm.sum_squares, wrapped here). The model code holds no collective.
 So for a MoE model tp=N splits the attention heads N ways and the experts N ways by expert.
 Apply before `fuse()` (which concatenates the already-sliced q/k/v and gate/up and stacks the kept experts) and,
 for a checkpoint, on the meta-built model: the returned plan tells the loader which slice of each tensor to read,
@@ -20,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from poc.model.fp8 import Fp8Linear, Quantized, scale_slice
-from poc.model.transformer import MoE, Transformer
+from poc.model.transformer import AllHeadsRMSNorm, MoE, Transformer
 
 Plan = dict[str, tuple[int, int, int]]  # parameter name -> (dim, start, stop) of the full tensor
 
@@ -48,6 +50,9 @@ def tp_plan(model: Transformer, tp_rank: int, tp_size: int) -> Plan:
             if cfg.qkv_bias:
                 plan[a + name + ".bias"] = (0, s, e)
         plan[a + "o_proj.weight"] = (1, q[0] * hd, q[1] * hd)
+        if block.self_attn.all_heads_norm:  # one norm over all heads: each rank its heads' weights
+            plan[a + "q_norm.weight"] = (0, q[0] * hd, q[1] * hd)
+            plan[a + "k_norm.weight"] = (0, kv[0] * hd, kv[1] * hd)
         if isinstance(block.mlp, MoE):
             continue
         plan[m + "gate_proj.weight"] = (0, *f)
@@ -112,6 +117,9 @@ def apply_tp(model: Transformer, tp_rank: int, tp_size: int, group: "dist.Proces
             attn.o_proj.bias = None
         if group is not None:
             attn.o_proj.forward = _row_parallel(attn.o_proj, group, half_reduce)
+            if attn.all_heads_norm:
+                for norm in (attn.q_norm, attn.k_norm):
+                    norm.sum_squares = _summed_over_ranks(norm, group)
             if moe:
                 mlp.forward = _expert_parallel(mlp, group, half_reduce)
             else:
@@ -168,6 +176,18 @@ def _expert_parallel(moe: MoE, group, half_reduce: bool = False):
         return y.to(dtype)
 
     return forward
+
+
+def _summed_over_ranks(norm: AllHeadsRMSNorm, group):
+    """AllHeadsRMSNorm.sum_squares of a tp rank: its heads' float32 sum of squares all-reduced over the ranks (the
+    norm then divides by the whole width), as the validators' tensor-parallel q/k norm does."""
+
+    def sum_squares(y: torch.Tensor) -> torch.Tensor:
+        ss = AllHeadsRMSNorm.sum_squares(norm, y)  # not norm.sum_squares: this replaces it
+        dist.all_reduce(ss, group=group)
+        return ss
+
+    return sum_squares
 
 
 def _row_parallel(lin: nn.Linear, group, half_reduce: bool = False):

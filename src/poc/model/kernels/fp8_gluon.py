@@ -140,9 +140,10 @@ def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as
               out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N: gl.constexpr, KB: gl.constexpr,
               TILE_N: gl.constexpr, SUB_STRIDE: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr,
               OUT_CODE: gl.constexpr, TMA_OUT: gl.constexpr, HANDOFF: gl.constexpr, h_bufs, hready, hfree,
-              GATHER: gl.constexpr, a_rows_ptr, UE8M0: gl.constexpr):
+              GATHER: gl.constexpr, a_rows_ptr, UE8M0: gl.constexpr, RW: gl.constexpr):
     """Rows [64 WG, 64 WG + 64) of each tile: the two weight blocks' block-scaled products, then the epilogue (or,
-    HANDOFF, the products rounded to the model dtype into h_bufs for _swiglu_epilogue)."""
+    HANDOFF, the products rounded to the model dtype into h_bufs for _swiglu_epilogue). RW (w2): each row's float32
+    product multiplied by its routing weight (qs_ptr, one per padded row) before the one rounding."""
     OUT: gl.constexpr = _dtype(OUT_CODE)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rl: gl.constexpr = gl.SliceLayout(1, mma)
@@ -205,6 +206,10 @@ def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as
                 tma.async_copy_shared_to_global(c_desc, [row0, pid_n * 128], c_bufs.index(WG))
                 gl.store(qs_ptr + pid_n * s_qsg + rows, sc)
             elif TMA_OUT:
+                if RW:  # the routing weight in float32, before the rounding (vLLM's fused MoE; MiniMax-M2)
+                    rw = gl.load(qs_ptr + rows)
+                    acc0 = acc0 * rw[:, None]
+                    acc1 = acc1 * rw[:, None]
                 tma.store_wait(0)
                 c_bufs.index(2 * WG).store(acc0.to(OUT))
                 c_bufs.index(2 * WG + 1).store(acc1.to(OUT))
@@ -212,6 +217,10 @@ def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as
                 tma.async_copy_shared_to_global(c_desc, [row0, pid_n * TILE_N], c_bufs.index(2 * WG))
                 tma.async_copy_shared_to_global(c_desc, [row0, pid_n * TILE_N + 128], c_bufs.index(2 * WG + 1))
             else:  # a float32 model: 64 KB tiles would not fit beside the ring; plain stores
+                if RW:
+                    rw = gl.load(qs_ptr + rows)
+                    acc0 = acc0 * rw[:, None]
+                    acc1 = acc1 * rw[:, None]
                 r64 = rows.to(gl.int64)
                 c0 = pid_n * TILE_N + gl.arange(0, 128, cl)
                 gl.store(out_ptr + r64[:, None] * s_om + c0[None, :], acc0.to(OUT))
@@ -281,7 +290,7 @@ def fp8_ws_grouped_gemm(a_desc, a_ptr, s_am, a_rows_ptr, b_desc, c_desc, as_ptr,
                         TILE_N: gl.constexpr, SUB_STRIDE: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr,
                         OUT_CODE: gl.constexpr, TMA_OUT: gl.constexpr, HANDOFF: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, EPILOGUE_REGS: gl.constexpr,
-                        CH: gl.constexpr, GATHER: gl.constexpr, UE8M0: gl.constexpr):
+                        CH: gl.constexpr, GATHER: gl.constexpr, UE8M0: gl.constexpr, RW: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 64, 128], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 128, 128], b_desc.layout)
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [1 if HANDOFF else (2 if SWIGLU else (4 if TMA_OUT else 1)), 64,
@@ -306,10 +315,10 @@ def fp8_ws_grouped_gemm(a_desc, a_ptr, s_am, a_rows_ptr, b_desc, c_desc, as_ptr,
         gl.warp_specialize([
             (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW)),
             (_consumer, (1, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW)),
             (_producer_gather, (a_ptr, s_am, a_rows_ptr, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E,
                                 n_tiles, NT_N, KB, N_E, TILE_N, SUB_STRIDE, STAGES)),
             (_swiglu_epilogue, (h_bufs, hready, hfree, out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N,
@@ -319,10 +328,10 @@ def fp8_ws_grouped_gemm(a_desc, a_ptr, s_am, a_rows_ptr, b_desc, c_desc, as_ptr,
         gl.warp_specialize([
             (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW)),
             (_consumer, (1, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E, n_tiles, NT_N, KB, N_E,
                          TILE_N, SUB_STRIDE, STAGES)),
             (_swiglu_epilogue, (h_bufs, hready, hfree, out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N,
@@ -332,10 +341,10 @@ def fp8_ws_grouped_gemm(a_desc, a_ptr, s_am, a_rows_ptr, b_desc, c_desc, as_ptr,
         gl.warp_specialize([
             (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW)),
             (_consumer, (1, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E, n_tiles, NT_N, KB, N_E,
                          TILE_N, SUB_STRIDE, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -353,7 +362,7 @@ def fits(w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 def _launch(q, s, w, w_scale, tile_expert, out, qs, swiglu, model_dtype, stages, tma_out, handoff=False,
-            a_rows=None, ue8m0=False):
+            a_rows=None, ue8m0=False, rw=False):
     E, N, K = w.shape
     rows = tile_expert.numel() * ROWS
     gather = a_rows is not None
@@ -372,7 +381,7 @@ def _launch(q, s, w, w_scale, tile_expert, out, qs, swiglu, model_dtype, stages,
         qs.stride(0), tile_expert, E, n_tiles, NT_N=nt_n, KB=K // GROUP, N_E=N, TILE_N=tile_n, SUB_STRIDE=sub,
         STAGES=stages, SWIGLU=swiglu, OUT_CODE=_OUT_CODES[model_dtype], TMA_OUT=tma_out, HANDOFF=handoff,
         CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], EPILOGUE_REGS=regs[2], CH=HANDOFF_ROWS, GATHER=gather,
-        UE8M0=ue8m0, num_warps=4, enable_fp_fusion=FP_FUSION)
+        UE8M0=ue8m0, RW=rw, num_warps=4, enable_fp_fusion=FP_FUSION)
 
 
 def w13_swiglu_quant(q: torch.Tensor, s: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
@@ -395,10 +404,15 @@ def w13_swiglu_quant(q: torch.Tensor, s: torch.Tensor, w13: torch.Tensor, w13_sc
 
 
 def grouped_gemm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, tile_expert: torch.Tensor,
-                 out_dtype: torch.dtype) -> torch.Tensor:
+                 out_dtype: torch.dtype, row_weight: torch.Tensor | None = None) -> torch.Tensor:
     """The padded layout's rows q (rows, K) float8 with scales s (K/128, rows) times their experts' w (E, N, K):
-    (rows, N) in out_dtype (N a multiple of 256)."""
+    (rows, N) in out_dtype (N a multiple of 256). row_weight (rows,) float32: each row's product multiplied by it in
+    float32 before the rounding (the routing weight, as vLLM's fused MoE applies it)."""
     out = torch.empty((q.shape[0], w.shape[1]), dtype=out_dtype, device=q.device)
     tma_out = out_dtype != torch.float32
-    _launch(q, s, w, w_scale, tile_expert, out, out, False, out_dtype, W2_STAGES, tma_out)
+    rw = row_weight is not None
+    if rw and (row_weight.dtype != torch.float32 or row_weight.numel() != q.shape[0] or not row_weight.is_contiguous()):
+        raise ValueError(f"fp8_gluon: row_weight must be ({q.shape[0]},) contiguous float32")
+    _launch(q, s, w, w_scale, tile_expert, out, row_weight if rw else out, False, out_dtype, W2_STAGES, tma_out,
+            rw=rw)
     return out

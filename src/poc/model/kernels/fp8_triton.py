@@ -264,12 +264,13 @@ def _tile_rows(tile_e_ptr, a_rows_ptr, pid_m, GATHER: tl.constexpr, TILES: tl.co
 
 
 @triton.jit
-def fp8_grouped_gemm(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_e_ptr, a_rows_ptr, K: tl.constexpr, E, s_am, s_asm,
-                     s_asg, s_be, s_bn, s_bse, s_bsn, s_cm, GATHER: tl.constexpr, TILES: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def fp8_grouped_gemm(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_e_ptr, a_rows_ptr, rw_ptr, K: tl.constexpr, E, s_am,
+                     s_asm, s_asg, s_be, s_bn, s_bse, s_bsn, s_cm, GATHER: tl.constexpr, TILES: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RW: tl.constexpr):
     """Tile (m, n) of the padded row layout times its expert's weight: each 128-deep K block's FP8 product scaled
-    by the rows' and the block's scales, added to a float32 accumulator; written in c's dtype. N tiles vary
-    fastest, so the CTAs that run together share one block of rows and sweep the expert's weight from L2."""
+    by the rows' and the block's scales, added to a float32 accumulator; written in c's dtype (RW: multiplied by
+    each row's routing weight first, in float32). N tiles vary fastest, so the CTAs that run together share one
+    block of rows and sweep the expert's weight from L2."""
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     e, rows, src, live = _tile_rows(tile_e_ptr, a_rows_ptr, pid_m, GATHER, TILES, BM)
     if e < E:
@@ -287,14 +288,18 @@ def fp8_grouped_gemm(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tile_e_ptr, a_rows_ptr
             acc += tl.dot(a, b) * sa[:, None] * tl.load(bs_ptrs + kb)
             a_ptrs += BK
             b_ptrs += BK
+        if RW:
+            acc = acc * tl.load(rw_ptr + rows)[:, None]
         tl.store(c_ptr + rows[:, None] * s_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty))
 
 
 def grouped_gemm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, tile_expert: torch.Tensor,
-                 out_dtype: torch.dtype, a_rows: torch.Tensor | None = None, *, group_rows: int) -> torch.Tensor:
+                 out_dtype: torch.dtype, a_rows: torch.Tensor | None = None, *, group_rows: int,
+                 row_weight: torch.Tensor | None = None) -> torch.Tensor:
     """The padded layout's rows (tile_expert.numel() * group_rows of them, each expert's starting on a multiple of
     group_rows) times their experts' w (E, N, K) with block scales w_scale (E, N/128, K/128); row i reads q's row
-    a_rows[i] (-1: a zero row), or the i-th."""
+    a_rows[i] (-1: a zero row), or the i-th. row_weight (rows,) float32: each output row multiplied by it in float32
+    before the rounding (the routing weight, as vLLM's fused MoE applies it)."""
     K = q.shape[1]
     M = tile_expert.numel() * group_rows
     E, N, _ = w.shape
@@ -302,11 +307,14 @@ def grouped_gemm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: tor
     out = torch.empty((M, N), dtype=out_dtype, device=q.device)
     bm, warps, stages = GROUPED_CONFIG["BM"], GROUPED_CONFIG["num_warps"], GROUPED_CONFIG["num_stages"]
     gather = a_rows is not None
+    rw = row_weight is not None
+    if rw and (row_weight.dtype != torch.float32 or row_weight.numel() != M or not row_weight.is_contiguous()):
+        raise ValueError(f"fp8_triton: row_weight must be ({M},) contiguous float32")
     fp8_grouped_gemm[(N // GROUP, tile_expert.numel() * (group_rows // bm))](
-        q, s, w, w_scale, out, tile_expert, a_rows if gather else tile_expert, K, E, q.stride(0), s.stride(0),
-        s.stride(1), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0), GATHER=gather,
-        TILES=group_rows // bm, BM=bm, BN=GROUP, BK=GROUP, num_warps=warps, num_stages=stages,
-        enable_fp_fusion=FP_FUSION)
+        q, s, w, w_scale, out, tile_expert, a_rows if gather else tile_expert, row_weight if rw else s, K, E,
+        q.stride(0), s.stride(0), s.stride(1), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
+        out.stride(0), GATHER=gather, TILES=group_rows // bm, BM=bm, BN=GROUP, BK=GROUP, RW=rw, num_warps=warps,
+        num_stages=stages, enable_fp_fusion=FP_FUSION)
     return out
 
 
