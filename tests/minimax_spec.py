@@ -129,12 +129,13 @@ class Emulation:
         B, H, S, D = q.shape
         rep = H // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # query head h reads kv head h // rep
-        if self.r.attention != "fp8":
+        if self.r.attention != "fp8":  # flash attention in the model dtype: P rounded before PV, l of the unrounded p
             if self.r.attention == "fp8kv":
                 k, v = e4(k), e4(v)
             s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
             s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1), -math.inf)
-            return self.rnd(torch.softmax(s, dim=-1) @ v)
+            p = torch.exp(s - s.amax(-1, keepdim=True))
+            return self.rnd((self.rnd(p) @ v) / p.sum(-1, keepdim=True))
         return self.rnd(self.fp8_attention(e4(q), e4(k), e4(v)))
 
     @staticmethod

@@ -57,18 +57,25 @@ def reference():
 
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory):
-    """Tiny Qwen3-MoE checkpoints (tests/test_moe.py) and their single-process float32 vectors: name -> (dir, vectors).
-    One has a dense layer among sparse ones (mlp_only_layers), one dense layers by decoder_sparse_step, one FP8."""
+    """Tiny Qwen3-MoE and MiniMax-M2 checkpoints (tests/test_moe.py, tests/test_minimax.py) and their single-process
+    float32 vectors: name -> (dir, vectors). One Qwen3-MoE has a dense layer among sparse ones (mlp_only_layers), one
+    dense layers by decoder_sparse_step, one FP8; the MiniMax-M2 ones (its q/k norm over all heads, partial RoPE, the
+    sigmoid router with a bias) as transformers saves it and as MiniMax ships it (FP8, MTP layers)."""
     pytest.importorskip("transformers")
-    from tests.checkpoints import MOE_CASES, make_hf_moe, write_fp8_and_twin
+    from tests.checkpoints import MOE_CASES, make_hf_minimax, make_hf_moe, write_fp8_and_twin, write_minimax_fp8
 
     out = {}
     for name, case in (("moe-mlp-only", "mlp-only-layer-norm-topk"), ("moe-sparse-step", "sparse-step-2-no-norm"),
-                       ("moe-fp8", "mlp-only-layer-norm-topk")):
+                       ("moe-fp8", "mlp-only-layer-norm-topk"), ("minimax", None), ("minimax-fp8", None)):
         d = tmp_path_factory.mktemp("moe") / name
         if name == "moe-fp8":
             make_hf_moe(d.parent / "src", **dict(MOE_CASES[case], intermediate_size=320))
             write_fp8_and_twin(d.parent / "src", d, d.parent / "twin")
+        elif name == "minimax":
+            make_hf_minimax(d)
+        elif name == "minimax-fp8":
+            make_hf_minimax(d.parent / "src")
+            write_minimax_fp8(d.parent / "src", d, mtp_layers=2)
         else:
             make_hf_moe(d, **MOE_CASES[case])
         e = Engine("cpu", model_dir=str(d), dtype="float32", options=OPTIONS)
@@ -171,10 +178,11 @@ def test_random_spec_errors():
             random_spec(bad)
 
 
-@pytest.mark.parametrize("name", ["moe-mlp-only", "moe-sparse-step", "moe-fp8"])
+@pytest.mark.parametrize("name", ["moe-mlp-only", "moe-sparse-step", "moe-fp8", "minimax", "minimax-fp8"])
 def test_v2_moe_matches_the_single_process_engine(dist_engine, moe_reference, name):
-    """Qwen3-MoE (and its FP8 form) through the rank processes: tp=2 is attention by heads + the experts split 2
-    ways by expert, pp=2 two stages of whole layers, rep2 two replicas; v2 vectors within L2 1e-5 of one process."""
+    """Qwen3-MoE and MiniMax-M2 (and their FP8 forms) through the rank processes: tp=2 is attention by heads (with
+    MiniMax's q/k norm summing its squares over the ranks) + the experts split 2 ways by expert, pp=2 two stages of
+    whole layers, rep2 two replicas; v2 vectors within L2 1e-5 of one process."""
     d, ref = moe_reference[name]
     dist_engine.model_dir = str(d)
     dist_engine.load()

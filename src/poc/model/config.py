@@ -229,7 +229,7 @@ def _minimax_m2(cls, hf: dict, need) -> ModelConfig:
             moe_ffn_dim=int(need("intermediate_size")),
             norm_topk_prob=True,  # the chosen experts' weights always sum to 1
             router=scoring,
-            routing_bias=bool(hf.get("use_routing_bias", False)),
+            routing_bias=bool(hf.get("use_routing_bias", True)),  # transformers always has e_score_correction_bias
         )
     except InputError:
         raise

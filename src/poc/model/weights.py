@@ -55,6 +55,13 @@ CHECKPOINT_NAMES = {
                    (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
                    (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj.")),
 }
+# and back, to name a tensor the checkpoint lacks as the checkpoint would
+CHECKPOINT_NAMES_BACK = {
+    "minimax_m2": ((re.compile(r"^(layers\.\d+)\.mlp\."), r"\1.block_sparse_moe."),
+                   (re.compile(r"\.experts\.(\d+)\.gate_proj\."), r".experts.\1.w1."),
+                   (re.compile(r"\.experts\.(\d+)\.up_proj\."), r".experts.\1.w3."),
+                   (re.compile(r"\.experts\.(\d+)\.down_proj\."), r".experts.\1.w2.")),
+}
 STRICT_FAMILIES = ("minimax_m2",)  # a tensor the model does not expect is an error (others: ignored, as before)
 CHUNK_BYTES = 8 << 20  # staging block for dtype conversion and device copies: the only transient on top
 COLUMN_BYTES = 1 << 20  # staging block for column slices: small, since the rank holds only its share
@@ -130,6 +137,13 @@ def model_name(key: str, family: str | None = None) -> str:
     for pattern, repl in CHECKPOINT_NAMES.get(family, ()):
         name = pattern.sub(repl, name)
     return name
+
+
+def checkpoint_name(name: str, family: str | None = None) -> str:
+    """The name a checkpoint of `family` gives the model's parameter `name` (model_name's inverse)."""
+    for pattern, repl in CHECKPOINT_NAMES_BACK.get(family, ()):
+        name = pattern.sub(repl, name)
+    return "model." + name if name.startswith(("layers.", "embed_tokens.", "norm.")) else name
 
 
 def index_checkpoint(path: str | Path, family: str | None = None) -> dict[str, TensorRef]:
@@ -325,7 +339,7 @@ def expected_keys(model: Transformer) -> list[str]:
 
 def check_checkpoint(refs: dict[str, TensorRef], model: Transformer, names: list[str]) -> None:
     """Every name present, with the model's shape and a float dtype; raise InputError otherwise, before any read."""
-    missing = [n for n in names if n not in refs]
+    missing = [checkpoint_name(n, model.cfg.family) for n in names if n not in refs]
     if missing:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         raise InputError(f"checkpoint lacks {len(missing)} tensors: {', '.join(missing[:8])}{more}", "model")
