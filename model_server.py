@@ -4,11 +4,12 @@ poc.serve; an installed wheel has it as the `poc-server` console script (same fl
     python model_server.py [--host 127.0.0.1] [--port 18000] [--model DIR|ORG/NAME] [--served-model-name NAME ...] \
         [--dtype auto|float16|bfloat16|float32] [--device cpu|cuda|cuda:N] [--log-level info] [--spool-dir spool] \
         [--tp 1] [--pp 1] [--replicas 1] [--layout auto] [--compile auto|on|off] [--fp8-experts keep|dequant] \
-        [--fp8-scales ue8m0|float32] [--compile-at-start v2:BATCH:SEQ_LEN,v1:BATCH] [--version]
+        [--fp8-scales ue8m0|float32] [--attention auto|fp8|fp8kv|bf16] \
+        [--compile-at-start v2:BATCH:SEQ_LEN,v1:BATCH] [--version]
 
 Each flag can also be set by an environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_SERVED_MODEL_NAME
 (comma-separated), POC_DTYPE, POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR, POC_TP, POC_PP, POC_REPLICAS, POC_LAYOUT,
-POC_COMPILE, POC_FP8_EXPERTS, POC_FP8_SCALES, POC_COMPILE_AT_START); the flag wins. README.md's Configuration table
+POC_COMPILE, POC_FP8_EXPERTS, POC_FP8_SCALES, POC_ATTENTION, POC_COMPILE_AT_START); the flag wins. README.md's Configuration table
 says what each does. Without --model it serves PoC v1 (the random model is built from each request's params); with
 --model (a directory, or a Hugging Face repo id found in the local cache, offline) it loads that checkpoint at start
 and serves PoC v2 for it, and v1. --layout auto picks --tp/--pp/--replicas from the model and the visible GPUs.

@@ -195,6 +195,11 @@ def make_hf_minimax(tmp_path, bias_std: float = 0.1, **overrides):
     return hf.eval()
 
 
+# a MiniMax-M2 whose every linear and expert splits on 128-blocks (so they run W8A8 as in production, also at tp=2):
+# 256 wide, 4 heads and 2 kv heads of 128 (rotary_dim 64), 8 experts of 128, top 2, two layers
+MINIMAX_WIDE = dict(hidden_size=256, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                    rotary_dim=64, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2)
+
 MINIMAX_QUANT = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
                  "weight_block_size": [128, 128], "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
 

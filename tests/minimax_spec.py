@@ -82,9 +82,13 @@ class Emulation:
     norm's weight. cfg is the model's ModelConfig (its shape only). dtype: the model dtype every `rnd` rounds to."""
 
     def __init__(self, cfg, weights: Callable[[int], dict[str, Tensor]], final_norm: Tensor,
-                 recipe: Recipe = Recipe(), dtype: torch.dtype = torch.bfloat16, layers: list[int] | None = None):
+                 recipe: Recipe = Recipe(), dtype: torch.dtype = torch.bfloat16, layers: list[int] | None = None,
+                 exact: bool = False):
+        """exact: every GEMM's products summed in float64 and rounded to float32 once (the same recipe, its
+        float32 accumulation order taken out: the honest noise of another GEMM kernel)."""
         self.cfg, self.weights, self.final_norm, self.r, self.dtype = cfg, weights, final_norm, recipe, dtype
         self.layers = list(range(cfg.n_layers)) if layers is None else layers
+        self.mm = (lambda a, b: (a.double() @ b.double()).float()) if exact else torch.matmul
 
     def rnd(self, x: Tensor) -> Tensor:
         return x.to(self.dtype).float()
@@ -109,7 +113,7 @@ class Emulation:
         a2 = a.reshape(-1, a.shape[-1])
         if fp8:
             a2 = quant_groups(a2, self.r.scales == "ue8m0")
-        return (a2 @ w.t()).view(*a.shape[:-1], w.shape[0])
+        return self.mm(a2, w.t()).view(*a.shape[:-1], w.shape[0])
 
     def qk_norm(self, x: Tensor, w: Tensor) -> Tensor:
         """Over all heads at once (per_layer): bf(x * rsqrt(mean(x^2) + eps) * w), the weight in float32."""
@@ -132,14 +136,14 @@ class Emulation:
         if self.r.attention != "fp8":  # flash attention in the model dtype: P rounded before PV, l of the unrounded p
             if self.r.attention == "fp8kv":
                 k, v = e4(k), e4(v)
-            s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+            s = self.mm(q, k.transpose(-1, -2)) / math.sqrt(D)
             s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1), -math.inf)
             p = torch.exp(s - s.amax(-1, keepdim=True))
-            return self.rnd((self.rnd(p) @ v) / p.sum(-1, keepdim=True))
-        return self.rnd(self.fp8_attention(e4(q), e4(k), e4(v)))
+            return self.rnd(self.mm(self.rnd(p), v) / p.sum(-1, keepdim=True))
+        return self.rnd(self.fp8_attention(e4(q), e4(k), e4(v), self.mm))
 
     @staticmethod
-    def fp8_attention(q8: Tensor, k8: Tensor, v8: Tensor) -> Tensor:
+    def fp8_attention(q8: Tensor, k8: Tensor, v8: Tensor, mm=torch.matmul) -> Tensor:
         """Step 6: query tiles of 128; key tiles visited from the diagonal back to the first; running max m of the
         scores, p = exp2(S c - m c), l sums the unquantised p, O accumulates e4(448 p) V8; O / (448 l)."""
         B, H, S, D = q8.shape
@@ -153,13 +157,13 @@ class Emulation:
             o = torch.zeros((B, H, len(rows), D), device=q8.device)
             for j in range(t // TILE, -1, -1):
                 cols = torch.arange(j * TILE, min(S, (j + 1) * TILE), device=q8.device)
-                s = qt @ k8[:, :, j * TILE:j * TILE + len(cols)].transpose(-1, -2)
+                s = mm(qt, k8[:, :, j * TILE:j * TILE + len(cols)].transpose(-1, -2))
                 s = s.masked_fill(cols[None, :] > rows[:, None], -math.inf)
                 m_new = torch.maximum(m, s.amax(-1, keepdim=True))
                 scale = torch.exp2((m - m_new) * c)
                 p = torch.exp2(s * c - m_new * c)
                 l = l * scale + p.sum(-1, keepdim=True)
-                o = o * scale + e4(448.0 * p) @ v8[:, :, j * TILE:j * TILE + len(cols)]
+                o = o * scale + mm(e4(448.0 * p), v8[:, :, j * TILE:j * TILE + len(cols)])
                 m = m_new
             out[:, :, t:t + TILE] = o / (448.0 * l)
         return out
@@ -169,9 +173,9 @@ class Emulation:
         ties to the lower expert), the unbiased sigmas of those divided by their sum."""
         g = W["block_sparse_moe.gate.weight"].float()
         if self.r.router == "bf16":
-            z = self.rnd(self.rnd(a) @ self.rnd(g).t())
+            z = self.rnd(self.mm(self.rnd(a), self.rnd(g).t()))
         else:
-            z = a @ g.t()
+            z = self.mm(a, g.t())
         sigma = 1.0 / (1.0 + torch.exp(-z))
         bias = W.get("block_sparse_moe.e_score_correction_bias")
         choice = sigma if bias is None else sigma + bias.float()
@@ -196,10 +200,10 @@ class Emulation:
                 t, s = W[p + n + ".weight"], W.get(p + n + ".weight_scale_inv")
                 return t.float() if s is None else dequant_blocks(t, s)  # experts keep the checkpoint's scales
 
-            g = self.rnd(a8[tok] @ W_("w1").t())
-            u = self.rnd(a8[tok] @ W_("w3").t())
+            g = self.rnd(self.mm(a8[tok], W_("w1").t()))
+            u = self.rnd(self.mm(a8[tok], W_("w3").t()))
             act = self.rnd(self.rnd(g / (1.0 + torch.exp(-g))) * u)
-            y = (quant_groups(act, ue8) if fp8 else act) @ W_("w2").t()
+            y = self.mm(quant_groups(act, ue8) if fp8 else act, W_("w2").t())
             we = w[tok, slot][:, None]
             terms[tok, slot] = self.rnd(we * y) if self.r.weight_in_down else self.rnd(self.rnd(y) * self.rnd(we))
         if not self.r.weight_in_down:  # transformers' order: the k terms summed exactly

@@ -17,7 +17,7 @@ from poc.model.config import ModelConfig  # noqa: E402
 from poc.model.options import ModelOptions  # noqa: E402
 from poc.model.transformer import AllHeadsRMSNorm, MoE, apply_partial_rope, rope_table  # noqa: E402
 from poc.model.weights import load_model  # noqa: E402
-from tests.checkpoints import (MINIMAX_RELEASE_FIELDS, make_hf_minimax, unit_rows,  # noqa: E402
+from tests.checkpoints import (MINIMAX_RELEASE_FIELDS, MINIMAX_WIDE, make_hf_minimax, unit_rows,  # noqa: E402
                                write_minimax_fp8)
 from tests.minimax_spec import Emulation, Recipe, e4, file_weights  # noqa: E402
 from tests.parity import check_hidden_and_logits, check_reflections  # noqa: E402
@@ -130,8 +130,6 @@ def test_config_json_of_the_release_and_of_transformers(tiny):
 
 # --- the release's files --------------------------------------------------------------------------------------------
 
-WIDE = dict(hidden_size=256, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-            rotary_dim=64, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +137,7 @@ def release(tmp_path_factory):
     """A MiniMax-M2 of 128-multiple sizes (so every linear and expert runs W8A8 as in production) in the release's
     FP8 layout with three MTP layers, and the bf16 checkpoint it was quantised from."""
     root = tmp_path_factory.mktemp("release")
-    make_hf_minimax(root / "src", bias_std=0.05, **WIDE)
+    make_hf_minimax(root / "src", bias_std=0.05, **MINIMAX_WIDE)
     written = write_minimax_fp8(root / "src", root / "fp8", mtp_layers=3)
     return root, written
 
@@ -407,3 +405,27 @@ def test_two_pipeline_stages_are_the_one_process_model(release, release_model):
     h = first.fuse()(x, reflections=vs)
     assert h.shape == x.shape
     assert torch.equal(second.fuse()(h, reflections=vs), model(x, reflections=vs))
+
+
+@torch.no_grad()
+def test_random_weights_are_a_checkpoint_the_emulation_reads(tmp_path):
+    """random:tiny-minimax:fp8 (the benchmarks' model, W8A8 and FP8 attention) computes the emulation of the
+    checkpoint its draws make (random_weights.checkpoint_layer, under the release's names): what the GPU accuracy
+    benchmark compares, at the real shape."""
+    from poc.model.random_weights import checkpoint_layer, random_model, random_spec
+    from poc.model.weights import checkpoint_name
+
+    cfg, fp8 = random_spec("random:tiny-minimax:fp8")
+    model = random_model(cfg, torch.bfloat16, "cpu", fp8_ckpt=fp8)
+    assert model.attention == "fp8" and cfg.fp8_block == (128, 128)
+
+    def weights(i):
+        pre = f"model.layers.{i}."
+        return {checkpoint_name(n, cfg.family)[len(pre):]: t
+                for n, t in checkpoint_layer(cfg, i, torch.bfloat16, "cpu", fp8_ckpt=True).items()}
+
+    final = dict(model.named_parameters())["norm.weight"]
+    x, vs = _inputs(cfg, S=140)
+    ours = model(x, reflections=vs).float()
+    spec = Emulation(cfg, weights, final).forward(x, vs)
+    assert _rel(ours, spec) < 2e-3 and (ours == spec).float().mean().item() > 0.9, _rel(ours, spec)

@@ -82,7 +82,21 @@ WORKLOADS = {
     # the same with the experts dequantised to bf16 (what the loader does with an FP8 checkpoint by default)
     "W7D": {"protocol": "v2", "model": "qwen3-235b-a22b", "seq_len": 1024, "dtype": "bfloat16", "batches": [32, 64],
             "tp": 4},
+    # MiniMax-M2.7-FP8 (the chain's PoC model): W8A8 with UE8M0 scales and the validators' FP8 attention. On one GPU
+    # its first 8 of 62 layers (~29 GB: the per-layer rate); the whole model as 2 stages (two H200) or 4 (four H100)
+    "W8L8": {"protocol": "v2", "model": "minimax-m2.7", "layers": 8, "seq_len": 1024, "dtype": "bfloat16",
+             "batches": [32, 64], "fp8": True},
+    "W8P2": {"protocol": "v2", "model": "minimax-m2.7", "seq_len": 1024, "dtype": "bfloat16", "batches": [64],
+             "fp8": True, "tp": 1, "pp": 2},
+    "W8P4": {"protocol": "v2", "model": "minimax-m2.7", "seq_len": 1024, "dtype": "bfloat16", "batches": [64],
+             "fp8": True, "tp": 1, "pp": 4},
 }
+
+
+def workload_config(w: dict) -> "ModelConfig":
+    """The workload's model shape: its preset, with `layers` of them where it names fewer."""
+    cfg = PRESETS[w["model"]]
+    return replace(cfg, n_layers=w["layers"]) if w.get("layers") else cfg
 
 
 def flops_per_nonce(cfg: ModelConfig, seq_len: int, head: bool) -> float:
@@ -213,7 +227,7 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
         print(json.dumps({"workload": name, "v1_build_phases_s": c.model.build_timing}), flush=True)
         cfg, seq_len, head = v1_config(p), p.seq_len, True
     else:
-        cfg = replace(PRESETS[w["model"]])
+        cfg = workload_config(w)
         model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w, opts)
         cfg = model.cfg
         engine.v2 = V2Compute(model, cfg, dtype, torch.device("cuda"), w["model"], compile=compile,
@@ -387,7 +401,7 @@ def profile(name: str, batch: int, compile: bool, sw: ServerConfig, warm: int = 
 
     w = WORKLOADS[name]
     dtype = DTYPES[w["dtype"]]
-    cfg = replace(PRESETS[w["model"]])
+    cfg = workload_config(w)
     opts = sw.model_options()
     engine = make_engine("cuda", replicas=1, compile=compile, options=opts)
     model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w, opts)

@@ -57,10 +57,13 @@ def layer_bytes(cfg, i: int, dtype_bytes: int, fp8: str | None) -> tuple[int, in
     attn = cfg.dim * q + 2 * cfg.dim * kv + q * cfg.dim
     lin = 1 + 4 / (128 * 128) if fp8 else dtype_bytes
     attn_b = attn * (lin if fp8 == "w8a8" else dtype_bytes)
-    norms = (2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0)) * dtype_bytes
+    all_heads = cfg.qk_norm and cfg.qk_norm_all_heads  # MiniMax's q/k norm: split with the heads
+    attn_b += (q + kv) * dtype_bytes if all_heads else 0
+    norms = (2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm and not all_heads else 0)) * dtype_bytes
     if cfg.is_moe_layer(i):
         mlp = 3 * cfg.dim * cfg.moe_ffn_dim * cfg.n_experts * lin
-        return int(attn_b + mlp), norms + cfg.dim * cfg.n_experts * dtype_bytes
+        router = cfg.dim * cfg.n_experts * (4 if cfg.router == "sigmoid" else dtype_bytes)  # MiniMax's: float32
+        return int(attn_b + mlp), norms + router + (4 * cfg.n_experts if cfg.routing_bias else 0)
     mlp = 3 * cfg.dim * cfg.ffn_dim * (lin if fp8 == "w8a8" else dtype_bytes)
     return int(attn_b + mlp), norms
 

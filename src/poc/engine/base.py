@@ -284,6 +284,12 @@ class EngineBase(abc.ABC):
         forward = fp8_mode(self.options.fp8)
         return {"forward": forward, "scales": scale_format(self.options.fp8_scales) if forward == "w8a8" else None}
 
+    def v2_attention(self) -> str | None:
+        """The attention recipe the loaded v2 model computes (model/attention.py: fp8, fp8kv or bf16; the options'
+        choice for its config, ModelOptions.attention_for, which the model read when it was built); None without
+        a model."""
+        return None if self.v2 is None else self.options.attention_for(self.v2.cfg)
+
     def v2_w8a8(self) -> bool:
         """Whether the loaded v2 model is an FP8 checkpoint computed W8A8 (its experts' activations are FP8)."""
         fp8 = self.v2_fp8()

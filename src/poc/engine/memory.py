@@ -117,9 +117,12 @@ def v2_estimate(cfg, batch_size: int, seq_len: int, dtype_bytes: int = 4, *, tp:
     holds the (B, S, D) inputs of the batches it has taken ahead (at most the engine's pp + 2: 3 GiB for the 235B
     at batch 64); the activation terms' margin covers them (a Qwen3-MoE batch of 64k tokens is estimated at about
     2.5x what it measures: W6Q's peak, benchmarks/h100). w8a8: an FP8 checkpoint's W8A8 experts on CUDA (ffn_width)."""
-    return Estimate(activations=activation_bytes(batch_size, seq_len, cfg.dim, ffn_width(cfg, w8a8 and cuda),
-                                                 cfg.n_heads,
-                                                 dtype_bytes, tp=tp, fused=fused, math_attention=not cuda))
+    act = activation_bytes(batch_size, seq_len, cfg.dim, ffn_width(cfg, w8a8 and cuda), cfg.n_heads, dtype_bytes,
+                           tp=tp, fused=fused, math_attention=not cuda)
+    # q and the attention's output are n_heads * head_dim wide: where that is wider than the model (MiniMax-M2:
+    # 6144 against 3072), the excess of those two tensors (a tp rank holds 1/tp of the heads)
+    act += batch_size * seq_len * 2 * max(0, cfg.n_heads * cfg.head_dim - cfg.dim) * dtype_bytes // tp
+    return Estimate(activations=act)
 
 
 def return_freed_memory() -> bool:

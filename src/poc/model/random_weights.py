@@ -86,6 +86,57 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_ckpt: bool = 
     return model.fuse().requires_grad_(False).eval()
 
 
+def checkpoint_layer(cfg: ModelConfig, layer: int, dtype: torch.dtype, device, fp8_ckpt: bool = False,
+                     seed: int = 0) -> dict[str, torch.Tensor]:
+    """Layer `layer` of random_model's weights as a checkpoint holds them, under the model's parameter names (experts
+    one by one, `mlp.experts.{j}.gate_proj|up_proj|down_proj`), before any re-quantisation: the same draws, for a
+    reference that computes from the checkpoint (the GPU accuracy benchmark's float32 emulation, one layer at a
+    time)."""
+    device = torch.device(device)
+    if fp8_ckpt and cfg.fp8_block is None:
+        cfg = replace(cfg, fp8_block=(128, 128))
+    with torch.device("meta"):
+        block = Transformer(replace(cfg, n_layers=layer + 1)).layers[str(layer)]
+    if fp8_ckpt:
+        use_fp8_linears(_Holder(block, layer), lambda name: True)
+    out = {}
+    keep = {"mlp.gate.weight", "mlp.e_score_correction_bias"} if isinstance(block.mlp, MoE) and block.mlp.sigmoid \
+        else set()
+    for name, p in block.named_parameters():
+        if ".experts." in name:
+            continue
+        pdtype = p.dtype if (p.dtype == FP8 or name.endswith("weight_scale_inv") or name in keep) else dtype
+        out[f"layers.{layer}.{name}"] = _draw(f"layers.{layer}.{name}", p.shape, pdtype, device, seed)
+    if isinstance(block.mlp, MoE):
+        f, d, E = cfg.moe_ffn_dim, cfg.dim, cfg.n_experts
+        pre = f"layers.{layer}.mlp"
+        if fp8_ckpt:
+            w13, s13 = _fp8_experts(f"{pre}.w13", range(E), 2 * f, d, device, seed)
+            w2, s2 = _fp8_experts(f"{pre}.w2", range(E), d, f, device, seed)
+            fb = f // 128
+            for j in range(E):
+                out[f"{pre}.experts.{j}.gate_proj.weight"], out[f"{pre}.experts.{j}.up_proj.weight"] = w13[j, :f], w13[j, f:]
+                out[f"{pre}.experts.{j}.gate_proj.weight_scale_inv"] = s13[j, :fb]
+                out[f"{pre}.experts.{j}.up_proj.weight_scale_inv"] = s13[j, fb:]
+                out[f"{pre}.experts.{j}.down_proj.weight"], out[f"{pre}.experts.{j}.down_proj.weight_scale_inv"] = w2[j], s2[j]
+        else:
+            for j in range(E):
+                w13 = torch.empty(2 * f, d, device=device, dtype=dtype).normal_(
+                    0.0, 0.02, generator=_stream(device, seed, f"{pre}.w13.{j}"))
+                out[f"{pre}.experts.{j}.gate_proj.weight"], out[f"{pre}.experts.{j}.up_proj.weight"] = w13[:f], w13[f:]
+                out[f"{pre}.experts.{j}.down_proj.weight"] = torch.empty(d, f, device=device, dtype=dtype).normal_(
+                    0.0, 0.02, generator=_stream(device, seed, f"{pre}.w2.{j}"))
+    return out
+
+
+class _Holder(nn.Module):
+    """A model-like holder of one block (fp8.use_fp8_linears walks `layers`)."""
+
+    def __init__(self, block, layer: int):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(layer): block})
+
+
 def _stream(device: torch.device, seed: int, name: str) -> torch.Generator:
     """The generator of one tensor: seeded by the model's seed and the tensor's name."""
     return torch.Generator(device=device).manual_seed((seed << 32) | zlib.crc32(name.encode()))

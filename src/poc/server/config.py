@@ -5,10 +5,11 @@
                            [--device cpu|cuda] [--log-level info] [--spool-dir spool]
                            [--tp 1] [--pp 1] [--replicas 1] [--layout auto] [--compile auto|on|off]
                            [--fp8-experts keep|dequant] [--fp8-scales ue8m0|float32]
+                           [--attention auto|fp8|fp8kv|bf16]
 
 Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_SERVED_MODEL_NAME (comma-separated), POC_DTYPE,
 POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR, POC_TP, POC_PP, POC_REPLICAS, POC_LAYOUT, POC_COMPILE, POC_FP8_EXPERTS,
-POC_FP8_SCALES) > default. Environment only: POC_API_TOKEN, SIGNER_PUBKEY, POC_ALLOWED_ORIGINS, POC_OUTBOUND_ALLOW,
+POC_FP8_SCALES, POC_ATTENTION) > default. Environment only: POC_API_TOKEN, SIGNER_PUBKEY, POC_ALLOWED_ORIGINS, POC_OUTBOUND_ALLOW,
 POC_ALLOWED_CLIENTS (comma-separated), POC_V1_CACHE_IDLE (seconds), and the model's and the ranks' switches POC_FP8,
 POC_FP8_FUSED_NORM, POC_FP8_GLUON, POC_TP_REDUCE, POC_POOL_WORKERS, POC_STAGE_TIMING, POC_RANK_PROFILE (read here
 only: the engines get them as ModelOptions and arguments). The other fields are limits and timings; tests override
@@ -23,14 +24,14 @@ from typing import Mapping, Sequence
 
 from poc import dtypes
 from poc.errors import InputError
-from poc.model.options import ModelOptions
+from poc.model.options import ATTENTIONS, ModelOptions
 
 DTYPE_CHOICES = ("auto", *dtypes.NAMES)
 ENV = {"host": "POC_HOST", "port": "POC_PORT", "model": "POC_MODEL", "dtype": "POC_DTYPE", "device": "POC_DEVICE",
        "log_level": "POC_LOG_LEVEL", "spool_dir": "POC_SPOOL_DIR", "tp": "POC_TP", "pp": "POC_PP",
        "replicas": "POC_REPLICAS", "layout": "POC_LAYOUT", "compile": "POC_COMPILE",
        "fp8_experts": "POC_FP8_EXPERTS", "fp8_scales": "POC_FP8_SCALES", "served_model_name": "POC_SERVED_MODEL_NAME",
-       "compile_at_start": "POC_COMPILE_AT_START"}
+       "compile_at_start": "POC_COMPILE_AT_START", "attention": "POC_ATTENTION"}
 DEFAULT_SPOOL_DIR = "spool"  # relative to the working directory (start_server.sh: the checkout, beside ./logs)
 
 
@@ -51,6 +52,7 @@ class ServerConfig:
     compile: str = "auto"  # torch.compile on CUDA: auto = on (both protocols; compute.compile_flags), off
     fp8_experts: str = "keep"  # a Qwen3-MoE FP8 checkpoint's experts: keep (FP8 in memory) or dequant (at load)
     fp8_scales: str = "ue8m0"  # an FP8 checkpoint's W8A8 scale format: ue8m0 (Hopper validators) or float32
+    attention: str = "auto"  # the attention recipe: auto (the validators': fp8 for an FP8 MiniMax), fp8, fp8kv, bf16
     # env only (README's Configuration table): the rest of ModelOptions, and the ranks' diagnostics
     fp8: str = "w8a8"  # POC_FP8: an FP8 checkpoint's forward, w8a8 (the validators' recipe) or dequant
     fp8_fused_norm: bool = True  # POC_FP8_FUSED_NORM: W8A8 on CUDA, a norm and its readers' quantiser in one kernel
@@ -134,6 +136,8 @@ class ServerConfig:
             raise InputError(f"--fp8-experts must be keep or dequant, got {self.fp8_experts!r}", "fp8_experts")
         if self.fp8_scales not in ("ue8m0", "float32"):
             raise InputError(f"--fp8-scales must be ue8m0 or float32, got {self.fp8_scales!r}", "fp8_scales")
+        if self.attention not in ATTENTIONS:
+            raise InputError(f"--attention must be {', '.join(ATTENTIONS)}, got {self.attention!r}", "attention")
         if self.compile not in ("auto", "on", "off"):
             raise InputError(f"--compile must be auto, on or off, got {self.compile!r}", "compile")
         for k in ("header_timeout", "body_idle_timeout", "body_timeout", "stall_timeout"):
@@ -151,7 +155,7 @@ class ServerConfig:
         """How the engines build and compute models (fp8, scales, experts, kernels, tp reduce, v1 pool threads)."""
         return ModelOptions(fp8=self.fp8, fp8_scales=self.fp8_scales, fp8_experts=self.fp8_experts,
                             fused_norm=self.fp8_fused_norm, gluon=self.fp8_gluon, tp_reduce=self.tp_reduce,
-                            pool_workers=self.pool_workers)
+                            pool_workers=self.pool_workers, attention=self.attention)
 
 
 def check_spool_dir(path: str | None) -> None:
@@ -179,7 +183,7 @@ def _env_flag(env: Mapping[str, str], name: str, default: bool, field: str) -> b
 def env_switches(env: Mapping[str, str]) -> dict:
     """The model's and the ranks' environment switches, as ServerConfig fields (ServerConfig checks their values;
     a number that does not parse is an InputError naming it here): POC_FP8, POC_FP8_SCALES, POC_FP8_EXPERTS (the
-    server's flags override these two), POC_FP8_FUSED_NORM, POC_FP8_GLUON, POC_TP_REDUCE, POC_POOL_WORKERS,
+    server's flags override these three, with POC_ATTENTION), POC_FP8_FUSED_NORM, POC_FP8_GLUON, POC_TP_REDUCE, POC_POOL_WORKERS,
     POC_STAGE_TIMING, POC_RANK_PROFILE. The CLI and the bench read them here too: ServerConfig(**env_switches(env))."""
     d = ServerConfig()
     workers = env.get("POC_POOL_WORKERS", "").strip()
@@ -190,6 +194,7 @@ def env_switches(env: Mapping[str, str]) -> dict:
     return dict(fp8=env.get("POC_FP8", "").strip() or d.fp8,
                 fp8_scales=env.get(ENV["fp8_scales"], "").strip() or d.fp8_scales,
                 fp8_experts=env.get(ENV["fp8_experts"], "").strip() or d.fp8_experts,
+                attention=env.get(ENV["attention"], "").strip() or d.attention,
                 fp8_fused_norm=_env_flag(env, "POC_FP8_FUSED_NORM", d.fp8_fused_norm, "fp8_fused_norm"),
                 fp8_gluon=_env_flag(env, "POC_FP8_GLUON", d.fp8_gluon, "fp8_gluon"),
                 tp_reduce=env.get("POC_TP_REDUCE", "").strip() or d.tp_reduce, pool_workers=pool_workers,
@@ -238,6 +243,10 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     ap.add_argument("--fp8-scales", default=env.get(ENV["fp8_scales"]) or d.fp8_scales,
                     help="an FP8 checkpoint's W8A8 scales: ue8m0 (power-of-two, what vLLM computes on Hopper: the "
                          f"network's validators) or float32 (vLLM without DeepGEMM) (env {ENV['fp8_scales']})")
+    ap.add_argument("--attention", default=env.get(ENV["attention"]) or d.attention,
+                    help="the attention recipe: auto (what the validators compute: fp8 for an FP8 MiniMax-M2, bf16 "
+                         "otherwise), fp8 (Q, K, V and P in e4m3: vLLM 0.25 with an fp8 KV cache on Hopper), fp8kv (K "
+                         f"and V in e4m3: vLLM 0.20), bf16 (env {ENV['attention']})")
     ap.add_argument("--compile-at-start", default=env.get(ENV["compile_at_start"], ""), metavar="SPEC",
                     help="shapes to compile before the readiness line: v2:BATCH:SEQ_LEN, v1:BATCH (MainNet params) or "
                          f"a JSON list of {{batch_size, params}} (env {ENV['compile_at_start']}; warm_start.py)")
@@ -275,5 +284,6 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
                         dtype=a.dtype, device=a.device, log_level=level,
                         spool_dir=a.spool_dir, compile=str(a.compile), layout=str(a.layout).strip().lower(),
                         fatal_keepalive=keepalive,
-                        **{**env_switches(env), "fp8_experts": str(a.fp8_experts), "fp8_scales": str(a.fp8_scales)},
+                        **{**env_switches(env), "fp8_experts": str(a.fp8_experts), "fp8_scales": str(a.fp8_scales),
+                           "attention": str(a.attention)},
                         compile_at_start=shapes, **par)

@@ -45,6 +45,9 @@ async def health(request: web.Request) -> web.Response:
     numerics = engine.v2_fp8()
     if numerics is not None:  # an FP8 checkpoint: which arithmetic (README: POC_FP8, POC_FP8_SCALES)
         body["fp8"] = numerics
+    attention = engine.v2_attention()
+    if attention is not None:  # the loaded model's attention recipe (README: --attention)
+        body["attention"] = attention
     if engine.state == "broken":
         body["reason"] = engine.broken_reason
     sender = app[sender_key]
