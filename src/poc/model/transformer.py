@@ -12,14 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from poc.model import fp8, route
+from poc.model import attention, fp8, route
 from poc.model.config import ModelConfig
 from poc.model.experts import dispatch_modules, dispatch_stacked
 from poc.model.fp8 import Fp8Linear
 from poc.model.numerics import add, mul, reflect, softmax, sum_exact
-
-# enable_gqa arrived in torch 2.5; before that the kv heads are repeated by hand
-_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 class RMSNorm(nn.Module):
@@ -132,24 +129,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, S, H, D) -> (B, H, S, D)
         q, k = apply_rope(q, cos[S - Sq:], sin[S - Sq:]), apply_rope(k, cos, sin)
-        gqa = self.n_heads != self.n_kv_heads
-        if gqa and not _SDPA_HAS_GQA:
-            # kv head j serves query heads j*n_rep ... j*n_rep + n_rep - 1: repeat_interleave, not a tile
-            n_rep = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        extra = {"enable_gqa": True} if gqa and _SDPA_HAS_GQA else {}
-        # a single last query sees every key: no mask (SDPA's causal mask is top-left aligned)
-        y = _sdpa(q, k, v, Sq > 1, 1 / math.sqrt(self.head_dim), bool(extra))
+        y = attention.attend(q, k, v, "bf16", 1 / math.sqrt(self.head_dim))  # (B, H, Sq, D)
         y = y.transpose(1, 2).reshape(B, Sq, self.n_heads * self.head_dim)  # (B, H, Sq, D) -> (B, Sq, H*D)
         return self.o_proj(y)
-
-
-@torch.compiler.disable
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, gqa: bool) -> Tensor:
-    """The attention kernel, always run as eager PyTorch runs it (flash/memory-efficient SDPA): a compiled graph
-    around it must not re-lower attention with different half-precision rounding."""
-    extra = {"enable_gqa": True} if gqa else {}
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **extra)
 
 
 def _stacked_linear(weights: list[Tensor], biases: list[Tensor] | None = None) -> nn.Linear:
