@@ -8,13 +8,18 @@ to e4m3 in registers, then walks the key tiles of 128 from the diagonal tile (ca
 tiles loaded in the model dtype and rounded the same way, S = Q8 K8^T on the FP8 tensor cores (float32
 accumulation), the running row max m of S, alpha = exp2((m_old - m_new) c) applied to l and O, p = exp2(S c - m c),
 l += rowsum(p) of the unquantised p, O += e4(448 p) V8; the output O / (448 l) (IEEE division) rounded to the model
-dtype. The last-position pass (Sq == 1) puts the query heads of one kv head in the rows of one tile (position S - 1
-in every row) and walks that row's key tiles in the same order, so each row does the full pass's arithmetic.
+dtype. K and V of a tile are loaded together and rounded at once (held as e4m3 until the PV MMA: fewer registers
+than the 16-bit tile), and Triton's pipeliner stages the next tile's loads through shared memory (cp.async) while
+this one computes. The last-position pass (Sq == 1) puts the query heads of one kv head in the rows of one tile
+(position S - 1 in every row) and walks that row's key tiles in the same order: each row does the full pass's
+arithmetic.
 
 Triton rounds the float32 -> e4m3 conversions to nearest even with saturation (cvt.rn.satfinite on sm_90) and keeps
 the FP8 operands in shared memory in the K-major order wgmma takes: V8 is produced in registers, so its tile is
 stored transposed there. Contraction to FMA is off (`S c - m c` is two products and a difference, as the emulation
-computes it); the GEMMs' accumulation order and exp2's ulps are the differences left.
+computes it). The differences left: the MMAs' accumulation (FP8 wgmma is reported to keep 13 mantissa bits of the
+accumulator it adds to; Triton's default on sm_90, as FA3, adds PV into O on the tensor cores), exp2's ulps
+(ex2.approx.ftz), the order of the row sum.
 
 Importing this module needs Triton (present with CUDA builds of torch); `attention` imports it only for CUDA tensors.
 """
@@ -28,7 +33,9 @@ import triton
 import triton.language as tl
 
 TILE = 128  # query rows and keys per tile: the recipe's, fixed
-CONFIG = {"num_warps": 8, "num_stages": 2}  # sm_90: two warpgroups of 64 rows each; K/V tiles double-buffered
+# sm_90: two warpgroups of 64 rows each; the K/V tiles double-buffered. Built for sm_90 without a GPU (triton 3.6):
+# 217 registers, no spills, 96 KiB shared (num_stages 3: 219 registers, 160 KiB)
+CONFIG = {"num_warps": 8, "num_stages": 2}
 FP8_MAX = 448.0
 
 
@@ -39,18 +46,14 @@ def _e4(x):
 
 
 @triton.jit
-def _step(s, v_ptrs, m, l, acc, c, MASK_V: tl.constexpr, v_mask):
-    """One key tile of the online softmax: s (M, N) float32 scores (masked ones -inf), V's tile at v_ptrs."""
+def _step(s, v8, m, l, acc, c):
+    """One key tile of the online softmax: s (M, N) float32 scores (masked ones -inf), v8 V's tile in e4m3."""
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.math.exp2((m - m_new) * c)
     p = tl.math.exp2(s * c - (m_new * c)[:, None])
     l = l * alpha + tl.sum(p, 1)
-    if MASK_V:
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
-    else:
-        v = tl.load(v_ptrs)
     acc = acc * alpha[:, None]
-    acc = tl.dot((p * 448.0).to(tl.float8e4nv), _e4(v), acc)
+    acc = tl.dot((p * 448.0).to(tl.float8e4nv), v8, acc)
     return m_new, l, acc
 
 
@@ -100,16 +103,19 @@ def attn_fp8_fwd(q_ptr, k_ptr, v_ptr, o_ptr, c, S, B, n_tiles,
     # the diagonal tile: causal mask, and keys past S (a short last tile) masked
     kpos = diag * BLOCK_N + kn
     kin = kpos < S
-    k = tl.load(k_base + kpos.to(tl.int64)[:, None] * sks, mask=kin[:, None], other=0.0)
-    s = tl.dot(q8, tl.trans(_e4(k)))
+    k8 = _e4(tl.load(k_base + kpos.to(tl.int64)[:, None] * sks, mask=kin[:, None], other=0.0))
+    v8 = _e4(tl.load(v_base + kpos.to(tl.int64)[:, None] * svs, mask=kin[:, None], other=0.0))
+    s = tl.dot(q8, tl.trans(k8))
     s = tl.where((kpos[None, :] <= qpos[:, None]) & kin[None, :], s, float("-inf"))
-    m, l, acc = _step(s, v_base + kpos.to(tl.int64)[:, None] * svs, m, l, acc, c, True, kin[:, None])
-    # the tiles below it, nearest first: every key visible
+    m, l, acc = _step(s, v8, m, l, acc, c)
+    # the tiles below it, nearest first: every key visible. V is loaded with K (rounded at once, held as e4m3),
+    # so its load overlaps the QK^T MMA and the softmax
     for jj in range(0, diag):
         kpos = (diag - 1 - jj) * BLOCK_N + kn
-        k = tl.load(k_base + kpos.to(tl.int64)[:, None] * sks)
-        s = tl.dot(q8, tl.trans(_e4(k)))
-        m, l, acc = _step(s, v_base + kpos.to(tl.int64)[:, None] * svs, m, l, acc, c, False, None)
+        k8 = _e4(tl.load(k_base + kpos.to(tl.int64)[:, None] * sks))
+        v8 = _e4(tl.load(v_base + kpos.to(tl.int64)[:, None] * svs))
+        s = tl.dot(q8, tl.trans(k8))
+        m, l, acc = _step(s, v8, m, l, acc, c)
     out = tl.math.div_rn(acc, (448.0 * l)[:, None])
     tl.store(o_ptr + b64 * sob + o_off[:, None] + d[None, :] * sod, out.to(o_ptr.dtype.element_ty),
              mask=valid[:, None])
