@@ -154,7 +154,8 @@ def _use_kernel(q: Tensor) -> bool:
     """The Triton kernel: CUDA, 16-bit model dtype, FP8 tensor cores (capability 9 or newer), a head size it tiles."""
     if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    D = q.shape[-1]
-    if D < 32 or D & (D - 1) or torch.cuda.get_device_capability(q.device)[0] < 9:
+    if q.shape[-1] not in (32, 64, 128):  # 256: O alone (128 x 256 float32) would fill the registers
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] < 9:
         return False
     return kernels() is not None

@@ -128,9 +128,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     (the layout o_proj reads). config: num_warps / num_stages instead of CONFIG (the benchmark's sweep)."""
     B, H, Sq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if Sq not in (S, 1) or H % Hkv or D < 32 or D & (D - 1):
+    if Sq not in (S, 1) or H % Hkv or D not in (32, 64, 128):
         raise ValueError(f"attn_fp8_triton: q {tuple(q.shape)}, k {tuple(k.shape)}: need Sq in (S, 1), whole GQA "
-                         "groups and a power-of-two head size >= 32")
+                         "groups and a head size of 32, 64 or 128")
     if H // Hkv > TILE:
         raise ValueError(f"attn_fp8_triton: {H // Hkv} query heads per kv head do not fit one tile")
     out = torch.empty(B, Sq, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)  # (B, Sq, H, D) -> (B, H, Sq, D)
