@@ -1,0 +1,146 @@
+"""The fp8 attention recipe's CUDA kernel, in Triton (`model/attention.py` calls it on Hopper; it holds the recipe and
+the CPU path, `fp8_attention_torch`).
+
+`attention(q, k, v, scale)`: causal attention, or the last position alone, with every operand of both GEMMs in
+float8_e4m3fn: one program per (query tile of 128 rows, query head, batch). It loads its query tile in the model
+dtype (any strides: the projections' (B, S, H*D) rows seen as (B, H, S, D) views), clamps it to +-448 and rounds it
+to e4m3 in registers, then walks the key tiles of 128 from the diagonal tile (causal mask) back to tile 0: K and V
+tiles loaded in the model dtype and rounded the same way, S = Q8 K8^T on the FP8 tensor cores (float32
+accumulation), the running row max m of S, alpha = exp2((m_old - m_new) c) applied to l and O, p = exp2(S c - m c),
+l += rowsum(p) of the unquantised p, O += e4(448 p) V8; the output O / (448 l) (IEEE division) rounded to the model
+dtype. K and V of a tile are loaded together and rounded at once (held as e4m3 until the PV MMA: fewer registers
+than the 16-bit tile), and Triton's pipeliner stages the next tile's loads through shared memory (cp.async) while
+this one computes. The last-position pass (Sq == 1) puts the query heads of one kv head in the rows of one tile
+(position S - 1 in every row) and walks that row's key tiles in the same order: each row does the full pass's
+arithmetic.
+
+Triton rounds the float32 -> e4m3 conversions to nearest even with saturation (cvt.rn.satfinite on sm_90) and keeps
+the FP8 operands in shared memory in the K-major order wgmma takes: V8 is produced in registers, so its tile is
+stored transposed there. Contraction to FMA is off (`S c - m c` is two products and a difference, as the emulation
+computes it). The differences left: the MMAs' accumulation (FP8 wgmma is reported to keep 13 mantissa bits of the
+accumulator it adds to; Triton's default on sm_90, as FA3, adds PV into O on the tensor cores), exp2's ulps
+(ex2.approx.ftz), the order of the row sum.
+
+Importing this module needs Triton (present with CUDA builds of torch); `attention` imports it only for CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+TILE = 128  # query rows and keys per tile: the recipe's, fixed
+# sm_90: two warpgroups of 64 rows each; the K/V tiles double-buffered. Built for sm_90 without a GPU (triton 3.6):
+# 217 registers, no spills, 96 KiB shared (num_stages 3: 219 registers, 160 KiB)
+CONFIG = {"num_warps": 8, "num_stages": 2}
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _e4(x):
+    """A tile in the model dtype -> float8e4nv: float32, clamped to +-448, rounded to nearest even."""
+    return tl.clamp(x.to(tl.float32), -448.0, 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def _step(s, v8, m, l, acc, c):
+    """One key tile of the online softmax: s (M, N) float32 scores (masked ones -inf), v8 V's tile in e4m3."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.math.exp2((m - m_new) * c)
+    p = tl.math.exp2(s * c - (m_new * c)[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot((p * 448.0).to(tl.float8e4nv), v8, acc)
+    return m_new, l, acc
+
+
+@triton.jit
+def attn_fp8_fwd(q_ptr, k_ptr, v_ptr, o_ptr, c, S, B, n_tiles,
+                 sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sos, sod,
+                 H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 LAST: tl.constexpr):
+    """One tile of BLOCK_M query rows. Causal pass: one head, positions [i BLOCK_M, (i + 1) BLOCK_M); programs ordered
+    heaviest tile first, and within a (tile, batch) the query heads of one kv head next to each other (they read the
+    same K/V tiles: L2 reuse). LAST: row r is query head kvh * REP + r at position S - 1 (q's only position)."""
+    REP: tl.constexpr = H // HKV
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    if LAST:
+        kvh = pid % HKV
+        b = pid // HKV
+        head = kvh * REP + rows
+        valid = rows < REP
+        qpos = tl.zeros([BLOCK_M], tl.int32) + (S - 1)
+        q_off = head.to(tl.int64) * sqh
+        o_off = head.to(tl.int64) * soh
+        diag = (S - 1) // BLOCK_N
+    else:
+        t = pid // REP
+        kvh = t % HKV
+        t = t // HKV
+        b = t % B
+        i = n_tiles - 1 - t // B
+        head = kvh * REP + pid % REP
+        qpos = i * BLOCK_M + rows
+        valid = qpos < S
+        q_off = head.to(tl.int64) * sqh + qpos.to(tl.int64) * sqs
+        o_off = head.to(tl.int64) * soh + qpos.to(tl.int64) * sos
+        diag = i
+    b64 = b.to(tl.int64)
+    q = tl.load(q_ptr + b64 * sqb + q_off[:, None] + d[None, :] * sqd, mask=valid[:, None], other=0.0)
+    q8 = _e4(q)
+    kn = tl.arange(0, BLOCK_N)
+    k_base = k_ptr + b64 * skb + kvh.to(tl.int64) * skh + d[None, :] * skd
+    v_base = v_ptr + b64 * svb + kvh.to(tl.int64) * svh + d[None, :] * svd
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    # the diagonal tile: causal mask, and keys past S (a short last tile) masked
+    kpos = diag * BLOCK_N + kn
+    kin = kpos < S
+    k8 = _e4(tl.load(k_base + kpos.to(tl.int64)[:, None] * sks, mask=kin[:, None], other=0.0))
+    v8 = _e4(tl.load(v_base + kpos.to(tl.int64)[:, None] * svs, mask=kin[:, None], other=0.0))
+    s = tl.dot(q8, tl.trans(k8))
+    s = tl.where((kpos[None, :] <= qpos[:, None]) & kin[None, :], s, float("-inf"))
+    m, l, acc = _step(s, v8, m, l, acc, c)
+    # the tiles below it, nearest first: every key visible. V is loaded with K (rounded at once, held as e4m3),
+    # so its load overlaps the QK^T MMA and the softmax
+    for jj in range(0, diag):
+        kpos = (diag - 1 - jj) * BLOCK_N + kn
+        k8 = _e4(tl.load(k_base + kpos.to(tl.int64)[:, None] * sks))
+        v8 = _e4(tl.load(v_base + kpos.to(tl.int64)[:, None] * svs))
+        s = tl.dot(q8, tl.trans(k8))
+        m, l, acc = _step(s, v8, m, l, acc, c)
+    out = tl.math.div_rn(acc, (448.0 * l)[:, None])
+    tl.store(o_ptr + b64 * sob + o_off[:, None] + d[None, :] * sod, out.to(o_ptr.dtype.element_ty),
+             mask=valid[:, None])
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, config: dict | None = None
+              ) -> torch.Tensor:
+    """q (B, H, Sq, D), k and v (B, Hkv, S, D), 16-bit (or float32 in Triton's interpreter), any strides; Sq == S
+    (causal) or Sq == 1 (the last position). Returns (B, H, Sq, D) in q's dtype, a view of a (B, Sq, H, D) buffer
+    (the layout o_proj reads). config: num_warps / num_stages instead of CONFIG (the benchmark's sweep)."""
+    B, H, Sq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if Sq not in (S, 1) or H % Hkv or D not in (32, 64, 128):
+        raise ValueError(f"attn_fp8_triton: q {tuple(q.shape)}, k {tuple(k.shape)}: need Sq in (S, 1), whole GQA "
+                         "groups and a head size of 32, 64 or 128")
+    if H // Hkv > TILE:
+        raise ValueError(f"attn_fp8_triton: {H // Hkv} query heads per kv head do not fit one tile")
+    out = torch.empty(B, Sq, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)  # (B, Sq, H, D) -> (B, H, Sq, D)
+    if B == 0 or S == 0:
+        return out
+    c = float(torch.tensor(math.log2(math.e) * scale, dtype=torch.float32))  # attention.log2e_scale: one rounding
+    last = Sq == 1 and S > 1
+    n_tiles = triton.cdiv(S, TILE)
+    grid = (B * Hkv,) if last else (B * H * n_tiles,)
+    attn_fp8_fwd[grid](q, k, v, out, c, S, B, n_tiles, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                       H=H, HKV=Hkv, D=D, BLOCK_M=TILE, BLOCK_N=TILE, LAST=last, enable_fp_fusion=False,
+                       **(config or CONFIG))
+    return out
