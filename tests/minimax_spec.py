@@ -28,6 +28,8 @@ class Recipe:
     scales: str = "ue8m0"  # activation and dense-weight scales: ue8m0 (Hopper, DeepGEMM) or float32
     router: str = "float32"  # the router's GEMM: float32 (the spec) or bf16 (a server rounding a and W_gate)
     weight_in_down: bool = True  # the routing weight multiplies the down GEMM's float32 output (else transformers')
+    tp: int = 1  # a validator's tensor-parallel degree (H100: 4, H200: 2): o_proj's and the experts' bf16 partial
+    # sums all-reduced in bf16, the q/k norm's float32 means averaged over the ranks (the same recipe, honest noise)
 
 
 def e4(x: Tensor) -> Tensor:
@@ -116,8 +118,18 @@ class Emulation:
         return self.mm(a2, w.t()).view(*a.shape[:-1], w.shape[0])
 
     def qk_norm(self, x: Tensor, w: Tensor) -> Tensor:
-        """Over all heads at once (per_layer): bf(x * rsqrt(mean(x^2) + eps) * w), the weight in float32."""
-        return self.rnd(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps) * w.float())
+        """Over all heads at once (per_layer): bf(x * rsqrt(mean(x^2) + eps) * w), the weight in float32; under tp the
+        ranks' float32 means of their slices, all-reduced and divided by tp."""
+        tp = self.r.tp
+        var = sum(p.pow(2).mean(-1, keepdim=True) for p in x.chunk(tp, -1)) / tp
+        return self.rnd(x * torch.rsqrt(var + self.cfg.norm_eps) * w.float())
+
+    def allreduce(self, parts: list[Tensor]) -> Tensor:
+        """Partial sums in the model dtype added rank after rank, each sum rounded (a bf16 all-reduce)."""
+        acc = parts[0]
+        for p in parts[1:]:
+            acc = self.rnd(acc + p)
+        return acc
 
     def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x (B, H, S, D): dims [0, R) in NeoX pairs (i, i + R/2), cos/sin rounded, each product and sum rounded."""
@@ -191,7 +203,9 @@ class Emulation:
         ue8 = self.r.scales == "ue8m0"
         fp8 = "block_sparse_moe.experts.0.w1.weight_scale_inv" in W
         a8 = quant_groups(a, ue8) if fp8 else a
-        terms = torch.zeros(T, k, D, device=a.device)
+        tp = self.r.tp
+        F = self.cfg.moe_ffn_dim // tp  # each rank's slice of every expert's intermediate
+        terms = torch.zeros(tp, T, k, D, device=a.device)
         for e in idx.unique().tolist():
             tok, slot = (idx == e).nonzero(as_tuple=True)
             p = f"block_sparse_moe.experts.{e}."
@@ -203,15 +217,23 @@ class Emulation:
             g = self.rnd(self.mm(a8[tok], W_("w1").t()))
             u = self.rnd(self.mm(a8[tok], W_("w3").t()))
             act = self.rnd(self.rnd(g / (1.0 + torch.exp(-g))) * u)
-            y = self.mm(quant_groups(act, ue8) if fp8 else act, W_("w2").t())
+            act = quant_groups(act, ue8) if fp8 else act
+            w2 = W_("w2")
             we = w[tok, slot][:, None]
-            terms[tok, slot] = self.rnd(we * y) if self.r.weight_in_down else self.rnd(self.rnd(y) * self.rnd(we))
-        if not self.r.weight_in_down:  # transformers' order: the k terms summed exactly
-            return self.rnd(terms.double().sum(1).float())
-        acc = terms[:, 0]
-        for c in range(1, k):  # float32, in selection order
-            acc = acc + terms[:, c]
-        return self.rnd(acc)
+            for r in range(tp):
+                y = self.mm(act[:, r * F:(r + 1) * F], w2[:, r * F:(r + 1) * F].t())
+                terms[r, tok, slot] = (self.rnd(we * y) if self.r.weight_in_down
+                                       else self.rnd(self.rnd(y) * self.rnd(we)))
+        parts = []
+        for r in range(tp):
+            if not self.r.weight_in_down:  # transformers' order: the k terms summed exactly
+                parts.append(self.rnd(terms[r].double().sum(1).float()))
+                continue
+            acc = terms[r, :, 0]
+            for c in range(1, k):  # float32, in selection order
+                acc = acc + terms[r, :, c]
+            parts.append(self.rnd(acc))
+        return self.allreduce(parts)
 
     def reflect(self, x: Tensor, v: Tensor) -> Tensor:
         """poc-v2 §b in the model dtype: dot = sum(x * v) rounded; x - 2 dot v, each op rounded."""
@@ -240,7 +262,9 @@ class Emulation:
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         y = self.attention(q, k, v).transpose(1, 2).reshape(B, S, -1)
         w, fp8 = self.weight(W, "self_attn.o_proj")
-        y = self.rnd(self.linear(y, w, fp8))
+        cols = y.shape[-1] // self.r.tp  # row parallel: each rank its heads' columns, a bf16 partial sum
+        y = self.allreduce([self.rnd(self.linear(y[..., r * cols:(r + 1) * cols], w[:, r * cols:(r + 1) * cols], fp8))
+                            for r in range(self.r.tp)])
         r = self.rnd(y + r)
         a = self.norm(r, W["post_attention_layernorm.weight"])
         return self.experts(a.reshape(B * S, D), W).view(B, S, D), r

@@ -13,9 +13,12 @@ UE8M0 by the emulation itself), one layer at a time. Distances are the validator
 artifacts (mean, p98, max, and the share above the chain's dist_threshold 0.75 for this model).
 
 Rows, per depth:
-- ours vs the spec emulation: the number to watch;
-- honest noise: ours at another batch size (other GEMM shapes), and the emulation with every GEMM summed exactly
-  (float64: the same recipe without float32's accumulation order) against the emulation;
+- ours vs the spec emulation (one GPU's arithmetic: no tensor-parallel partial sums): the number to watch, and ours
+  against the emulation of the H100 validators (TP4: o_proj's and the experts' bf16 partial sums all-reduced) and of
+  the H200 validators (TP2);
+- honest noise: the H100 validators against the H200 validators (TP4 vs TP2 emulations: the same recipe, two
+  deployments the chain accepts), the emulation with every GEMM summed exactly (float64: without float32's
+  accumulation order) against the emulation, and ours at another batch size;
 - each recipe variant's emulation against the spec's: the vLLM 0.20-era attention (bf16 Q, e4m3 K/V), bf16
   attention, a bf16 router, float32 scales, transformers' expert weighing (each a way to be systematically wrong),
   and ours against each.
@@ -186,16 +189,21 @@ def depth(args, layers: int, n: int, dev) -> dict:
     mine, rate = ours(cfg, nonces, args.batch, dev, compile)
     other_batch = ours(cfg, nonces, args.batch // 2, dev, compile)[0] if layers <= args.variants_up_to else None
     t_ours = time.perf_counter() - t0
-    recipes = {"spec": (Recipe(), False), "spec, exact GEMM sums": (Recipe(), True)}
+    recipes = {"spec": (Recipe(), False), "spec TP4": (Recipe(tp=4), False), "spec TP2": (Recipe(tp=2), False)}
     if layers <= args.variants_up_to:
+        recipes["spec, exact GEMM sums"] = (Recipe(), True)
         recipes.update({k: (r, False) for k, r in VARIANTS.items()})
     t0 = time.perf_counter()
     emu = emulations(cfg, recipes, nonces, args.emu_batch, dev)
     t_emu = time.perf_counter() - t0
     spec = emu["spec"]
     rows = [{"compare": "ours vs spec emulation", **dist(mine, spec)},
-            {"compare": "honest: emulation exact GEMM sums vs spec", **dist(emu["spec, exact GEMM sums"], spec)},
-            {"compare": "honest: ours vs emulation exact GEMM sums", **dist(mine, emu["spec, exact GEMM sums"])}]
+            {"compare": "ours vs spec TP4 (H100 validators)", **dist(mine, emu["spec TP4"])},
+            {"compare": "ours vs spec TP2 (H200 validators)", **dist(mine, emu["spec TP2"])},
+            {"compare": "honest: spec TP4 vs TP2 (H100 vs H200 validators)", **dist(emu["spec TP4"], emu["spec TP2"])},
+            {"compare": "honest: spec TP4 vs one GPU", **dist(emu["spec TP4"], spec)}]
+    if "spec, exact GEMM sums" in emu:
+        rows.append({"compare": "honest: emulation exact GEMM sums vs spec", **dist(emu["spec, exact GEMM sums"], spec)})
     if other_batch is not None:
         rows.append({"compare": "honest: ours batch %d vs %d" % (args.batch, args.batch // 2),
                      **dist(mine, other_batch)})

@@ -11,6 +11,7 @@
 # and the exit status is the number that failed.
 set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD PYTHONUNBUFFERED=1
+[ -d .dbg/shared ] && export POC_SHARED=${POC_SHARED:-$PWD/.dbg/shared}  # the golden files, carried to the GPU box
 PY=${PYTHON:-python3}
 out=${1:?usage: minimax_gpu.sh OUT_DIR [STEPS] [-- accuracy flags]}; shift
 steps=${1:-tests,attention,bench,accuracy}; [ $# -gt 0 ] && shift

@@ -2,21 +2,19 @@
 the CPU path, `fp8_attention_torch`).
 
 `attention(q, k, v, scale)`: causal attention, or the last position alone, with every operand of both GEMMs in
-float8_e4m3fn: one program per (query tile of 128 rows, query head, batch). It loads its query tile in the model
-dtype (any strides: the projections' (B, S, H*D) rows seen as (B, H, S, D) views), clamps it to +-448 and rounds it
-to e4m3 in registers, then walks the key tiles of 128 from the diagonal tile (causal mask) back to tile 0: K and V
-tiles loaded in the model dtype and rounded the same way, S = Q8 K8^T on the FP8 tensor cores (float32
-accumulation), the running row max m of S, alpha = exp2((m_old - m_new) c) applied to l and O, p = exp2(S c - m c),
-l += rowsum(p) of the unquantised p, O += e4(448 p) V8; the output O / (448 l) (IEEE division) rounded to the model
-dtype. K and V of a tile are loaded together and rounded at once (held as e4m3 until the PV MMA: fewer registers
-than the 16-bit tile), and Triton's pipeliner stages the next tile's loads through shared memory (cp.async) while
-this one computes. The last-position pass (Sq == 1) puts the query heads of one kv head in the rows of one tile
-(position S - 1 in every row) and walks that row's key tiles in the same order: each row does the full pass's
-arithmetic.
+float8_e4m3fn. K and V are rounded to e4m3 once per call (clamped to +-448, nearest even: `_round_kv`), K as
+(B, Hkv, S, D) and V transposed as (B, Hkv, D, S): the K-major layouts FP8 wgmma takes for both GEMMs' B operand,
+so the main loop streams FP8 tiles from memory into shared memory (Triton's pipeliner: the next tiles' loads in
+flight while this one computes) and on to the tensor cores with no conversion. Then one program per (query tile of
+128 rows, query head, batch) loads its query tile in the model dtype (any strides: the projections' (B, S, H*D) rows
+seen as (B, H, S, D) views), rounds it to e4m3 in registers, and walks the key tiles of 128 from the diagonal tile
+(causal mask) back to tile 0: S = Q8 K8^T on the FP8 tensor cores (float32 accumulation), the running row max m of
+S, alpha = exp2((m_old - m_new) c) applied to l and O, p = exp2(S c - m c), l += rowsum(p) of the unquantised p,
+O += e4(448 p) V8; the output O / (448 l) (IEEE division) rounded to the model dtype. The last-position pass
+(Sq == 1) puts the query heads of one kv head in the rows of one tile (position S - 1 in every row) and walks that
+row's key tiles in the same order: each row does the full pass's arithmetic.
 
-Triton rounds the float32 -> e4m3 conversions to nearest even with saturation (cvt.rn.satfinite on sm_90) and keeps
-the FP8 operands in shared memory in the K-major order wgmma takes: V8 is produced in registers, so its tile is
-stored transposed there. Contraction to FMA is off (`S c - m c` is two products and a difference, as the emulation
+Triton rounds the float32 -> e4m3 conversions to nearest even with saturation (cvt.rn.satfinite on sm_90). Contraction to FMA is off (`S c - m c` is two products and a difference, as the emulation
 computes it). The differences left: the MMAs' accumulation (FP8 wgmma is reported to keep 13 mantissa bits of the
 accumulator it adds to; Triton's default on sm_90, as FA3, adds PV into O on the tensor cores), exp2's ulps
 (ex2.approx.ftz), the order of the row sum.
@@ -33,10 +31,10 @@ import triton
 import triton.language as tl
 
 TILE = 128  # query rows and keys per tile: the recipe's, fixed
-# sm_90: two warpgroups of 64 rows each; the K/V tiles double-buffered. Built for sm_90 without a GPU (triton 3.6):
-# 217 registers, no spills, 96 KiB shared (num_stages 3: 219 registers, 160 KiB)
-CONFIG = {"num_warps": 8, "num_stages": 2}
+# sm_90: two warpgroups of 64 rows each; the FP8 K/V tiles triple-buffered (16 KiB a K and V tile pair)
+CONFIG = {"num_warps": 8, "num_stages": 3}
 FP8_MAX = 448.0
+FP8 = torch.float8_e4m3fn
 
 
 @triton.jit
@@ -58,13 +56,33 @@ def _step(s, v8, m, l, acc, c):
 
 
 @triton.jit
+def round_kv(x_ptr, y_ptr, S, sxb, sxh, sxs, sxd, syb, syh, sy0, sy1, HKV: tl.constexpr, D: tl.constexpr,
+             BLOCK: tl.constexpr, TRANS: tl.constexpr):
+    """BLOCK positions of one (batch, kv head) of x (B, Hkv, S, D) (model dtype, any strides) rounded to e4m3 into
+    y: (B, Hkv, S, D) with strides (syb, syh, sy0, sy1), or with TRANS the transposed (B, Hkv, D, S) (the tile
+    transposed in registers, so that both the load and the store run along contiguous memory)."""
+    pid, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // HKV).to(tl.int64), (bh % HKV).to(tl.int64)
+    s = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    d = tl.arange(0, D).to(tl.int64)
+    x8 = _e4(tl.load(x_ptr + b * sxb + h * sxh + s[:, None] * sxs + d[None, :] * sxd, mask=(s < S)[:, None],
+                     other=0.0))
+    if TRANS:
+        tl.store(y_ptr + b * syb + h * syh + d[:, None] * sy0 + s[None, :] * sy1, tl.trans(x8),
+                 mask=(s < S)[None, :])
+    else:
+        tl.store(y_ptr + b * syb + h * syh + s[:, None] * sy0 + d[None, :] * sy1, x8, mask=(s < S)[:, None])
+
+
+@triton.jit
 def attn_fp8_fwd(q_ptr, k_ptr, v_ptr, o_ptr, c, S, B, n_tiles,
-                 sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sos, sod,
+                 sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svd, svs, sob, soh, sos, sod,
                  H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  LAST: tl.constexpr):
-    """One tile of BLOCK_M query rows. Causal pass: one head, positions [i BLOCK_M, (i + 1) BLOCK_M); programs ordered
-    heaviest tile first, and within a (tile, batch) the query heads of one kv head next to each other (they read the
-    same K/V tiles: L2 reuse). LAST: row r is query head kvh * REP + r at position S - 1 (q's only position)."""
+    """One tile of BLOCK_M query rows, k the e4m3 K (B, Hkv, S, D) and v the e4m3 V transposed (B, Hkv, D, S).
+    Causal pass: one head, positions [i BLOCK_M, (i + 1) BLOCK_M); programs ordered heaviest tile first, and within a
+    (tile, batch) the query heads of one kv head next to each other (they read the same K/V tiles: L2 reuse). LAST:
+    row r is query head kvh * REP + r at position S - 1 (q's only position)."""
     REP: tl.constexpr = H // HKV
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -94,8 +112,8 @@ def attn_fp8_fwd(q_ptr, k_ptr, v_ptr, o_ptr, c, S, B, n_tiles,
     q = tl.load(q_ptr + b64 * sqb + q_off[:, None] + d[None, :] * sqd, mask=valid[:, None], other=0.0)
     q8 = _e4(q)
     kn = tl.arange(0, BLOCK_N)
-    k_base = k_ptr + b64 * skb + kvh.to(tl.int64) * skh + d[None, :] * skd
-    v_base = v_ptr + b64 * svb + kvh.to(tl.int64) * svh + d[None, :] * svd
+    k_base = k_ptr + b64 * skb + kvh.to(tl.int64) * skh + d[None, :] * skd  # (BLOCK_N, D) tiles, D contiguous
+    v_base = v_ptr + b64 * svb + kvh.to(tl.int64) * svh + d[:, None] * svd  # (D, BLOCK_N) tiles, keys contiguous
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -103,19 +121,18 @@ def attn_fp8_fwd(q_ptr, k_ptr, v_ptr, o_ptr, c, S, B, n_tiles,
     # the diagonal tile: causal mask, and keys past S (a short last tile) masked
     kpos = diag * BLOCK_N + kn
     kin = kpos < S
-    k8 = _e4(tl.load(k_base + kpos.to(tl.int64)[:, None] * sks, mask=kin[:, None], other=0.0))
-    v8 = _e4(tl.load(v_base + kpos.to(tl.int64)[:, None] * svs, mask=kin[:, None], other=0.0))
+    k8 = tl.load(k_base + kpos.to(tl.int64)[:, None] * sks, mask=kin[:, None], other=0.0)
+    vt8 = tl.load(v_base + kpos.to(tl.int64)[None, :] * svs, mask=kin[None, :], other=0.0)
     s = tl.dot(q8, tl.trans(k8))
     s = tl.where((kpos[None, :] <= qpos[:, None]) & kin[None, :], s, float("-inf"))
-    m, l, acc = _step(s, v8, m, l, acc, c)
-    # the tiles below it, nearest first: every key visible. V is loaded with K (rounded at once, held as e4m3),
-    # so its load overlaps the QK^T MMA and the softmax
+    m, l, acc = _step(s, tl.trans(vt8), m, l, acc, c)
+    # the tiles below it, nearest first: every key visible
     for jj in range(0, diag):
         kpos = (diag - 1 - jj) * BLOCK_N + kn
-        k8 = _e4(tl.load(k_base + kpos.to(tl.int64)[:, None] * sks))
-        v8 = _e4(tl.load(v_base + kpos.to(tl.int64)[:, None] * svs))
+        k8 = tl.load(k_base + kpos.to(tl.int64)[:, None] * sks)
+        vt8 = tl.load(v_base + kpos.to(tl.int64)[None, :] * svs)
         s = tl.dot(q8, tl.trans(k8))
-        m, l, acc = _step(s, v8, m, l, acc, c)
+        m, l, acc = _step(s, tl.trans(vt8), m, l, acc, c)
     out = tl.math.div_rn(acc, (448.0 * l)[:, None])
     tl.store(o_ptr + b64 * sob + o_off[:, None] + d[None, :] * sod, out.to(o_ptr.dtype.element_ty),
              mask=valid[:, None])
@@ -139,8 +156,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     c = float(torch.tensor(math.log2(math.e) * scale, dtype=torch.float32))  # attention.log2e_scale: one rounding
     last = Sq == 1 and S > 1
     n_tiles = triton.cdiv(S, TILE)
+    k8 = torch.empty(B, Hkv, S, D, dtype=FP8, device=k.device)
+    vt8 = torch.empty(B, Hkv, D, S, dtype=FP8, device=v.device)  # V transposed: keys contiguous
+    for x, y, trans in ((k, k8, False), (v, vt8, True)):
+        round_kv[(triton.cdiv(S, 64), B * Hkv)](x, y, S, *x.stride(), *y.stride(), HKV=Hkv, D=D, BLOCK=64,
+                                                TRANS=trans, num_warps=4)
     grid = (B * Hkv,) if last else (B * H * n_tiles,)
-    attn_fp8_fwd[grid](q, k, v, out, c, S, B, n_tiles, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+    attn_fp8_fwd[grid](q, k8, vt8, out, c, S, B, n_tiles, *q.stride(), *k8.stride(), *vt8.stride(), *out.stride(),
                        H=H, HKV=Hkv, D=D, BLOCK_M=TILE, BLOCK_N=TILE, LAST=last, enable_fp_fusion=False,
                        **(config or CONFIG))
     return out
