@@ -85,9 +85,12 @@ class Emulation:
 
     def __init__(self, cfg, weights: Callable[[int], dict[str, Tensor]], final_norm: Tensor,
                  recipe: Recipe = Recipe(), dtype: torch.dtype = torch.bfloat16, layers: list[int] | None = None,
-                 exact: bool = False):
+                 exact: bool = False, cache: dict | None = None):
         """exact: every GEMM's products summed in float64 and rounded to float32 once (the same recipe, its
-        float32 accumulation order taken out: the honest noise of another GEMM kernel)."""
+        float32 accumulation order taken out: the honest noise of another GEMM kernel). cache: where the experts'
+        dequantised float32 weights are kept (by weight tensor), shared by emulations of the same weights; its owner
+        clears it."""
+        self.cache = {} if cache is None else cache
         self.cfg, self.weights, self.final_norm, self.r, self.dtype = cfg, weights, final_norm, recipe, dtype
         self.layers = list(range(cfg.n_layers)) if layers is None else layers
         self.mm = (lambda a, b: (a.double() @ b.double()).float()) if exact else torch.matmul
@@ -212,7 +215,9 @@ class Emulation:
 
             def W_(n):
                 t, s = W[p + n + ".weight"], W.get(p + n + ".weight_scale_inv")
-                return t.float() if s is None else dequant_blocks(t, s)  # experts keep the checkpoint's scales
+                if id(t) not in self.cache:  # experts keep the checkpoint's scales; the tensor held: its id stays
+                    self.cache[id(t)] = (t, t.float() if s is None else dequant_blocks(t, s))
+                return self.cache[id(t)][1]
 
             g = self.rnd(self.mm(a8[tok], W_("w1").t()))
             u = self.rnd(self.mm(a8[tok], W_("w3").t()))

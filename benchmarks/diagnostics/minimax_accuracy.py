@@ -131,16 +131,19 @@ def emulations(cfg, recipes: dict[str, tuple[Recipe, bool]], nonces: list[int], 
     refl = v2.layer_vectors(BH, cfg.n_layers, cfg.dim, dev).to(torch.bfloat16)
     cos, sin = (t.to(dev) for t in rope_tables(SEQ, cfg.rope_dim, cfg.rope_theta))
     cache: dict = {}
+    experts: dict = {}  # the layer's experts dequantised once, for every batch and recipe
 
     def weights(i: int) -> dict:
         if i not in cache:
             cache.clear()
+            experts.clear()
             pre = f"model.layers.{i}."
             cache[i] = {checkpoint_name(n, cfg.family)[len(pre):]: t
                         for n, t in checkpoint_layer(cfg, i, torch.bfloat16, dev, fp8_ckpt=True).items()}
         return cache[i]
 
-    emus = {name: Emulation(cfg, weights, final, r, exact=exact) for name, (r, exact) in recipes.items()}
+    emus = {name: Emulation(cfg, weights, final, r, exact=exact, cache=experts)
+            for name, (r, exact) in recipes.items()}
     out = {name: {} for name in recipes}
     per_nonce = 2 * SEQ * cfg.dim * 2 * len(emus)
     chunk = max(batch, int(state_bytes // per_nonce) // batch * batch)
@@ -160,6 +163,7 @@ def emulations(cfg, recipes: dict[str, tuple[Recipe, bool]], nonces: list[int], 
                     h, r = e.layer(layer, h.float(), None if r is None else r.float(), cos, sin)
                     state[name, b] = (e.reflect(h, v).to(torch.bfloat16), e.reflect(r, v).to(torch.bfloat16))
         cache.clear()
+        experts.clear()
         for b, part in enumerate(batches):
             _, pick, haar = plan(part, cfg.dim, dev)
             for name, e in emus.items():
