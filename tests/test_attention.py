@@ -125,9 +125,11 @@ def agreement(out: torch.Tensor, ref: torch.Tensor) -> dict:
 # cut to 13 bits) gave, at H 6 / Hkv 1 / D 128, S 300 and 1024: random bf16 inputs differ 14-28%, rms_rel
 # 0.0018-0.0025, max_rel 0.004-0.008; robust_inputs differ 1.0-2.4%, rms_rel 0.00016-0.00027, max_rel 0.001. The
 # counterfactuals on the same inputs: key tiles from 0 forward rms_rel 0.0084-0.016 (random), 0.0058-0.011
-# (robust), differ 44-81%; no 448 0.028-0.038; P unrounded 0.014-0.020; GQA mapping ~1.
-RANDOM_RMS, RANDOM_MAX = 6e-3, 2e-2
-ROBUST_RMS, ROBUST_MAX, ROBUST_DIFFER = 1e-3, 4e-3, 0.05
+# (robust), differ 44-81%; no 448 0.028-0.038; P unrounded 0.014-0.020; GQA mapping ~1. Measured on an H200 (the
+# kernel with K and V rounded once, benchmarks/h200/attention_fp8.json): random inputs differ 38%, rms_rel 0.0037,
+# max_rel 0.012-0.020; robust inputs (S 300) differ 2.7%, rms_rel 0.0006, max_rel 0.0045.
+RANDOM_RMS, RANDOM_MAX = 6e-3, 3e-2
+ROBUST_RMS, ROBUST_MAX, ROBUST_DIFFER = 1e-3, 1e-2, 0.05
 COUNTERFACTUALS = ({"order": "forward"}, {"p_scale": 1.0}, {"quantise": False}, {"kv_head": lambda h: h % 2})
 
 
