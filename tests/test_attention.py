@@ -30,9 +30,10 @@ import torch.nn.functional as F
 from poc.model import attention
 from poc.model.attention import e4, fp8_attention_torch
 
+from .attention_inputs import UNIT_C, robust_inputs
+
 ROOT = Path(__file__).resolve().parents[1]
 LOG2E = math.log2(math.e)
-UNIT_C = 1 / LOG2E  # a scale whose c = log2(e) * scale rounds to exactly 1.0
 
 
 def projections(B: int, H: int, Hkv: int, S: int, D: int, dtype=torch.float32, seed: int = 0, q_mul: float = 1.0,
@@ -46,26 +47,6 @@ def projections(B: int, H: int, Hkv: int, S: int, D: int, dtype=torch.float32, s
     # (B, S, H*D) -> (B, S, H, D) -> (B, H, S, D)
     return (q.view(B, S, H, D).transpose(1, 2), k.view(B, S, Hkv, D).transpose(1, 2),
             v.view(B, S, Hkv, D).transpose(1, 2))
-
-
-def robust_inputs(B: int, H: int, Hkv: int, S: int, D: int, dtype=torch.bfloat16, seed: int = 0, device="cpu"):
-    """Inputs on which the recipe has no rounding boundary nearby, for scale UNIT_C (c == 1): every score is a
-    multiple of 1/8 in [-4, 4] (q: 8 entries per row from +-1/4, +-1/2; k: entries from 0, +-1/2, +-1), so S and
-    S - m are exact in any order; p = 2^(-j/8) puts 448 p at least 1.5% from an e4m3 rounding boundary (the midpoints
-    between 240 and 448 nearest to 448 x 2^(-j/8), j = 0..7, are 248, 272, 304, 336, 368, 400: no ulp of exp2 moves
-    e4(448 p)); v: integers in [-4, 4], so each tile's P8 V8 is exact. What is left is float32 rounding in l's sum,
-    in O x alpha (alpha = 2^(-j/8)) and the accumulation order: the outputs differ only where O / (448 l) lies within
-    a few float32 ulps of a bf16 rounding boundary. The running max still changes between key tiles (the largest
-    possible score is rare), so the tile order, the 448, P's rounding and the GQA mapping all matter."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.zeros(B, S, H, D, device=device)
-    idx = torch.rand(B, S, H, D, generator=g, device=device).argsort(-1)[..., :8]
-    vals = torch.tensor([-0.5, -0.25, 0.25, 0.5], device=device)
-    q.scatter_(-1, idx, vals[torch.randint(0, 4, idx.shape, generator=g, device=device)])
-    kv = torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.0], device=device)
-    k = kv[torch.randint(0, 5, (B, S, Hkv, D), generator=g, device=device)]
-    v = torch.randint(-4, 5, (B, S, Hkv, D), generator=g, device=device).float()
-    return tuple(t.to(dtype).transpose(1, 2) for t in (q, k, v))  # (B, S, H, D) -> (B, H, S, D)
 
 
 def naive_fp8(q, k, v, scale: float, order: str = "back", p_scale: float = 448.0, quantise: bool = True,
@@ -346,7 +327,7 @@ def test_cuda_kernel_is_the_emulation_at_the_minimax_shape(S):
     """bf16 at B=2, H=48, Hkv=8, D=128, scale 1/sqrt(128): the full pass and the last position. The kernel and the
     emulation differ by the GPU's dot accumulation and exp2 ulps, which flip an e4(448 p) now and then (one e4m3 step
     is 1/16 to 1/8 of a value), and by the MMA's accumulator in O (RANDOM_*: bounds from a CPU model of it)."""
-    assert attention._use_kernel(torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16))  # attend runs it
+    assert attention.use_kernel(torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16))  # attend runs it
     q, k, v = projections(2, 48, 8, S, 128, torch.bfloat16, seed=S, device="cuda")
     scale = 128 ** -0.5
     out = attention.attend(q, k, v, "fp8", scale)

@@ -128,3 +128,36 @@ def test_worker_benchmark_payload_names_minimax(monkeypatch):
     monkeypatch.setenv("POC_BENCH_PARAMS", json.dumps({"model": REPO, "seq_len": 1024, "k_dim": 12}))
     body = worker.bench_payload()
     assert body["params"]["model"] == REPO and "node_id" in body
+
+
+async def test_pooled_computes_a_minimax_range(minimax, aiohttp_client, tmp_path):
+    """An orchestrator handing out a MiniMax range (/pooled, v2 params): every nonce's artifact reaches it once, the
+    single-process engine's vector."""
+    from .fakes import FakeOrchestrator, covers_exactly, is_result
+    from .servers import pooled_config
+
+    path, ref = minimax
+    p = v2_request()
+    orch = FakeOrchestrator()
+    orch.connect_reply = {"status": "ok", "block_hash": p["block_hash"], "block_height": 7,
+                          "params": {"model": REPO, "seq_len": SEQ, "k_dim": K}}
+    orch.ready_reply = {"public_key": p["public_key"], "nonce_range_start": 0, "nonce_range_end": 7}
+    await orch.start()
+    try:
+        c = await aiohttp_client(create_app(pooled_config(tmp_path, model=str(path), served_model_name=(REPO,))))
+        await wait_status(c)
+        r = await c.post("/pooled", json={"orchestrator_url": orch.url, "batch_size": 4})
+        assert r.status == 200, await r.text()
+        lines = Lines(r)
+        await lines.wait(status("range_complete"), 60)
+        await wait_until(lambda: len(orch.accepted) >= 2, 30, "both results accepted")
+        orch.commands.append({"type": "shutdown"})
+        await lines.wait(status("shutdown"), 30)
+        out = await lines.finish()
+    finally:
+        await orch.stop()
+    results = [d for d in out if is_result(d)]
+    assert len(results) == 2 and covers_exactly(orch.spans(p["public_key"]), 0, 7)
+    got = _vectors([a for b in orch.accepted.values() for a in b["artifacts"]])
+    assert sorted(got) == list(range(8))
+    assert max(np.abs(got[n] - ref[n]).max() for n in got) < 1e-3

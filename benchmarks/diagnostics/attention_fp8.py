@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from poc.model import attention
     from poc.model.kernels import attn_fp8_triton
-    from tests.test_attention import UNIT_C, robust_inputs
+    from tests.attention_inputs import UNIT_C, robust_inputs
 
     probe = torch.empty(1, 1, 1, D, device="cuda", dtype=torch.bfloat16)
-    if not attention._use_kernel(probe):
+    if not attention.use_kernel(probe):
         raise SystemExit(f"the fp8 kernel does not run on {torch.cuda.get_device_name()} (capability "
                          f"{torch.cuda.get_device_capability()}; needs 9+ and Triton): nothing was run")
     configs = [dict(attn_fp8_triton.CONFIG)]

@@ -42,7 +42,7 @@ import torch
 from poc.bench import pyplot
 from poc.model.compile import maybe_compile
 from poc.model.config import PRESETS
-from poc.model.random_weights import checkpoint_layer, random_model
+from poc.model.random_weights import checkpoint_layer, checkpoint_norm, random_model
 from poc.model.transformer import Transformer
 from poc.model.weights import checkpoint_name
 from poc.parallel.build import Part
@@ -126,7 +126,7 @@ def emulations(cfg, recipes: dict[str, tuple[Recipe, bool]], nonces: list[int], 
     """Each recipe's (Recipe, exact) float32 emulation over the nonces. Layer by layer over as many nonces as their
     states (hidden and residual, bf16 values) fit in state_bytes: one layer's weights drawn once (as random_model
     draws them, under the release's names) for every batch and recipe."""
-    final = checkpoint_final_norm(cfg, dev)
+    final = checkpoint_norm(cfg, torch.bfloat16, dev)
     keys = v2.hash_keys(SEQ * cfg.dim, dev)
     refl = v2.layer_vectors(BH, cfg.n_layers, cfg.dim, dev).to(torch.bfloat16)
     cos, sin = (t.to(dev) for t in rope_tables(SEQ, cfg.rope_dim, cfg.rope_theta))
@@ -171,12 +171,6 @@ def emulations(cfg, recipes: dict[str, tuple[Recipe, bool]], nonces: list[int], 
                 final_h = e.norm(e.rnd(h.float() + r.float()), final)[:, -1]
                 out[name].update(vectors(part, final_h.to(torch.bfloat16), pick, haar))
     return out
-
-
-def checkpoint_final_norm(cfg, dev) -> torch.Tensor:
-    from poc.model.random_weights import _draw
-
-    return _draw("norm.weight", (cfg.dim,), torch.bfloat16, torch.device(dev), 0)
 
 
 def dist(a: dict, b: dict) -> dict:

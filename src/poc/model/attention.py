@@ -54,7 +54,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, recipe: str, scale: float) -> Tensor
     if recipe == "fp8kv":
         return _sdpa(q, e4(k).to(k.dtype), e4(v).to(v.dtype), scale)
     if recipe == "fp8":
-        if _use_kernel(q):
+        if use_kernel(q):
             return kernels().attention(q, k, v, scale)
         return fp8_attention_torch(q, k, v, scale)
     raise ValueError(f"attention recipe must be one of {RECIPES}, got {recipe!r}")
@@ -159,7 +159,7 @@ def kernels():
     return _TRITON[0]
 
 
-def _use_kernel(q: Tensor) -> bool:
+def use_kernel(q: Tensor) -> bool:
     """The Triton kernel: CUDA, 16-bit model dtype, FP8 tensor cores (capability 9 or newer), a head size it tiles."""
     if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False

@@ -9,26 +9,30 @@ network's validators compute. Plain data, no torch: the server's config imports 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from poc.errors import InputError
 
-ATTENTIONS = ("auto", "fp8", "fp8kv", "bf16")  # model/attention.py's recipes, or auto (attention_for)
-FP8_FORWARDS = ("w8a8", "dequant")
-FP8_SCALES = ("ue8m0", "float32")
-FP8_EXPERTS = ("keep", "dequant")
-TP_REDUCES = ("fp32", "model")
+# each setting's values, written once: the type, and the tuple the checks and the flags' help read
+Attention = Literal["auto", "fp8", "fp8kv", "bf16"]  # model/attention.py's recipes, or auto (attention_for)
+Fp8Forward = Literal["w8a8", "dequant"]
+Fp8Scales = Literal["ue8m0", "float32"]
+Fp8Experts = Literal["keep", "dequant"]
+TpReduce = Literal["fp32", "model"]
+ATTENTIONS, FP8_FORWARDS, FP8_SCALES, FP8_EXPERTS, TP_REDUCES = (
+    get_args(t) for t in (Attention, Fp8Forward, Fp8Scales, Fp8Experts, TpReduce))
 
 
 @dataclass(frozen=True)
 class ModelOptions:
-    fp8: str = "w8a8"  # an FP8 checkpoint's forward: w8a8 (the validators' recipe) or dequant (POC_FP8)
-    fp8_scales: str = "ue8m0"  # W8A8's scale format: ue8m0 (Hopper validators) or float32 (POC_FP8_SCALES)
-    fp8_experts: str = "keep"  # with fp8=dequant, a Qwen3-MoE's FP8 experts: keep or dequant at load (POC_FP8_EXPERTS)
+    fp8: Fp8Forward = "w8a8"  # an FP8 checkpoint's forward: w8a8 (the validators' recipe) or dequant (POC_FP8)
+    fp8_scales: Fp8Scales = "ue8m0"  # W8A8's scale format: ue8m0 (Hopper validators) or float32 (POC_FP8_SCALES)
+    fp8_experts: Fp8Experts = "keep"  # with fp8=dequant, a Qwen3-MoE's FP8 experts: keep or dequant at load
     fused_norm: bool = True  # W8A8 on CUDA: a norm and its readers' quantiser in one kernel (POC_FP8_FUSED_NORM)
     gluon: bool = True  # W8A8 experts on Hopper: the Gluon kernels, else the Triton ones, same bits (POC_FP8_GLUON)
-    tp_reduce: str = "fp32"  # tp/ep partial sums all-reduced in fp32 or in the model dtype (POC_TP_REDUCE)
+    tp_reduce: TpReduce = "fp32"  # tp/ep partial sums all-reduced in fp32 or in the model dtype (POC_TP_REDUCE)
     pool_workers: int | None = None  # threads drawing v1's pool; None: the CPUs, a rank its share (POC_POOL_WORKERS)
-    attention: str = "auto"  # the attention recipe (model/attention.py): auto, fp8, fp8kv or bf16 (POC_ATTENTION)
+    attention: Attention = "auto"  # the attention recipe (model/attention.py; POC_ATTENTION, --attention)
 
     def __post_init__(self):
         for name, value, allowed in (("POC_ATTENTION", self.attention, ATTENTIONS),

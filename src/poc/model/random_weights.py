@@ -129,6 +129,11 @@ def checkpoint_layer(cfg: ModelConfig, layer: int, dtype: torch.dtype, device, f
     return out
 
 
+def checkpoint_norm(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> torch.Tensor:
+    """The final norm's weight of random_model's draws (checkpoint_layer's companion)."""
+    return _draw("norm.weight", (cfg.dim,), dtype, torch.device(device), seed)
+
+
 class _Holder(nn.Module):
     """A model-like holder of one block (fp8.use_fp8_linears walks `layers`)."""
 
