@@ -240,3 +240,17 @@ def write_minimax_fp8(src, dst, fmt: str = "float8_e4m3fn", mtp_layers: int = 0,
     quant = dict(MINIMAX_QUANT, fmt=fmt)
     (dst / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16", "quantization_config": quant}))
     return out
+
+
+def random_layers(cfg, dtype, device):
+    """weights(i) for tests/minimax_spec.Emulation: layer i of random_model's FP8 checkpoint draws
+    (random_weights.checkpoint_layer) under the release's names, less `model.layers.{i}.`."""
+    from poc.model.random_weights import checkpoint_layer
+    from poc.model.weights import checkpoint_name
+
+    def weights(i: int) -> dict:
+        pre = f"model.layers.{i}."
+        return {checkpoint_name(n, cfg.family)[len(pre):]: t
+                for n, t in checkpoint_layer(cfg, i, dtype, device, fp8_ckpt=True).items()}
+
+    return weights

@@ -17,8 +17,8 @@ from poc.model.config import ModelConfig  # noqa: E402
 from poc.model.options import ModelOptions  # noqa: E402
 from poc.model.transformer import AllHeadsRMSNorm, MoE, apply_partial_rope, rope_table  # noqa: E402
 from poc.model.weights import load_model  # noqa: E402
-from tests.checkpoints import (MINIMAX_RELEASE_FIELDS, MINIMAX_WIDE, make_hf_minimax, unit_rows,  # noqa: E402
-                               write_minimax_fp8)
+from tests.checkpoints import (MINIMAX_RELEASE_FIELDS, MINIMAX_WIDE, make_hf_minimax, random_layers,  # noqa: E402
+                               unit_rows, write_minimax_fp8)
 from tests.minimax_spec import Emulation, Recipe, e4, file_weights  # noqa: E402
 from tests.parity import check_hidden_and_logits, check_reflections  # noqa: E402
 
@@ -415,18 +415,12 @@ def test_random_weights_are_a_checkpoint_the_emulation_reads(tmp_path):
     """random:tiny-minimax:fp8 (the benchmarks' model, W8A8 and FP8 attention) computes the emulation of the
     checkpoint its draws make (random_weights.checkpoint_layer, under the release's names): what the GPU accuracy
     benchmark compares, at the real shape."""
-    from poc.model.random_weights import checkpoint_layer, random_model, random_spec
-    from poc.model.weights import checkpoint_name
+    from poc.model.random_weights import random_model, random_spec
 
     cfg, fp8 = random_spec("random:tiny-minimax:fp8")
     model = random_model(cfg, torch.bfloat16, "cpu", fp8_ckpt=fp8)
     assert model.attention == "fp8" and cfg.fp8_block == (128, 128)
-
-    def weights(i):
-        pre = f"model.layers.{i}."
-        return {checkpoint_name(n, cfg.family)[len(pre):]: t
-                for n, t in checkpoint_layer(cfg, i, torch.bfloat16, "cpu", fp8_ckpt=True).items()}
-
+    weights = random_layers(cfg, torch.bfloat16, "cpu")
     final = dict(model.named_parameters())["norm.weight"]
     x, vs = _inputs(cfg, S=140)
     ours = model(x, reflections=vs).float()
@@ -486,18 +480,12 @@ def test_cuda_minimax_is_the_spec_emulation_eager_and_compiled():
     route kernel): compiled as the server runs gives eager's bits, and both are the float32 emulation's numbers on
     the GPU as closely as the float32 accumulation order allows (the recipe variants are much farther)."""
     from poc.engine.compute import V2Compute
-    from poc.model.random_weights import checkpoint_layer, random_model, random_spec
-    from poc.model.weights import checkpoint_name
+    from poc.model.random_weights import random_model, random_spec
 
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg, fp8 = random_spec("random:tiny-minimax:fp8")
     model = random_model(cfg, torch.bfloat16, "cuda", fp8_ckpt=fp8)
-
-    def weights(i):
-        pre = f"model.layers.{i}."
-        return {checkpoint_name(n, cfg.family)[len(pre):]: t
-                for n, t in checkpoint_layer(cfg, i, torch.bfloat16, "cuda", fp8_ckpt=True).items()}
-
+    weights = random_layers(cfg, torch.bfloat16, "cuda")
     final = dict(model.named_parameters())["norm.weight"]
     x, vs = _inputs(cfg, S=300)
     x, vs = x.cuda(), vs.cuda()

@@ -42,12 +42,12 @@ import torch
 from poc.bench import pyplot
 from poc.model.compile import maybe_compile
 from poc.model.config import PRESETS
-from poc.model.random_weights import checkpoint_layer, checkpoint_norm, random_model
+from poc.model.random_weights import checkpoint_norm, random_model
 from poc.model.transformer import Transformer
-from poc.model.weights import checkpoint_name
 from poc.parallel.build import Part
 from poc.parallel.layout import stage_layers
 from poc.protocol import v2
+from tests.checkpoints import random_layers
 from tests.minimax_spec import Emulation, Recipe, rope_tables
 
 BH, PK = "minimax-accuracy", "bench-key"
@@ -133,13 +133,13 @@ def emulations(cfg, recipes: dict[str, tuple[Recipe, bool]], nonces: list[int], 
     cache: dict = {}
     experts: dict = {}  # the layer's experts dequantised once, for every batch and recipe
 
+    draw = random_layers(cfg, torch.bfloat16, dev)
+
     def weights(i: int) -> dict:
         if i not in cache:
             cache.clear()
             experts.clear()
-            pre = f"model.layers.{i}."
-            cache[i] = {checkpoint_name(n, cfg.family)[len(pre):]: t
-                        for n, t in checkpoint_layer(cfg, i, torch.bfloat16, dev, fp8_ckpt=True).items()}
+            cache[i] = draw(i)
         return cache[i]
 
     emus = {name: Emulation(cfg, weights, final, r, exact=exact, cache=experts)
