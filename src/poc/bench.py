@@ -70,7 +70,7 @@ WORKLOADS = {
     # the same with the float32-scale recipe (vLLM without DeepGEMM): the same kernels, other scales
     "W6Q32": {"protocol": "v2", "model": "qwen3-30b-a3b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32, 64],
               "fp8": True, "fp8_forward": "w8a8", "fp8_scales": "float32"},
-    # the network's PoC v2 model: 235B-A22B with FP8 experts over 4 GPUs (attention by heads, experts by expert)
+    # Qwen3-235B-A22B (the network's PoC v2 model until 2026-06-25) with FP8 experts over 4 GPUs (heads, experts)
     "W7": {"protocol": "v2", "model": "qwen3-235b-a22b", "seq_len": 1024, "dtype": "bfloat16", "batches": [16, 32],
            "fp8": True, "tp": 4},
     # two replicas of tp=2 on the same 4 GPUs: a third of the all-reduce traffic per nonce (~120 GB of weights a GPU)
