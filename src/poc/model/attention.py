@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from poc.errors import InputError
+from poc.model.options import ATTENTIONS
 
-RECIPES = ("fp8", "fp8kv", "bf16")
+RECIPES = tuple(a for a in ATTENTIONS if a != "auto")  # the recipes' names, written once (ModelOptions.attention)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3: the clamp of e4() and the factor P is scaled by before its rounding
 TILE = 128  # the fp8 recipe's query and key tile (rows and keys)

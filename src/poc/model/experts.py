@@ -119,7 +119,6 @@ def dispatch_stacked(x: Tensor, weights: Tensor, index: Tensor, w13: Tensor, w2:
         rows = rows[:n]
     fast = fast and x.is_cuda
     act = _fast(swiglu, partial) if fast else swiglu
-    comb = _fast(combine, partial) if fast else combine
     n_valid = ends[-1]
     row_weight = weights.reshape(-1)[rows].float() if weighted else None  # the routed rows', in expert order
     if w8a8 and w13_scale is not None and fp8.current_recipe() != "dequant":  # the validators' recipe
@@ -130,9 +129,10 @@ def dispatch_stacked(x: Tensor, weights: Tensor, index: Tensor, w13: Tensor, w2:
         n_valid = y.shape[0]
     else:
         y = grouped(x[rows // k], ends, w13, w2, act, w13_scale, w2_scale, row_weight=row_weight)
-    if weighted:
+    if weighted:  # each row carries its weight: the k rows added in order
         comb = _fast(combine_weighted, partial) if fast else combine_weighted
         return comb(y, pos, n_valid, T, k, out_dtype)
+    comb = _fast(combine, partial) if fast else combine
     return comb(y, weights.reshape(-1), pos, n_valid, T, k, out_dtype)
 
 
