@@ -85,3 +85,48 @@ def test_cuda_moe_block_with_the_kernel_gives_torch_topk_bits(monkeypatch):
     assert calls
     monkeypatch.setattr(route, "topk", lambda p, k: torch.topk(p, k, dim=-1))
     assert torch.equal(got, moe(x)) and got.abs().amax() > 0
+
+
+def test_split_bf16_is_exact_for_every_normal_float32():
+    """route.split_bf16: hi + mid + lo gives back every float32 bit for bit, over many binades and signs, including
+    values with all 24 significant bits set and values just above float32's smallest normal."""
+    g = torch.Generator().manual_seed(5)
+    m = torch.randn(256, 96, generator=g) * torch.logspace(-30, 30, 96)
+    full = torch.tensor([1 - 2 ** -24, -(2 - 2 ** -23), 1 + 2 ** -23, 3.0000002, -0.1, 2 ** -100 * (1 + 2 ** -23)])
+    w = torch.cat([m.flatten(), full, torch.finfo(torch.float32).tiny * 2 ** 20 * (1 + torch.rand(64, generator=g))])
+    w = w.reshape(-1, 2)
+    parts = route.split_bf16(w)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (3 * w.shape[0], 2)
+    hi, mid, lo = parts.float().chunk(3)
+    assert torch.equal((hi + mid) + lo, w)
+    assert (mid != 0).any() and (lo != 0).any()  # the split needs all three terms for these values
+    # the plain rounding to bf16 would not do: the remainder is what a bf16 router would lose
+    assert not torch.equal(w.bfloat16().float(), w)
+
+
+def _router_errors(device: str):
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(512, 3072, generator=g) * 2).bfloat16().to(device)  # a normed hidden state: bf16
+    w = (torch.randn(256, 3072, generator=g) / 3072 ** 0.5).to(device)  # the float32 router
+    exact = x.double() @ w.double().t()
+    split = route.router_logits(x, route.split_bf16(w))
+    plain = torch.nn.functional.linear(x.float(), w)
+    hi_only = torch.nn.functional.linear(x.float(), w.bfloat16().float())  # a router rounded to bf16
+    return split, *((y.double() - exact).abs() for y in (split, plain, hi_only)), exact
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[CUDA, pytest.mark.gpu])])
+def test_router_logits_are_as_precise_as_a_float32_gemm(device):
+    """The float32 router through route.router_logits (three bf16 GEMMs with float32 products and sums) against
+    float64: within the error of the float32 x float32 GEMM itself (torch.nn.functional.linear of the widened x),
+    which leaves the router's choices as they were. On CUDA the bf16 GEMMs run on tensor cores (mm with a float32
+    output); a reduced-precision sum there, or a lost term of the split, would show as errors far above these."""
+    if device == "cuda":
+        assert not torch.backends.cuda.matmul.allow_tf32
+    split, err, err_plain, err_bf16, exact = _router_errors(device)
+    assert split.dtype == torch.float32 and split.shape == (512, 256)
+    scale = exact.abs().amax()
+    assert err_plain.amax() < 1e-5 * scale  # the float32 GEMM's own error: what "true float32" allows
+    assert err.amax() <= 2 * err_plain.amax() + 1e-7 * scale, (err.amax(), err_plain.amax())
+    assert err.mean() <= 2 * err_plain.mean()
+    assert err_bf16.amax() > 100 * err.amax()  # a router rounded to bf16 (one term of the split) is far outside
