@@ -30,8 +30,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import pickle
 import shlex
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -179,21 +183,72 @@ def dist(a: dict, b: dict) -> dict:
             "above_threshold": float((d > THRESHOLD).mean()), "n": int(d.size)}
 
 
-def depth(args, layers: int, n: int, dev) -> dict:
-    cfg = replace(PRESETS[args.preset], n_layers=layers, fp8_block=(128, 128))
-    nonces = list(range(n))
-    t0 = time.perf_counter()
-    compile = args.compile and dev.type == "cuda"
-    mine, rate = ours(cfg, nonces, args.batch, dev, compile)
-    other_batch = ours(cfg, nonces, args.batch // 2, dev, compile)[0] if layers <= args.variants_up_to else None
-    t_ours = time.perf_counter() - t0
+def recipes_at(args, layers: int) -> dict[str, tuple[Recipe, bool]]:
     recipes = {"spec": (Recipe(), False), "spec TP4": (Recipe(tp=4), False), "spec TP2": (Recipe(tp=2), False)}
     if layers <= args.variants_up_to:
         recipes["spec, exact GEMM sums"] = (Recipe(), True)
         recipes.update({k: (r, False) for k, r in VARIANTS.items()})
+    return recipes
+
+
+def compute(args, layers: int, n: int, dev, names: list[str]) -> tuple[dict, dict]:
+    """The artifacts of each named run ("ours", "ours half": ours at half the batch, or a recipe of recipes_at) over
+    nonces 0..n-1 at this depth, and the seconds each kind took."""
+    cfg = replace(PRESETS[args.preset], n_layers=layers, fp8_block=(128, 128))
+    nonces = list(range(n))
+    compile = args.compile and dev.type == "cuda"
+    out, info = {}, {"seconds_ours": 0.0, "seconds_emulation": 0.0}
     t0 = time.perf_counter()
-    emu = emulations(cfg, recipes, nonces, args.emu_batch, dev)
-    t_emu = time.perf_counter() - t0
+    if "ours" in names:
+        out["ours"], info["ours_forward_nonces_per_s"] = ours(cfg, nonces, args.batch, dev, compile)
+    if "ours half" in names:
+        out["ours half"] = ours(cfg, nonces, args.batch // 2, dev, compile)[0]
+    info["seconds_ours"] = time.perf_counter() - t0
+    recipes = {k: r for k, r in recipes_at(args, layers).items() if k in names}
+    t0 = time.perf_counter()
+    if recipes:
+        out.update(emulations(cfg, recipes, nonces, args.emu_batch, dev))
+    info["seconds_emulation"] = time.perf_counter() - t0
+    return out, info
+
+
+def compute_on_gpus(args, layers: int, n: int, names: list[str], argv: list[str]) -> tuple[dict, dict]:
+    """compute() split over args.gpus processes, one GPU each (CUDA_VISIBLE_DEVICES): ours alone on the first,
+    the recipes dealt over the others; the results merged. Each process draws the layers' weights itself (the
+    draws are seeded: every GPU draws the same)."""
+    groups = [["ours", "ours half"]] + [[] for _ in range(args.gpus - 1)]
+    for i, name in enumerate(k for k in names if not k.startswith("ours")):
+        groups[1 + i % (args.gpus - 1)].append(name)
+    groups = [[k for k in g if k in names] for g in groups]
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="minimax-accuracy-") as tmp:
+        for gpu, group in enumerate(groups):
+            if not group:
+                continue
+            path = Path(tmp) / f"gpu{gpu}.pkl"
+            cmd = [sys.executable, __file__, *argv, "--gpus", "1", "--worker",
+                   json.dumps({"layers": layers, "n": n, "names": group, "out": str(path)})]
+            procs.append((subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}), path))
+        failed = [p.args for p, _ in procs if p.wait()]
+        if failed:
+            raise RuntimeError(f"{len(failed)} worker(s) failed: {failed}")
+        out, info = {}, {"seconds_ours": 0.0, "seconds_emulation": 0.0}
+        for _, path in procs:
+            part, part_info = pickle.loads(path.read_bytes())
+            out.update(part)
+            for k, v in part_info.items():  # the slowest process's seconds: they ran side by side
+                info[k] = max(info.get(k, 0.0), v)
+    return out, info
+
+
+def depth(args, layers: int, n: int, dev, argv: list[str]) -> dict:
+    names = ["ours"] + (["ours half"] if layers <= args.variants_up_to else []) + list(recipes_at(args, layers))
+    if args.gpus > 1:
+        emu, info = compute_on_gpus(args, layers, n, names, argv)
+    else:
+        emu, info = compute(args, layers, n, dev, names)
+    mine, other_batch = emu.pop("ours"), emu.pop("ours half", None)
+    rate, t_ours, t_emu = info.get("ours_forward_nonces_per_s"), info["seconds_ours"], info["seconds_emulation"]
     spec = emu["spec"]
     rows = [{"compare": "ours vs spec emulation", **dist(mine, spec)},
             {"compare": "ours vs spec TP4 (H100 validators)", **dist(mine, emu["spec TP4"])},
@@ -250,21 +305,31 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--preset", default="minimax-m2.7", help="tiny-minimax with --device cpu: a smoke run")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="processes on this many GPUs side by side (ours on the first, the recipes on the others)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # compute_on_gpus' processes
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     global SEQ
     SEQ = args.seq
     torch.backends.cuda.matmul.allow_tf32 = False  # the emulation's float32 GEMMs are true float32
     dev = torch.device(args.device)
+    if args.worker:
+        job = json.loads(args.worker)
+        Path(job["out"]).write_bytes(pickle.dumps(compute(args, job["layers"], job["n"], dev, job["names"])))
+        return
+    parent_argv = [a for i, a in enumerate(argv) if a != "--gpus" and (i == 0 or argv[i - 1] != "--gpus")]
     res = {"command": "PYTHONPATH=src:. python benchmarks/diagnostics/minimax_accuracy.py "
-                      + shlex.join(sys.argv[1:] if argv is None else argv),
-           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+                      + shlex.join(argv),
+           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "gpus": args.gpus,
+           "torch": torch.__version__,
            "compile": args.compile and dev.type == "cuda",
            "model": f"random:{args.preset}:fp8 (W8A8, UE8M0, FP8 attention)", "seq_len": SEQ, "k_dim": K_DIM,
            "depths": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for layers, n in zip(args.layers, args.nonces):
-        res["depths"].append(depth(args, layers, n, dev))
+        res["depths"].append(depth(args, layers, n, dev, parent_argv))
         out.write_text(json.dumps(res, indent=1))
     plot(res, out.with_suffix(".png"))
     print(f"wrote {out}")

@@ -21,7 +21,8 @@ first job is the node's: a fresh server whose shape was compiled at start):
 Rates are over the batches after the first (the compile, or a pipeline's fill); N = (1 + --timed) x replicas. Each
 job's `job K pipeline: {...}` log line gives the ranks' busy share (forward time over their span) and the batches in
 flight. The compile caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR) are shared by every server of the run.
-A layout whose weights and batch cannot fit the GPUs (poc.engine.auto's estimate) is skipped with its numbers.
+A layout whose weights and batch cannot fit the GPUs (poc.engine.auto's estimate) is skipped with its numbers; for a
+layout that runs, the most memory nvidia-smi saw in use on each GPU while its server ran, beside that estimate.
 The JSON (the command inside) is rewritten after each layout; a PNG beside it at the end.
 """
 
@@ -54,14 +55,44 @@ from poc.protocol import v2  # noqa: E402
 
 LAYOUTS = {"one": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "rep2": ["--replicas", "2"],
            "tp4": ["--tp", "4"], "pp4": ["--pp", "4"], "rep2tp2": ["--tp", "2", "--replicas", "2"],
-           "rep2pp2": ["--pp", "2", "--replicas", "2"], "rep4": ["--replicas", "4"], "auto": ["--layout", "auto"]}
+           "rep2pp2": ["--pp", "2", "--replicas", "2"], "rep4": ["--replicas", "4"], "tp2pp2": ["--tp", "2", "--pp", "2"],
+           "auto": ["--layout", "auto"]}
 DIMS = {"one": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "rep2": (1, 1, 2), "tp4": (4, 1, 1), "pp4": (1, 4, 1),
-        "rep2tp2": (2, 1, 2), "rep2pp2": (1, 2, 2), "rep4": (1, 1, 4)}  # (tp, pp, replicas)
+        "rep2tp2": (2, 1, 2), "rep2pp2": (1, 2, 2), "rep4": (1, 1, 4), "tp2pp2": (2, 2, 1)}  # (tp, pp, replicas)
 SMOKE = dict(device="cpu", model="random:tiny-4l", dtype="float32", seq=16, batch=4, timed=4, compare=16,
              layouts=["one", "pp4", "tp2", "rep2pp2", "auto"], v1="tiny", bench_process=True)
 PIPELINE = re.compile(r"job (\d+) pipeline: (\{.*\})\s*$")
 ENGINE_ALONE = re.compile(r"compile at start: .*, ([\d.]+) s.*the engine alone after the first batch: "
                           r"([\d.]+) nonces/s")
+
+
+class GpuMemory:
+    """The most memory nvidia-smi reports in use on each GPU while the block runs (sampled every 0.5 s): what a
+    layout really takes (CUDA contexts, NCCL buffers, the caching allocator's reserve), against its estimate."""
+
+    def __init__(self):
+        self.peak: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=10).stdout
+                used = [int(x) / 1024 for x in out.split()]  # MiB -> GiB
+            except (OSError, ValueError, subprocess.SubprocessError):
+                return  # no nvidia-smi (the CPU smoke run): no figure
+            self.peak = [max(a, b) for a, b in zip(self.peak, used)] if self.peak else used
+            self._stop.wait(0.5)
+
+    def __enter__(self) -> "GpuMemory":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class Receiver:
@@ -400,7 +431,12 @@ def main(argv: list[str] | None = None) -> None:
             keep = a.compare if name.startswith("one") or "one" in a.layouts else 0
             try:
                 bench = bench_process(a, dims, batch, env) if a.bench_process and dims else None
-                row, vec = run_layout(a, name, extra, batch, groups, tmp, rx, env, keep)
+                with GpuMemory() as mem:
+                    row, vec = run_layout(a, name, extra, batch, groups, tmp, rx, env, keep)
+                if mem.peak:
+                    row["gpu_mem_peak_gib"] = [round(x, 2) for x in mem.peak]
+                if need:  # poc.engine.auto's estimate for one GPU of this layout: weights + a batch's activations
+                    row["estimate_gib"] = [round(need[0], 2), round(need[1], 2)]
                 if bench is not None:
                     row["bench_nonces_per_s"] = bench["nonces_per_s"]
                     row["bench_busy"] = busy(bench.get("pipeline"))
