@@ -78,7 +78,7 @@ def _no_bias(moe):
         pass
     v = View()
     v.__dict__.update(moe.__dict__)
-    v.sigmoid, v.gate, v.gate_split, v.e_score_correction_bias, v.top_k = True, moe.gate, None, None, moe.top_k
+    v.sigmoid, v.gate, v.e_score_correction_bias, v.top_k = True, moe.gate, None, moe.top_k
     return v
 
 

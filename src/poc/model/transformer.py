@@ -282,8 +282,6 @@ class MoE(nn.Module):
         self.fast = False  # compiled elementwise steps in the dispatch (set by the engine when it compiles)
         self.sum_dtype: torch.dtype | None = None  # the output's dtype; None: the input's (parallel.tp: float32)
         self.gluon = gluon  # W8A8 on Hopper: the Gluon expert kernels, else Triton's (ModelOptions.gluon)
-        # the float32 router as three bf16 terms (route.split_bf16, made by fuse()): its GEMM on tensor cores
-        self.register_buffer("gate_split", None, persistent=False)
 
     def keep_experts(self, first: int, stop: int) -> None:
         """Hold only experts first..stop-1 (before loading or fuse)."""
@@ -291,8 +289,6 @@ class MoE(nn.Module):
         self.first, self.stop = first, stop
 
     def fuse(self) -> None:
-        if self.sigmoid and self.gate_split is None:
-            self.gate_split = route.split_bf16(self.gate.weight.detach())
         if self.w13 is not None:
             return
         ex = [self.experts[str(j)] for j in range(self.first, self.stop)]
@@ -340,13 +336,8 @@ class MoE(nn.Module):
         """(weights, experts), each (T, k), for the tokens x (T, D): the chosen experts in selection order (by
         descending score, ties to the lower index; a kernel on CUDA) and their routing weights (float32 for the
         sigmoid router, else in the model dtype)."""
-        if self.sigmoid:  # true float32 products and sums (no TF32: torch's default)
-            split = self.gate_split
-            if x.is_cuda and x.dtype == torch.bfloat16 and split is not None and split.dtype == torch.bfloat16:
-                z = route.router_logits(x, split)  # the same precision on tensor cores
-            else:
-                z = F.linear(x.float(), self.gate.weight.float())
-            sigma = sigmoid(z)  # (T, E)
+        if self.sigmoid:  # true float32: a float32 x float32 GEMM (no TF32: torch's default)
+            sigma = sigmoid(F.linear(x.float(), self.gate.weight.float()))  # (T, E)
             bias = self.e_score_correction_bias
             index = route.topk(sigma if bias is None else sigma + bias.float(), self.top_k)[1]
             weights = sigma.gather(1, index)
