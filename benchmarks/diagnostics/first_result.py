@@ -50,8 +50,8 @@ MODES = ("cold", "compile_at_start", "warm_cache", "warm_cache_cas")
 
 
 def dump_stacks(pid: int) -> None:
-    """SIGUSR1 to a server and the processes it started (its ranks): each writes its threads' stacks to its log
-    (poc.logs.stacks_on_sigusr1)."""
+    """SIGUSR1 to a server and the processes it started (its ranks), one after the other (their texts would
+    interleave in the shared log): each writes its threads' stacks there (poc.logs.stacks_on_sigusr1)."""
     pids = [pid]
     for p in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -63,8 +63,8 @@ def dump_stacks(pid: int) -> None:
         try:
             os.kill(p, signal.SIGUSR1)
         except OSError:
-            pass
-    time.sleep(2.0)
+            continue
+        time.sleep(1.0)
 
 
 def free_port() -> int:
@@ -97,6 +97,12 @@ def started_server(args: list[str], log: Path, timeout: float, env: dict | None 
             time.sleep(0.05)
         yield port, time.monotonic() - t0
     except BaseException:  # a job failed or hung: every thread's stack of the server and its ranks into the log
+        try:  # whether the server's event loop still answers
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                health = r.read()[:500]
+        except Exception as e:  # noqa: BLE001 - a diagnosis, whatever it is
+            health = f"{type(e).__name__}: {e}"
+        print(f"server failed or hung; /health: {health}", file=sys.stderr, flush=True)
         dump_stacks(proc.pid)
         raise
     finally:

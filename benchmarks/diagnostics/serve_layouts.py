@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
                 log = tmp / f"{name}.log"
                 row = {"protocol": "v2", "run": name, "args": shlex.join(extra),
                        "error": f"{type(e).__name__}: {e}"[:500],
-                       "log_tail": log.read_text(errors="replace")[-12000:] if log.exists() else None}
+                       "log_tail": log.read_text(errors="replace")[-60000:] if log.exists() else None}
                 vec = {}
             vectors[name] = vec
             if dims and "error" not in row:
