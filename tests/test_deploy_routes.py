@@ -108,7 +108,7 @@ async def test_up_async_answers_at_once_and_one_load_runs_at_a_time(aiohttp_clie
     assert r.status == 200 and (await r.json())["loaded"] is False
     before = await status(client)
     assert before["status"] == "completed" and before["is_running"]
-    for body, code, field in ((up("../llama"), 400, "model"), (up("Org/Absent"), 409, "model"),
+    for body, code, field in ((up("../llama"), 400, "model"), (up("Org/Absent"), 422, "model"),
                               (up("Org/Tiny-Llama", dtype="int4"), 400, "dtype"),
                               ({"model": "Org/Tiny-Llama", "dtype": "auto", "additional_args": "--tp 2"}, 400,
                                "additional_args")):

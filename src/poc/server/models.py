@@ -99,9 +99,10 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response({"ready": ready}, status=200 if ready else 503)
 
 
-async def _begin_up(request: web.Request) -> web.Response | tuple[str, asyncio.Task]:
-    """What /api/v1/inference/up and /up/async share: the request checked (400 or 409, nothing changed), then
-    the load started in the background: (model, its task), or the answer of a no-op (the model is served)."""
+async def _begin_up(request: web.Request, refused: int = 409) -> web.Response | tuple[str, asyncio.Task]:
+    """What /api/v1/inference/up and /up/async share: the request checked (400; 409 while a load runs; `refused`
+    for a model that cannot be loaded here; nothing changed), then the load started in the background: (model,
+    its task), or the answer of a no-op (the model is served)."""
     app = request.app
     engine = app[engine_key]
     body = await schemas.read_json(request, app[config_key].max_body_bytes)
@@ -125,17 +126,18 @@ async def _begin_up(request: web.Request) -> web.Response | tuple[str, asyncio.T
         cache = hub.hub_cache_dir()
         if status == "NOT_FOUND":
             raise InputError(f"model {model} is not in the local Hugging Face cache {cache} (nothing is downloaded at "
-                             f"run time: `hf download {model}` there first, or set HF_HUB_CACHE)", "model", status=409)
+                             f"run time: `hf download {model}` there first, or set HF_HUB_CACHE)", "model",
+                             status=refused)
         if status == "PARTIAL":
             raise InputError(f"model {model} is only partly in the local Hugging Face cache {cache} (config.json or "
-                             "safetensors files missing): download it again", "model", status=409)
+                             "safetensors files missing): download it again", "model", status=refused)
     try:
         await asyncio.to_thread(engine.preflight, path)
     except InputError as e:
-        raise InputError(f"model {model} cannot be served here: {e.message}", "model", status=409) from None
+        raise InputError(f"model {model} cannot be served here: {e.message}", "model", status=refused) from None
     except (OSError, ValueError, KeyError, TypeError) as e:  # an unreadable or malformed config.json
         raise InputError(f"model {model} cannot be served here: its config does not read ({describe(e)})", "model",
-                         status=409) from None
+                         status=refused) from None
     if loading(app):  # another redeploy began while this one looked in the cache
         raise InputError("a model is loading: retry when GET /health says ready", None, status=409)
     if args:
@@ -167,8 +169,10 @@ async def inference_up(request: web.Request) -> web.Response:
 @routes.post("/api/v1/inference/up/async")
 async def inference_up_async(request: web.Request) -> web.Response:
     """The MLNode's background deploy: /api/v1/inference/up's request and checks, answered as soon as the load has
-    begun (GET /api/v1/inference/up/status follows it)."""
-    started = await _begin_up(request)
+    begun (GET /api/v1/inference/up/status follows it). A 409 means a load runs, as the MLNode's does (its
+    validation tool then waits for it); a model that cannot be loaded here (not cached, or its config) is a 422,
+    which stops the tool at once."""
+    started = await _begin_up(request, refused=422)
     if isinstance(started, web.Response):
         return started
     model, _ = started
