@@ -253,6 +253,14 @@ class EngineBase(abc.ABC):
         """(tp, pp, ranks): how a model is split over this engine's devices."""
         return 1, 1, 1
 
+    @property
+    def replicas(self) -> int:
+        """Independent groups a job's batches are dealt to, each computing its own (1: one group)."""
+        return 1
+
+    last_job_stats: dict | None = None  # the last job's per-replica and per-rank figures, where an engine keeps them
+    # (DistEngine: JobFlight.summary, each rank's batches and stage among them)
+
     def free_bytes(self) -> int | None:
         """The tightest device's free memory as its holder reports it; None: read it here (memory.check_fits)."""
         return None

@@ -430,6 +430,10 @@ class DistEngine(EngineBase):
     def parallel_dims(self) -> tuple[int, int, int]:
         return self.layout.tp, self.layout.pp, self.layout.world
 
+    @property
+    def replicas(self) -> int:
+        return self.layout.replicas
+
     def v1_held_bytes(self) -> int:
         """Each rank frees its shard of the last v1 model before the next build."""
         if self.last_v1 is None:
