@@ -177,7 +177,11 @@ class EngineBase(abc.ABC):
         self.start_loading()
         self.clear_broken()
         self.v2 = None
-        self._release()
+        try:
+            self._release()
+        except Exception as e:
+            self.mark_broken(f"unloading failed: {type(e).__name__}: {e}")
+            raise
         self.model_dir = None
         self.load()
 
