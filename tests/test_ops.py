@@ -448,6 +448,7 @@ def test_compile_at_start_batches_time_the_engine_alone(caplog):
 
     class FakeEngine:
         compile_v1 = compile_v2 = False
+        replicas, last_job_stats = 1, None
 
         def require_v2(self):
             return type("Info", (), {"cfg": type("Cfg", (), {"max_seq_len": 64, "dim": 64})})()
@@ -466,6 +467,51 @@ def test_compile_at_start_batches_time_the_engine_alone(caplog):
     assert "20 nonces in 5 batch(es)" in line, line
     rate = float(line.split("the engine alone after the first batch: ")[1].split()[0])
     assert 50 < rate < 210, line  # 16 nonces over 4 steps of ~0.02 s: ~200/s, less on a loaded machine
+
+
+async def test_compile_at_start_warms_every_replica_and_every_stage(aiohttp_client, caplog):
+    """Two replicas of pp=2 on gloo (issue 34: on four H200 the first job found replica 2 cold): each replica computes
+    a batch of the shape through both its stages before the server is ready, and the log says so per replica."""
+    import logging
+
+    from poc.server import warm_start
+    from poc.server.app import create_app
+    from poc.server.context import engine_key
+
+    cfg = server_config(model=QWEN3, replicas=2, pp=2, compile_at_start=warm_start.parse("v2:3:16", QWEN3))
+    with caplog.at_level(logging.INFO, logger="poc.server"):
+        client = await aiohttp_client(create_app(cfg))
+        await wait_status(client, timeout=180)
+    warm = [m for m in caplog.messages if m.startswith("compile at start:")]
+    assert len(warm) == 3 and "v2 batch 3 seq_len 16, 6 nonces in 2 batch(es)" in warm[0], warm
+    for r, line in enumerate(warm[1:], 1):
+        assert line.startswith(f"compile at start: v2 batch 3 seq_len 16, replica {r}/2 warm: its 2 rank(s) "
+                               f"({2 * r - 2}-{2 * r - 1}, 2 stage(s)) ran 1 batch(es) each"), line
+    stats = client.app[engine_key].last_job_stats
+    assert [x["results"] for x in stats["replicas"]] == [1, 1]
+    assert sorted((x["rank"], x["stage"], x["batches"]) for x in stats["ranks"]) == [(0, 0, 1), (1, 1, 1), (2, 0, 1),
+                                                                                      (3, 1, 1)]
+
+
+def test_compile_at_start_names_a_replica_left_cold(caplog):
+    """A rank that ran no batch of the shape (an engine dealing the job badly) is a warning naming it."""
+    import logging
+
+    from poc.server import warm_start
+
+    class Engine:
+        replicas = 2
+        last_job_stats = {"replicas": [{"results": 2}, {"results": 0}],
+                          "ranks": [{"rank": r, "stage": r % 2, "batches": 2 if r < 2 else 0} for r in range(4)]}
+
+        def parallel_dims(self):
+            return 1, 2, 4
+
+    with caplog.at_level(logging.INFO, logger="poc.server"):
+        warm_start._log_replicas(Engine(), warm_start.parse("v2:3:16", "m")[0])
+    assert [r.levelname for r in caplog.records] == ["INFO", "WARNING"]
+    assert "replica 1/2 warm: its 2 rank(s) (0-1, 2 stage(s)) ran 2 batch(es) each" in caplog.messages[0]
+    assert "replica 2/2 NOT warm: rank(s) 2, 3 ran no batch" in caplog.messages[1]
 
 
 async def test_compile_at_start_runs_its_batches_before_the_readiness_line(tmp_path):

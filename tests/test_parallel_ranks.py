@@ -167,6 +167,25 @@ def test_switch_model_replaces_the_checkpoint_on_the_ranks(dist_engine, referenc
                           axis=1).max() < 1e-5
 
 
+def test_unload_model_leaves_fresh_ranks_that_hold_no_checkpoint(dist_engine, reference):
+    """POST /api/v1/inference/down's engine step: the ranks exit (their memory goes with them) and fresh ones serve
+    PoC v1 with no checkpoint; a switch then loads one into them."""
+    if dist_engine.label != "pp2":  # once: it restarts the ranks (seconds)
+        return
+    old = dist_engine.pids
+    dist_engine.unload_model()
+    assert (dist_engine.state, dist_engine.v2, dist_engine.model_dir) == ("ready", None, None)
+    assert len(dist_engine.pids) == 2 and not set(dist_engine.pids) & set(old)
+    with pytest.raises(InputError, match="no PoC v2 model is loaded"):
+        dist_engine.v2_artifacts(BH, PK, NONCES, SEQ, K, batch_size=4)
+    run = G1["sets"]["A_gqa_plain_rope"]["runs"]["float32"]
+    got = dist_engine.v1_distances(v1_params("A_gqa_plain_rope"), BH, PK, run["nonces"][:4], "float32", batch_size=2)
+    assert np.abs(got - np.array(run["dist"][:4])).max() < 1e-5
+    dist_engine.switch_model(str(v2_checkpoint("qwen3")))
+    assert np.linalg.norm(dist_engine.v2_vectors(BH, PK, NONCES, SEQ, K, batch_size=4) - reference["qwen3"],
+                          axis=1).max() < 1e-5
+
+
 def test_random_spec_errors():
     from poc.errors import InputError
     from poc.model.random_weights import random_spec

@@ -263,7 +263,8 @@ print(json.dumps(r))
 def run_layout(a, name: str, extra: list[str], batch: int, groups: int, tmp: Path, rx: Receiver, env: dict,
                keep_below: int) -> tuple[dict, dict]:
     n = (1 + a.timed) * groups
-    shape = json.dumps([{"batch_size": batch, "params": {"seq_len": a.seq, "k_dim": 12}, "batches": n}])
+    # "batches" counts a replica's (warm_start): n in all
+    shape = json.dumps([{"batch_size": batch, "params": {"seq_len": a.seq, "k_dim": 12}, "batches": n // groups}])
     args = ["--device", a.device, "--model", a.model, "--dtype", a.dtype, "--compile-at-start", shape,
             "--spool-dir", str(tmp / f"spool-{name}"), *extra]
     log = tmp / f"{name}.log"

@@ -3,7 +3,8 @@
 
 - Life cycle: `state` is loading | ready | busy | broken. `start_loading()` and `load()` move it, `mark_broken()`
   and a device failure (`is_device_failure`: a CUDA error leaves the device unusable) end it. `switch_model()`
-  replaces the loaded checkpoint by another (`preflight()` first checks that it can be served).
+  replaces the loaded checkpoint by another (`preflight()` first checks that it can be served); `unload_model()`
+  leaves none.
 - One device lock: `try_claim(owner)` gives one `Claim` or None; a job runs under a claim taken before it
   (`run(..., claim=)`, the server admits a request so) or under one it takes itself (`Busy` when held).
 - Model info and memory: `v2` (name, config, dtype of the loaded checkpoint), and `check_v1_memory` /
@@ -170,9 +171,27 @@ class EngineBase(abc.ABC):
             self.dtype_flag = dtype
         self.load()
 
+    def unload_model(self) -> None:
+        """Unload the loaded checkpoint and serve none: PoC v1 only, as after a start without --model (blocking: a
+        thread, under the caller's claim). Clears a broken state; a failure breaks the engine with the reason."""
+        self.start_loading()
+        self.clear_broken()
+        self.v2 = None
+        try:
+            self._release()
+        except Exception as e:
+            self.mark_broken(f"unloading failed: {type(e).__name__}: {e}")
+            raise
+        self.model_dir = None
+        self.load()
+
     @abc.abstractmethod
     def _unload(self) -> None:
         """Free what the loaded checkpoint holds (before another is loaded)."""
+
+    def _release(self) -> None:
+        """Free everything the loaded checkpoint holds, with no other to follow (unload_model)."""
+        self._unload()
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -237,6 +256,14 @@ class EngineBase(abc.ABC):
     def parallel_dims(self) -> tuple[int, int, int]:
         """(tp, pp, ranks): how a model is split over this engine's devices."""
         return 1, 1, 1
+
+    @property
+    def replicas(self) -> int:
+        """Independent groups a job's batches are dealt to, each computing its own (1: one group)."""
+        return 1
+
+    last_job_stats: dict | None = None  # the last job's per-replica and per-rank figures, where an engine keeps them
+    # (DistEngine: JobFlight.summary, each rank's batches and stage among them)
 
     def free_bytes(self) -> int | None:
         """The tightest device's free memory as its holder reports it; None: read it here (memory.check_fits)."""

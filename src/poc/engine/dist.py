@@ -379,6 +379,10 @@ class DistEngine(EngineBase):
         if self._ranks is not None and self._ranks.closing:
             self._shutdown(graceful=False)
 
+    def _release(self) -> None:
+        """The ranks exit (their memory goes with them); `_load` starts fresh ones that hold no checkpoint."""
+        self._shutdown(graceful=True)
+
     def _wait_all(self, g: _Ranks, kind: str, n: int, limit: float) -> list:
         out, last = [], time.monotonic()
         while len(out) < n:
@@ -425,6 +429,10 @@ class DistEngine(EngineBase):
 
     def parallel_dims(self) -> tuple[int, int, int]:
         return self.layout.tp, self.layout.pp, self.layout.world
+
+    @property
+    def replicas(self) -> int:
+        return self.layout.replicas
 
     def v1_held_bytes(self) -> int:
         """Each rank frees its shard of the last v1 model before the next build."""

@@ -117,5 +117,5 @@ def note_new_shape(what: str, batch: int, seq_len: int) -> bool:
         return False
     _SHAPES_SEEN.add(key)
     log.info("%s: compiling for batch %d x seq_len %d (once per shape in this process: this batch takes longer)",
-             what, batch, seq_len)
+             what, batch, seq_len, extra={"every_rank": True})  # every rank process says it: a cold replica shows
     return True

@@ -83,6 +83,9 @@ async def engine_ctx(app: web.Application):
     await app[sender_key].start()
     watch_releases(app)
     tasks["load"] = asyncio.create_task(_load(app), name="load")
+    cfg = app[config_key]
+    if cfg.model:  # GET /api/v1/inference/up/status follows it as it follows a redeploy
+        models.note_load(app, (cfg.served_model_name or (cfg.model,))[0], tasks["load"])
     tasks["announce"] = asyncio.create_task(_announce(app, tasks["load"]), name="announce")
     tasks["v1_cache"] = asyncio.create_task(v1cache.release_when_idle(app), name="v1_cache")  # POC_V1_CACHE_IDLE
     yield

@@ -9,9 +9,14 @@ SPEC is a comma-separated list of
     v1:BATCH             PoC v1 at gonka's MainNet params (what worker.py benchmarks by default), float16
 or a JSON list of {"batch_size": N, "params": {...}} objects, `params` as in a /generate request (v1: every key; v2:
 seq_len and k_dim, its model is the served one), an optional "dtype" for v1 and an optional "batches" (default 1): run
-that many batches and log the engine's own rate after the first (nonces/s from the first batch's result to the
-last's, as poc.bench times them: the engine alone on this server's devices, before any route runs;
-benchmarks/diagnostics/serve_layouts.py reads it). scripts/docker_entrypoint.sh sets
+that many batches a replica and log the engine's own rate after the first (nonces/s from the first batch's result to
+the last's, as poc.bench times them: the engine alone on this server's devices, before any route runs;
+benchmarks/diagnostics/serve_layouts.py reads it).
+
+Every replica computes at least one batch of each shape (a job's first batches are dealt one a replica in turn:
+jobs.Dealer), and each batch passes every pipeline stage of its replica, so the first job of that shape compiles
+nothing on any rank. With rank processes the log then says, per replica, how many batches each of its ranks ran (a
+warning names a rank that ran none: there the first job compiles). scripts/docker_entrypoint.sh sets
 it on a Vast worker to the PyWorker benchmark's shape. The batches use worker.py's benchmark block hash, so the v1
 model that the warm-up builds is the one the PyWorker's benchmark then uses. Compiled kernels also land in the
 on-disk caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR): a restart with the cache kept compiles much faster.
@@ -115,13 +120,14 @@ def _from_json(item: dict) -> WarmShape:
     return WarmShape("v2", batch, json.dumps({"seq_len": seq, "k_dim": k}), batches=n)
 
 
-def _job(shape: WarmShape):
+def _job(shape: WarmShape, replicas: int = 1):
     import itertools
 
     from poc.engine.jobs import Limits, V1Job, V2Job
 
     p = json.loads(shape.params)
-    limits = Limits(max_nonces=shape.batch_size * shape.batches, max_duration=None)  # full batches: the compiled shape
+    # full batches (the compiled shape), `batches` for each replica: the first round deals one to every replica
+    limits = Limits(max_nonces=shape.batch_size * shape.batches * replicas, max_duration=None)
     if shape.protocol == "v2":
         return V2Job(BLOCK_HASH, PUBLIC_KEY, 1, p["seq_len"], p["k_dim"], itertools.count(), shape.batch_size,
                      limits=limits)
@@ -151,7 +157,7 @@ def run(engine, shapes: tuple[WarmShape, ...], claim=None) -> None:
                 times.append(time.perf_counter())
                 sizes.append(len(b.nonces))
 
-            summary = engine.run(_job(s), emit, threading.Event(), claim=claim)
+            summary = engine.run(_job(s, engine.replicas), emit, threading.Event(), claim=claim)
         except Exception as e:
             log.warning("compile at start: %s failed %s; serving without it", s.label(), describe(e))
             continue
@@ -161,3 +167,25 @@ def run(engine, shapes: tuple[WarmShape, ...], claim=None) -> None:
         log.info("compile at start: %s, %d nonces in %d batch(es), %.1f s%s%s", s.label(), summary.computed,
                  summary.batches, time.perf_counter() - t0, "" if compiled else " (compile is off: run, not compiled)",
                  rate)
+        _log_replicas(engine, s)
+
+
+def _log_replicas(engine, shape: WarmShape) -> None:
+    """One line a replica: the batches each of its ranks ran (every stage, every tp rank), from the job's figures
+    (engine.last_job_stats; an engine without them, one device, has its one line above)."""
+    stats = engine.last_job_stats
+    if not stats or not stats.get("ranks"):
+        return
+    tp, pp, _ = engine.parallel_dims()
+    group = tp * pp  # a replica's ranks are consecutive: rank = replica * tp * pp + stage * tp + tp_rank
+    n = engine.replicas
+    for r in range(n):
+        ranks = {x["rank"]: x for x in stats["ranks"] if x["rank"] // group == r}
+        cold = [k for k in range(r * group, (r + 1) * group) if ranks.get(k, {}).get("batches", 0) == 0]
+        if cold:
+            log.warning("compile at start: %s, replica %d/%d NOT warm: rank(s) %s ran no batch of it (the first job "
+                        "of this shape compiles there)", shape.label(), r + 1, n, ", ".join(map(str, cold)))
+            continue
+        log.info("compile at start: %s, replica %d/%d warm: its %d rank(s) (%d-%d, %d stage(s)) ran %d batch(es) "
+                 "each", shape.label(), r + 1, n, group, r * group, (r + 1) * group - 1, pp,
+                 min(x["batches"] for x in ranks.values()))

@@ -1,0 +1,372 @@
+"""Soak: a Gonka node's PoC path for a long run, in segments, against a callback receiver that misbehaves. It starts
+model_server.py and drives it as the node does: per segment POST /api/v1/inference/pow/init/generate with a new
+block_height and block_hash (no batch_size, a callback url on a receiver in this script), then after
+--segment-minutes POST /api/v1/inference/pow/stop, then the next segment's init. The receiver takes
+{url}/generated; in fault windows it answers 503 (`refuse`, the node outside its PoC window), answers late
+(`slow`, --slow-seconds) or resets every other connection without an answer (`reset`), one kind after another.
+
+    python benchmarks/diagnostics/soak.py --device cpu --minutes 3 --segment-minutes 1 --sample-seconds 10 \\
+        --fault-start 20 --fault-every 40 --fault-seconds 15 --out benchmarks/cpu/soak_smoke.json   # a CPU smoke run
+    python benchmarks/diagnostics/soak.py --device cuda --model random:qwen3-8b --dtype bfloat16 --seq-len 1024 \\
+        --minutes 60 --segment-minutes 5 --server-arg=--compile-at-start --server-arg=v2:64:1024 \\
+        --out benchmarks/h100/soak.json                                                               # an hour
+
+Every --sample-seconds: nonces received since the last sample, RSS and open fds of the server and of each process
+it started (the rank processes), the spool's size on disk, the callbacks pending (/metrics), and per GPU (nvidia-smi,
+where there is one) memory used, SM clock and temperature. Per segment: time from the init to the first callback
+POST and to the first one taken, nonces computed (/metrics poc_nonces_computed_total) against delivered, every
+callback's block_height against its segment's (the block_hash says which segment computed it), duplicates, and gaps
+(the node's lattice positions below the highest delivered that were not delivered: with one engine there are none;
+with replicas a stop may leave dealt batches uncomputed). After the last stop the faults end and the script waits
+for the spool to drain (--drain-seconds). Writes JSON (the command inside) and a PNG beside it (matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from first_result import started_server  # noqa: E402  (its folder: this script's)
+
+FAULTS = ("refuse", "slow", "reset")
+
+
+class Receiver:
+    """The node's callback server on loopback, with fault windows [(start, end, kind)] in monotonic time."""
+
+    def __init__(self, slow_seconds: float):
+        self.slow_seconds = slow_seconds
+        self.windows: list[tuple[float, float, str]] = []
+        self.taken: list[dict] = []  # {"t", "height", "hash", "nonces"} of each POST answered 200
+        self.attempts: list[tuple[float, int, str]] = []  # (arrival, block_height, outcome) of every POST
+        self.lock = threading.Lock()
+        self.n = 0
+        rx = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                t = time.monotonic()
+                if not self.path.endswith("/generated"):
+                    return self.answer(200)
+                b = json.loads(body)
+                fault = rx.fault(t)
+                with rx.lock:
+                    rx.n += 1
+                    n = rx.n
+                if fault == "refuse":
+                    rx.attempts.append((t, b["block_height"], "refused"))
+                    return self.answer(503)
+                if fault == "reset" and n % 2:
+                    rx.attempts.append((t, b["block_height"], "reset"))
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    self.connection.close()  # an RST, no answer: the server cannot know it arrived
+                    return None
+                if fault == "slow":
+                    time.sleep(rx.slow_seconds)
+                with rx.lock:
+                    rx.attempts.append((t, b["block_height"], "taken"))
+                    rx.taken.append({"t": t, "height": b["block_height"], "hash": b["block_hash"],
+                                     "nonces": [a["nonce"] for a in b.get("artifacts") or []]})
+                return self.answer(200)
+
+            def answer(self, code: int):
+                self.send_response(code)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request, client_address):
+                pass  # the connections this receiver resets on purpose
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/poc"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def fault(self, t: float) -> str | None:
+        return next((k for a, b, k in self.windows if a <= t < b), None)
+
+    def received(self) -> int:
+        with self.lock:
+            return sum(len(x["nonces"]) for x in self.taken)
+
+
+def request(port: int, method: str, path: str, body: dict | None = None, timeout: float = 120.0):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json"} if data else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        text = r.read().decode()
+    return json.loads(text) if path != "/metrics" else text
+
+
+def metric(text: str, name: str, label: str = "") -> float:
+    """The sum of a metric's samples (those whose labels contain `label`)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{") and label in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# --------------------------------------------------------------------------------------------------
+# the processes and the GPUs
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for p in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(p.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(p.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(out)
+
+
+def server_pid() -> int:
+    for c in children(os.getpid()):
+        try:
+            if "model_server.py" in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace"):
+                return c
+        except OSError:
+            continue
+    raise RuntimeError("model_server.py is not a child of this process")
+
+
+def proc_stats(pid: int) -> dict | None:
+    try:
+        rss = next(int(x.split()[1]) for x in Path(f"/proc/{pid}/status").read_text().splitlines()
+                   if x.startswith("VmRSS:"))
+        return {"pid": pid, "rss_mb": round(rss / 1024, 1), "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+    except (OSError, StopIteration):
+        return None
+
+
+def dir_bytes(path: Path) -> int:
+    total = 0
+    for p in path.rglob("*"):
+        try:
+            if p.is_file():
+                total += p.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+def gpus() -> list[dict] | None:
+    """Per GPU: memory used (MiB), SM clock (MHz), temperature (C), power (W) as nvidia-smi reports them; None
+    without nvidia-smi. A field the GPU does not report is null."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    q = "index,memory.used,clocks.sm,temperature.gpu,power.draw"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+    def num(x: str):
+        try:
+            return float(x)
+        except ValueError:
+            return None  # "[N/A]", "[Not Supported]"
+
+    return [dict(zip(("index", "memory_used_mib", "sm_clock_mhz", "temperature_c", "power_w"),
+                     (num(v.strip()) for v in line.split(",")))) for line in out.strip().splitlines()]
+
+
+# --------------------------------------------------------------------------------------------------
+# the run
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="random:tiny")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seq-len", type=int, default=16)
+    ap.add_argument("--minutes", type=float, default=60.0, help="the whole run (segments)")
+    ap.add_argument("--segment-minutes", type=float, default=5.0, help="from one init to its stop")
+    ap.add_argument("--sample-seconds", type=float, default=60.0)
+    ap.add_argument("--fault-start", type=float, default=60.0, help="seconds into the run of the first fault")
+    ap.add_argument("--fault-every", type=float, default=240.0, help="seconds from one fault's start to the next")
+    ap.add_argument("--fault-seconds", type=float, default=60.0, help="how long each fault lasts")
+    ap.add_argument("--slow-seconds", type=float, default=3.0, help="a slow answer's delay")
+    ap.add_argument("--drain-seconds", type=float, default=300.0, help="after the last stop, for the spool to empty")
+    ap.add_argument("--server-arg", action="append", default=[], help="one more model_server.py argument")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="the server's start")
+    ap.add_argument("--out", default="benchmarks/soak.json")
+    a = ap.parse_args(argv)
+    cmd = " ".join(["python benchmarks/diagnostics/soak.py", shlex.join(argv if argv is not None else sys.argv[1:])])
+    seg_s = 60 * a.segment_minutes
+    n_seg = max(1, math.ceil(60 * a.minutes / seg_s))
+    rx = Receiver(a.slow_seconds)
+    samples, segments = [], []
+    with tempfile.TemporaryDirectory(prefix="poc-soak-") as tmp:
+        spool = Path(tmp) / "spool"
+        args = ["--device", a.device, "--model", a.model, "--dtype", a.dtype, "--spool-dir", str(spool),
+                *a.server_arg]
+        with started_server(args, Path(tmp) / "server.log", a.timeout) as (port, startup):
+            pid = server_pid()
+            t0 = time.monotonic()
+            end = t0 + n_seg * seg_s
+            k, t = 0, t0 + a.fault_start
+            while t + a.fault_seconds <= end:  # every fault ends inside the run: the drain meets a well receiver
+                rx.windows.append((t, t + a.fault_seconds, FAULTS[k % len(FAULTS)]))
+                k, t = k + 1, t + a.fault_every
+            done = threading.Event()
+            sampler = threading.Thread(target=sample, args=(a, port, pid, spool, rx, t0, samples, done), daemon=True)
+            sampler.start()
+            for i in range(n_seg):
+                segments.append(segment(a, port, rx, t0, i, t0 + (i + 1) * seg_s))
+                print(json.dumps(segments[-1]), flush=True)
+            t_drain = time.monotonic()
+            while metric(request(port, "GET", "/metrics"), "poc_callbacks_pending") > 0:
+                if time.monotonic() - t_drain > a.drain_seconds:
+                    break
+                time.sleep(1.0)
+            drain_s = time.monotonic() - t_drain
+            done.set()
+            sampler.join()
+            final = request(port, "GET", "/metrics")
+            log_tail = (Path(tmp) / "server.log").read_text(errors="replace").splitlines()[-40:]
+    res = report(a, rx, segments, samples, t0, final, startup, drain_s, cmd, log_tail)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    plot(res, out.with_suffix(".png"))
+    s = res["summary"]
+    print(f"wrote {out}: computed {s['computed']}, delivered {s['delivered']}, duplicates {s['duplicates']}, "
+          f"gaps {s['gaps']}, callbacks under another segment's height {s['wrong_height']}; ok={s['ok']}")
+
+
+def segment(a, port: int, rx: Receiver, t0: float, i: int, until: float) -> dict:
+    """One segment: init with its block_height, run until `until`, stop; the computed count from /metrics."""
+    height, bh = 1000 + i, f"soak-{i}"
+    before = metric(request(port, "GET", "/metrics"), "poc_nonces_computed_total")
+    body = {"block_hash": bh, "block_height": height, "public_key": "soak", "node_id": 0, "node_count": 1,
+            "params": {"model": a.model, "seq_len": a.seq_len}, "url": f"{rx.url}/m"}
+    t_init = time.monotonic()
+    answer = request(port, "POST", "/api/v1/inference/pow/init/generate", body)
+    t_answer = time.monotonic() - t_init
+    if answer.get("status") != "OK":
+        raise RuntimeError(f"init/generate: {answer}")
+    time.sleep(max(0.0, until - time.monotonic()))
+    request(port, "POST", "/api/v1/inference/pow/stop", {})
+    t_stop = time.monotonic()
+    computed = metric(request(port, "GET", "/metrics"), "poc_nonces_computed_total") - before
+    return {"segment": i, "block_height": height, "block_hash": bh, "init_at_s": round(t_init - t0, 2),
+            "stop_at_s": round(t_stop - t0, 2), "init_answer_s": round(t_answer, 3), "computed": int(computed),
+            "fault_at_init": rx.fault(t_init)}
+
+
+def sample(a, port: int, pid: int, spool: Path, rx: Receiver, t0: float, out: list, done: threading.Event) -> None:
+    last = 0
+    while not done.wait(a.sample_seconds):
+        got = rx.received()
+        try:
+            pending = metric(request(port, "GET", "/metrics", timeout=30), "poc_callbacks_pending")
+        except OSError:
+            pending = None
+        out.append({"t_s": round(time.monotonic() - t0, 1), "nonces_received": got - last,
+                    "fault": rx.fault(time.monotonic()), "server": proc_stats(pid),
+                    "children": [s for s in map(proc_stats, children(pid)) if s], "spool_bytes": dir_bytes(spool),
+                    "callbacks_pending": pending, "gpus": gpus()})
+        last = got
+
+
+def report(a, rx: Receiver, segments: list, samples: list, t0: float, final: str, startup: float, drain_s: float,
+           cmd: str, log_tail: list) -> dict:
+    by_hash = {s["block_hash"]: s for s in segments}
+    wrong = sum(1 for x in rx.taken if by_hash.get(x["hash"], {}).get("block_height") != x["height"])
+    for s in segments:
+        mine = [x for x in rx.taken if x["hash"] == s["block_hash"]]
+        nonces = [n for x in mine for n in x["nonces"]]
+        uniq = set(nonces)
+        tries = [t for t, h, _ in rx.attempts if h == s["block_height"]]
+        t_init = t0 + s["init_at_s"]
+        s.update(delivered=len(uniq), duplicates=len(nonces) - len(uniq),
+                 gaps=(max(uniq) + 1 - len(uniq)) if uniq else 0,
+                 callbacks=len(mine), first_post_s=round(min(tries) - t_init, 3) if tries else None,
+                 first_taken_s=round(min(x["t"] for x in mine) - t_init, 3) if mine else None,
+                 every_height_its_own=all(x["height"] == s["block_height"] for x in mine))
+    outcomes = {}
+    for _, _, o in rx.attempts:
+        outcomes[o] = outcomes.get(o, 0) + 1
+    total = {k: sum(s[k] for s in segments) for k in ("computed", "delivered", "duplicates", "gaps")}
+    import torch
+
+    device = torch.cuda.get_device_name() if a.device.startswith("cuda") and torch.cuda.is_available() else a.device
+    return {"command": cmd, "device": device, "torch": torch.__version__, "model": a.model, "dtype": a.dtype,
+            "seq_len": a.seq_len, "minutes": a.minutes, "segment_minutes": a.segment_minutes,
+            "startup_s": round(startup, 2), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "faults": [{"from_s": round(s - t0, 1), "to_s": round(e - t0, 1), "kind": k} for s, e, k in rx.windows],
+            "segments": segments, "samples": samples, "receiver": outcomes,
+            "callbacks": {o: metric(final, "poc_callbacks_total", f'outcome="{o}"')
+                          for o in ("sent", "retried", "dropped", "dead_letter")},
+            "drain_s": round(drain_s, 1), "pending_at_end": metric(final, "poc_callbacks_pending"),
+            "summary": {**total, "wrong_height": wrong,
+                        "ok": total["computed"] == total["delivered"] and not total["duplicates"] and not wrong},
+            "server_log_tail": log_tail}
+
+
+def plot(res: dict, path: Path) -> None:
+    from poc.bench import pyplot
+
+    plt = pyplot()
+    if plt is None or not res["samples"]:
+        return
+    s = res["samples"]
+    t = [x["t_s"] / 60 for x in s]
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    axes[0].bar(t, [x["nonces_received"] for x in s], width=0.8 * (t[1] - t[0] if len(t) > 1 else 1))
+    axes[0].set_ylabel(f"nonces received / {res['samples'][0]['t_s']:.0f} s")
+    axes[1].plot(t, [(x["server"] or {}).get("rss_mb") for x in s], label="server RSS MB")
+    axes[1].plot(t, [sum(c["rss_mb"] for c in x["children"]) for x in s], label="its processes' RSS MB")
+    axes[1].legend(fontsize=7)
+    axes[2].plot(t, [(x["server"] or {}).get("fds") for x in s], label="server open fds")
+    axes[2].plot(t, [x["spool_bytes"] / 1e6 for x in s], label="spool MB")
+    axes[2].plot(t, [x["callbacks_pending"] for x in s], label="callbacks pending")
+    axes[2].legend(fontsize=7)
+    axes[2].set_xlabel("minutes")
+    colours = {"refuse": "red", "slow": "orange", "reset": "purple"}
+    for ax in axes:
+        for f in res["faults"]:
+            ax.axvspan(f["from_s"] / 60, f["to_s"] / 60, color=colours[f["kind"]], alpha=0.12)
+        for seg in res["segments"][1:]:
+            ax.axvline(seg["init_at_s"] / 60, color="grey", lw=0.6)
+    sm = res["summary"]
+    fig.suptitle(f"soak {res['model']} seq {res['seq_len']} on {res['device']}: computed {sm['computed']}, delivered "
+                 f"{sm['delivered']}, duplicates {sm['duplicates']} (faults: red 503, orange slow, purple reset)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
