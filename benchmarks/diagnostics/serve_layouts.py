@@ -217,7 +217,7 @@ cfg, db, fp8 = auto.model_shape(a["model"], a["dtype"])
 c = auto.choose(cfg, gpus, db, fp8)
 out["auto"] = [c.tp, c.pp, c.replicas, c.why]
 out["need_gib"] = {}
-for name, (tp, pp, rep) in a["dims"].items():
+for name, (tp, pp, rep) in {**a["dims"], "auto": (c.tp, c.pp, c.replicas)}.items():
     w, act = auto.need_bytes(cfg, tp, pp, db, fp8, a["batch"], a["seq"])
     out["need_gib"][name] = [w / auto.GiB, act / auto.GiB, tp * pp * rep]
 out["room_gib"] = auto.room_bytes(min(g.total_bytes for g in gpus), 0.95) / auto.GiB if gpus else None

@@ -214,9 +214,11 @@ class CallbackSender:
 
     async def stored(self) -> None:
         """Return once every record submitted so far is stored (spooled, or kept in memory): a release after it
-        covers them all."""
-        while self._stores:
-            await asyncio.gather(*list(self._stores), return_exceptions=True)
+        covers them all. A finished store counts as stored before its done-callback takes it out of _stores: on
+        Python 3.12 gather() of finished tasks is finished at once, so a loop that waited for _stores to empty
+        would never give the event loop the turn that runs those callbacks (the server froze so after a stop)."""
+        while pending := [t for t in self._stores if not t.done()]:
+            await asyncio.wait(pending)
 
     async def put(self, kind: str, url: str, payload: dict, idempotency_id: str, force: bool = False) -> bool:
         """`submit`, returning once the record is on disk (spool mode): a caller that reports the payload
