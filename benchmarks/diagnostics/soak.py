@@ -220,7 +220,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--server-arg", action="append", default=[], help="one more model_server.py argument")
     ap.add_argument("--timeout", type=float, default=1800.0, help="the server's start")
     ap.add_argument("--out", default="benchmarks/soak.json")
+    ap.add_argument("--summarize", default=None, metavar="JSON",
+                    help="no run: recompute the stability summary and the plot of a soak JSON (rewritten in place)")
     a = ap.parse_args(argv)
+    if a.summarize:
+        path = Path(a.summarize)
+        res = json.loads(path.read_text())
+        res["stability"] = stability(res["segments"], res["samples"])
+        path.write_text(json.dumps(res, indent=1))
+        plot(res, path.with_suffix(".png"))
+        print(json.dumps(res["stability"], indent=1))
+        return
     cmd = " ".join(["python benchmarks/diagnostics/soak.py", shlex.join(argv if argv is not None else sys.argv[1:])])
     seg_s = 60 * a.segment_minutes
     n_seg = max(1, math.ceil(60 * a.minutes / seg_s))
@@ -285,14 +295,17 @@ def segment(a, port: int, rx: Receiver, t0: float, i: int, until: float) -> dict
 
 
 def sample(a, port: int, pid: int, spool: Path, rx: Receiver, t0: float, out: list, done: threading.Event) -> None:
-    last = 0
+    last, last_computed = 0, None
     while not done.wait(a.sample_seconds):
         got = rx.received()
         try:
-            pending = metric(request(port, "GET", "/metrics", timeout=30), "poc_callbacks_pending")
+            text = request(port, "GET", "/metrics", timeout=30)
+            pending, computed = metric(text, "poc_callbacks_pending"), metric(text, "poc_nonces_computed_total")
         except OSError:
-            pending = None
-        out.append({"t_s": round(time.monotonic() - t0, 1), "nonces_received": got - last,
+            pending = computed = None
+        step = None if computed is None or last_computed is None else int(computed - last_computed)
+        last_computed = computed if computed is not None else last_computed
+        out.append({"t_s": round(time.monotonic() - t0, 1), "nonces_received": got - last, "nonces_computed": step,
                     "fault": rx.fault(time.monotonic()), "server": proc_stats(pid),
                     "children": [s for s in map(proc_stats, children(pid)) if s], "spool_bytes": dir_bytes(spool),
                     "callbacks_pending": pending, "gpus": gpus()})
@@ -331,7 +344,40 @@ def report(a, rx: Receiver, segments: list, samples: list, t0: float, final: str
             "drain_s": round(drain_s, 1), "pending_at_end": metric(final, "poc_callbacks_pending"),
             "summary": {**total, "wrong_height": wrong,
                         "ok": total["computed"] == total["delivered"] and not total["duplicates"] and not wrong},
+            "stability": stability(segments, samples),
             "server_log_tail": log_tail}
+
+
+def stability(segments: list, samples: list) -> dict:
+    """Whether the run slowed down or grew: each segment's rate (computed over its init-to-stop span) against the
+    first's; each sample's computed nonces (where recorded) against the first steady sample's (the second: the first
+    holds the start); the server's and its processes' RSS and the server's open fds from the first steady sample to
+    the last; the spool's largest size and its size at the end."""
+    out = {}
+    rates = [s["computed"] / max(1e-9, s["stop_at_s"] - s["init_at_s"]) for s in segments]
+    if rates:
+        out["segment_nonces_per_s"] = [round(r, 1) for r in rates]
+        out["segment_rate_vs_first"] = {"min": round(min(rates) / rates[0], 4), "max": round(max(rates) / rates[0], 4)}
+    steady = samples[1:]
+    computed = [x.get("nonces_computed") for x in steady]
+    computed = [c for c in computed if c is not None]
+    if len(computed) > 1 and computed[0]:
+        out["sample_rate_vs_first_steady"] = {"min": round(min(computed[1:]) / computed[0], 4),
+                                              "max": round(max(computed[1:]) / computed[0], 4),
+                                              "first": computed[0], "n": len(computed)}
+
+    def rss(x):
+        return (x["server"] or {}).get("rss_mb", 0.0) + sum(c["rss_mb"] for c in x["children"])
+
+    if len(steady) > 1:
+        a, b = steady[0], steady[-1]
+        out["rss_mb"] = {"first_steady": round(rss(a), 1), "last": round(rss(b), 1),
+                         "max": round(max(map(rss, steady)), 1)}
+        out["server_fds"] = {"first_steady": (a["server"] or {}).get("fds"), "last": (b["server"] or {}).get("fds"),
+                             "max": max((x["server"] or {}).get("fds") or 0 for x in steady)}
+        out["spool_mb"] = {"max": round(max(x["spool_bytes"] for x in steady) / 1e6, 2),
+                           "last": round(b["spool_bytes"] / 1e6, 2)}
+    return out
 
 
 def plot(res: dict, path: Path) -> None:
@@ -344,7 +390,10 @@ def plot(res: dict, path: Path) -> None:
     t = [x["t_s"] / 60 for x in s]
     fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
     axes[0].bar(t, [x["nonces_received"] for x in s], width=0.8 * (t[1] - t[0] if len(t) > 1 else 1))
-    axes[0].set_ylabel(f"nonces received / {res['samples'][0]['t_s']:.0f} s")
+    if any(x.get("nonces_computed") is not None for x in s):
+        axes[0].plot(t, [x.get("nonces_computed") for x in s], color="k", lw=1, label="computed")
+        axes[0].legend(["computed", "received"], fontsize=7)
+    axes[0].set_ylabel(f"nonces / {res['samples'][0]['t_s']:.0f} s")
     axes[1].plot(t, [(x["server"] or {}).get("rss_mb") for x in s], label="server RSS MB")
     axes[1].plot(t, [sum(c["rss_mb"] for c in x["children"]) for x in s], label="its processes' RSS MB")
     axes[1].legend(fontsize=7)
