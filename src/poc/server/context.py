@@ -33,19 +33,28 @@ sender_key = web.AppKey("callbacks", CallbackSender)
 listening_key = web.AppKey("listening", asyncio.Event)
 tasks_key = web.AppKey("tasks", dict)  # background tasks by name
 freed_key = web.AppKey("freed", asyncio.Event)  # set on the loop whenever the engine's device lock is released
+enders_key = web.AppKey("enders", list)  # track_streams' enders: each ends one route's sessions (end_sessions)
 
 log = logging.getLogger("poc.server")
 
 
-def track_streams(app: web.Application, key: web.AppKey, end: Callable[[object], None]) -> None:
-    """app[key]: a route's open streams (the route adds and discards them); on shutdown each one is end()ed."""
+def track_streams(app: web.Application, key: web.AppKey, end: Callable[[object, str], None]) -> None:
+    """app[key]: a route's open sessions (the route adds and discards them). Each one is end(s, reason)ed on
+    shutdown ("shutdown") and by every stop (end_sessions: "stopped"), also while it only waits for work."""
     app[key] = set()
+    app.setdefault(enders_key, []).append(lambda reason: [end(s, reason) for s in list(app[key])])
 
     async def on_shutdown(app: web.Application) -> None:
         for s in list(app[key]):
-            end(s)
+            end(s, "shutdown")
 
     app.on_shutdown.append(on_shutdown)
+
+
+def end_sessions(app: web.Application, reason: str = "stopped") -> None:
+    """End every tracked session (/pooled, /warmup), whether it holds the device or waits for work."""
+    for end in app.get(enders_key, ()):
+        end(reason)
 
 
 def require_ready(app: web.Application) -> None:

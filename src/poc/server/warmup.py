@@ -42,8 +42,18 @@ routes = web.RouteTableDef()
 
 
 def setup(app: web.Application) -> None:
-    track_streams(app, warmups_key, lambda stop: stop.set())
+    track_streams(app, warmups_key, WarmupStop.end)
     app.add_routes(routes)
+
+
+class WarmupStop(asyncio.Event):
+    """Set by a stop (/api/v1/stop and the others: "stopped") or by shutdown ("shutdown"), with the reason."""
+
+    reason = "shutdown"
+
+    def end(self, reason: str) -> None:
+        self.reason = reason
+        self.set()
 
 
 @routes.post("/warmup")
@@ -56,7 +66,7 @@ async def warmup(request: web.Request) -> web.StreamResponse:
         job_id = "unknown"
     elif isinstance(job_id, bool) or not isinstance(job_id, (str, int)):  # as the reference: echoed as given
         raise InputError(f"job_id must be a string or an integer, got {schemas._short(job_id)}", "job_id")
-    stop = asyncio.Event()
+    stop = WarmupStop()
     app[warmups_key].add(stop)
     w = NdjsonWriter(request)
     try:
@@ -71,7 +81,7 @@ async def warmup(request: web.Request) -> web.StreamResponse:
     return w.resp
 
 
-async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: str | int, stop: asyncio.Event):
+async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: str | int, stop: WarmupStop):
     """The /generate request once the controller has it; None after a timeout, a shutdown or a gone client."""
     cfg = app[config_key]
     t0 = time.monotonic()
@@ -79,6 +89,9 @@ async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: s
     async with url_policy(app).session(cfg.callback_timeout) as http:
         while True:
             elapsed = time.monotonic() - t0
+            if stop.is_set():  # a stop that came while the controller was being asked
+                await w.write({"status": stop.reason, "elapsed": round(elapsed, 3)})
+                return None
             if elapsed >= cfg.warmup_max_duration:
                 await w.write({"status": "warmup_timeout", "elapsed": round(elapsed, 3)})
                 return None
@@ -124,7 +137,7 @@ async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: s
             left = cfg.warmup_max_duration - (time.monotonic() - t0)
             try:
                 await asyncio.wait_for(stop.wait(), max(0.0, min(cfg.warmup_poll_interval, left)))
-                await w.write({"status": "shutdown", "elapsed": round(time.monotonic() - t0, 3)})
+                await w.write({"status": stop.reason, "elapsed": round(time.monotonic() - t0, 3)})
                 return None
             except asyncio.TimeoutError:
                 pass
