@@ -4,7 +4,8 @@
 
 Streams {"status": "warmup_ready"}, then polls GET {callback_url}/warmup/params?job_id= every warmup_poll_interval
 (one status line per poll: "warmup_waiting", or "warmup_callback_unreachable" with the error when the controller
-cannot be reached: never a silent stall) for up to warmup_max_duration ("warmup_timeout"). On {"status": "ready",
+cannot be reached or answers more than 64 KiB (clients/answers.py): never a silent stall) for up to
+warmup_max_duration ("warmup_timeout"). On {"status": "ready",
 "params": {...}} (params = a complete /generate request, v1 or v2) it runs the /generate logic and streams each
 line as it is produced (spec-v1 §6 F3: the reference buffered them all), then POSTs {callback_url}/warmup/complete
 {job_id, total_batches, total_computed, total_valid} through the durable sender (spooled, re-sent until
@@ -24,6 +25,7 @@ import uuid
 import aiohttp
 from aiohttp import web
 
+from poc.clients import answers
 from poc.errors import InputError
 from poc.logs import describe
 from poc.server import schemas
@@ -102,15 +104,15 @@ async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: s
             else:
                 try:
                     async with http.get(f"{cb}/warmup/params", params={"job_id": job_id}) as r:
-                        raw = await r.read()
                         if r.status >= 300:  # the status is logged, not streamed: no probing through us
                             line = {"status": "warmup_callback_unreachable", "poll_count": polls, "elapsed": 0.0,
                                     "error": UNREACHABLE}
                             if polls == 1 or polls % 10 == 0:
                                 log.info("warmup %s: callback %s answered HTTP %d", job_id, cb, r.status)
                         else:
+                            raw = await answers.read_capped(r, answers.PARAMS_CAP)  # a longer one: unreachable
                             try:
-                                data = await r.json(content_type=None) if raw.strip() else None
+                                data = answers.parse(raw)
                             except ValueError:
                                 data = None
                                 line["detail"] = "the answer is not JSON"
