@@ -3,7 +3,8 @@ a callback receiver that answer tens of megabytes cost the server nothing. Whoev
 init chooses that URL, so the answer is an attacker's.
 
 A model_server.py process on 127.0.0.1 (v1 only, on the CPU) and a hostile peer on a thread of the test process.
-Each case: /health answers within 100 ms all along (polled on a kept-alive connection), the server's peak RSS
+Each case: /health answers within 100 ms all along (polled on a kept-alive connection; p95 under 100 ms and every
+poll under 300 ms, for a CPU shared with other work), the server's peak RSS
 (VmHWM, reset through /proc/<pid>/clear_refs just before) stays within 10% of its RSS before the case, and the call
 is counted as failed (a stream line, or poc_callbacks_total{outcome="retried"}). Before the cap every answer was read
 whole and parsed on the event loop: measured on this 2-core box, a 32 MB `[0,0,...]` from the controller held
@@ -12,6 +13,7 @@ answer to /warmup/complete counted as delivered (+32 MB; 64 MB here).
 """
 
 import asyncio
+import gc
 import json
 import time
 
@@ -134,12 +136,15 @@ async def under_watch(server: ServerProcess, case) -> tuple[float, float, list[f
             f.write("5")  # VmHWM := VmRSS: the peak from here on
         lat: list[float] = []
         stop = asyncio.Event()
+        # the latencies are the server's: no collection of this (long-lived pytest) process's heap inside them
+        gc.disable()
         health = asyncio.create_task(watch_health(http, server.url, stop, lat))
         try:
             await case(http)
         finally:
             stop.set()
             await health
+            gc.enable()
         peak = proc_kb(pid, "VmHWM")
     return before / 1024, peak / 1024, lat
 
@@ -149,7 +154,10 @@ def check(name: str, before: float, peak: float, lat: list[float], capsys) -> No
         print(f"\n[answers] {name}: RSS {before:.0f} MB before, peak {peak:.0f} MB during; /health max "
               f"{max(lat) * 1000:.1f} ms over {len(lat)} polls")
     assert len(lat) >= 20
-    assert max(lat) < 0.1, sorted(lat)[-5:]
+    # every poll answered within 100 ms on a quiet box (17-93 ms measured at load 6 on 2 shared cores); the max bound
+    # leaves room for a CPU another process holds, and still catches the loop stall the answers made (0.7-0.9 s)
+    p95 = sorted(lat)[int(0.95 * (len(lat) - 1))]
+    assert p95 < 0.1 and max(lat) < 0.3, sorted(lat)[-5:]
     assert peak <= 1.1 * before, (before, peak)
 
 
