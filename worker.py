@@ -17,9 +17,10 @@ Routes (forwarded as is; NDJSON streams pass through line by line):
 - /benchmark: the benchmark handler. The SDK's own benchmark stops its clock when the response HEADERS arrive,
   which on a stream is wildly wrong (spec/pyworker.md); here its remote function runs a real /generate job of
   POC_BENCH_NONCES nonces and reads the WHOLE stream, so max_perf is real nonces/s.
-Before the SDK's handler (Guard): a body over POC_WORKER_MAX_BODY is a 413, one not received within 60 s a 408, an
-auth_data.reqnum that is not a JSON integer in 0..2**63-1 a 422, and a correctly signed one not above the last
-accepted a 409. The SDK's signature covers only auth_data.url, so a captured envelope stays a credential for this
+Before the SDK's handler (Guard): a body over POC_WORKER_MAX_BODY is a 413, one not received within 60 s a 408, one
+that does not decode in its Content-Type's charset a 400 and one without an auth_data object a 422 (the body is read
+as the SDK reads it), an auth_data.reqnum that is not a JSON integer in 0..2**63-1 a 422, and a correctly signed one
+not above the last accepted a 409. The SDK's signature covers only auth_data.url, so a captured envelope stays a credential for this
 worker URL (with a higher reqnum and any payload): serve the worker over TLS (USE_SSL) and keep the model server on
 127.0.0.1 (README "Hostile clients and networks").
 Readiness: the model server's "Application startup complete." line (on_load), then the benchmark, then
@@ -144,11 +145,12 @@ class Guard:
             except TimeoutError:
                 return _refusal(408, f"request body not received within {BODY_TIMEOUT:g} s")
             request._read_bytes = bytes(body)  # aiohttp's cache of the body: the SDK's request.json() reads it
-            auth = _auth_data(body)
-            if auth is not None:
-                refused = self.check(auth)
-                if refused is not None:
-                    return refused
+            auth = sdk_auth_data(request._read_bytes, request.charset)
+            if isinstance(auth, web.Response):  # a body the SDK would read otherwise, or not at all: not passed on
+                return auth
+            refused = self.check(auth)
+            if refused is not None:
+                return refused
             return await handler(request)
 
         return guarded
@@ -170,12 +172,24 @@ class Guard:
         return [web.route(r.method, r.path, self.wrap(r.handler), **r.kwargs) for r in routes]
 
 
-def _auth_data(body: bytes) -> dict | None:
+def sdk_auth_data(body: bytes, charset: str | None) -> dict | web.Response:
+    """The envelope's auth_data read exactly as the SDK reads the body (vastai 1.9.1's handler calls aiohttp's
+    request.json(): the bytes decoded by the Content-Type's charset, UTF-8 without one, then json.loads of that
+    text), or the refusal: a body that does not decode in its charset (400), or that has no auth_data object (422,
+    as the SDK answers it). Reading it any other way (json.loads of the bytes guesses UTF-8/16/32) let a body
+    declared `charset=latin-1` with one non-ASCII byte skip the reqnum check while the SDK read and forwarded it."""
     try:
-        auth = json.loads(body).get("auth_data")
-    except (ValueError, AttributeError, RecursionError):
-        return None
-    return auth if isinstance(auth, dict) else None
+        text = body.decode(charset or "utf-8")
+    except (LookupError, UnicodeDecodeError):
+        return _refusal(400, f"the body does not decode as {str(charset or 'utf-8')[:40]} (its Content-Type's charset)")
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        return _refusal(422, "the body is not JSON")
+    auth = data.get("auth_data") if isinstance(data, dict) else None
+    if not isinstance(auth, dict):
+        return _refusal(422, "auth_data (an object) is required")
+    return auth
 
 
 def sdk_signature(backend):

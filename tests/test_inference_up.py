@@ -67,7 +67,9 @@ async def test_inference_up_serves_a_second_checkpoint_from_the_hugging_face_cac
     for absent in ("Org/Absent", "Org/Half"):
         r = await go_post(client, "/api/v1/inference/up", up(absent))
         d = json.loads(await r.text())
-        assert r.status == 409 and str(hub) in d["error"] and absent in d["error"], d
+        # the cache named, not its path on this machine (a remote caller reads it)
+        assert r.status == 409 and "HF_HUB_CACHE" in d["error"] and str(hub) not in d["error"], d
+        assert absent in d["error"]
     r = await go_post(client, "/api/v1/inference/up", up("Org/Tiny-Llama", dtype="int4"))
     assert r.status == 400 and json.loads(await r.text())["field"] == "dtype"
     assert engine.v2 is qwen and await served_ids(client) == ["Org/Tiny-Qwen3"]
@@ -95,6 +97,8 @@ async def test_inference_up_serves_a_second_checkpoint_from_the_hugging_face_cac
     assert r.status == 200, await r.text()
     assert json.loads(await r.text()) == {"status": "OK", "model": "Org/Tiny-Llama", "loaded": True}
     del engine._load
+    h = await wait_status(client)
+    assert h["model"] == "Org/Tiny-Llama", h  # as /v1/models and /api/v1/state name it, not the snapshot hash
 
     # now the broker sees the new model, and the node's PoC runs on it: the golden llama artifacts
     assert await served_ids(client) == ["Org/Tiny-Llama"]
@@ -125,6 +129,8 @@ async def test_a_failed_load_answers_503_and_leaves_no_half_state(aiohttp_client
     assert r.status == 503 and "Org/Broken failed to load" in d["error"], d
     h = await (await client.get("/health")).json()
     assert h["state"] == "broken" and h["reason"].startswith("model load failed")
+    assert h["model"] is None, h  # nothing is loaded: no name, least of all the checkpoint that failed
+    assert str(hub) not in json.dumps(d) + json.dumps(h), (d, h)
     engine = client.app[engine_key]
     assert engine.v2 is None
     st = go_decode(await (await go_get(client, "/api/v1/state")).text(), StateResponseGo)

@@ -329,8 +329,10 @@ async def test_server_serves_a_repo_id_from_the_hub_cache(tmp_path):
             async with http.post(s.url + "/generate", json=body) as r:
                 assert r.status == 200, await r.text()
                 lines = [json.loads(x) for x in (await r.read()).splitlines()]
-        assert health["state"] == "ready" and health["model"] == REV  # the snapshot directory's name
+        # named as /v1/models names it (the repo id), not by its snapshot directory
+        assert health["state"] == "ready" and health["model"] == "TestOrg/tiny-qwen3", health
         assert lines[-1]["status"] == "done" and lines[-1]["computed"] == 8, lines[-1]
+        assert "\r" not in s.text()  # no progress bar in the log: its \r updates made unreadable lines
     finally:
         assert s.terminate() == 0, s.text()
     missing = subprocess.run([sys.executable, str(ROOT / "model_server.py"), "--device", "cpu", "--model",

@@ -43,8 +43,10 @@ async def test_health_and_metrics(client):
     r = await client.get("/health")
     assert r.status == 200
     h = await r.json()
-    assert h == {"status": "healthy", "state": "ready", "model": "qwen3", "device": "cpu", "cuda_broken": False, "job": None,
-                 "attention": "bf16"}  # the attention recipe the loaded model computes (a Qwen3: bf16)
+    ids = [m["id"] for m in (await (await client.get("/v1/models")).json())["data"]]
+    # the model as /v1/models names it (a --model directory with no --served-model-name: the path as given, as vLLM)
+    assert h == {"status": "healthy", "state": "ready", "model": ids[0], "device": "cpu", "cuda_broken": False,
+                 "job": None, "attention": "bf16"}  # the attention recipe the loaded model computes (a Qwen3: bf16)
     assert (await client.post("/health")).status == 200  # the PyWorker benchmark posts
     r = await client.get("/metrics")
     assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")

@@ -219,6 +219,45 @@ async def test_worker_refuses_an_oversized_body_and_replayed_reqnums(stack):
             assert r.status == 409
 
 
+async def test_worker_reads_the_body_as_the_sdk_does_so_a_charset_cannot_skip_the_replay_guard(stack):
+    """A captured envelope sent as `charset=latin-1` with one non-ASCII byte: json.loads of the bytes failed, so the
+    guard let it through while the SDK decoded it by its charset and forwarded it (a replayed /warmup fetched the
+    caller's URL). Read as the SDK reads it, it meets the reqnum rules; a body that does not decode is refused."""
+    def latin1(env: dict, **auth) -> bytes:
+        env = {**env, "auth_data": {**env["auth_data"], **auth}}
+        return json.dumps(env, ensure_ascii=False).encode("latin-1")
+
+    hdr = {"Content-Type": "application/json; charset=latin-1"}
+    warmup = {"callback_url": "http://127.0.0.1:9/attacker", "job_id": "caf\u00e9"}  # é: one byte in latin-1
+    async with aiohttp.ClientSession() as http:
+        env = stack.envelope(warmup, 1000)  # the captured envelope: its reqnum (1000) is the mark
+        async with http.post(stack.url + "/health", json=stack.envelope({}, 1000)) as r:
+            assert r.status == 200
+        for n, want in ((1000, 409), (999, 409), (0, 409), (1000.0, 422), (11.0, 422)):
+            body = latin1(env, reqnum=n)
+            assert b"caf\xe9" in body
+            async with http.post(stack.url + "/warmup", data=body, headers=hdr) as r:
+                # never 200 warmup_ready (a stream that would poll the URL for 600 s: only its first bytes read)
+                assert r.status == want, (n, r.status, await r.content.read(300))
+        # the mark did not move: the next real request passes, and a latin-1 body with a fresh reqnum is read and
+        # checked as any other (accepted, and it moves the mark)
+        async with http.post(stack.url + "/health", json=stack.envelope({}, 1001)) as r:
+            assert r.status == 200
+        async with http.post(stack.url + "/health", data=latin1(stack.envelope({"x": "\u00e9"}, 1002)),
+                             headers=hdr) as r:
+            assert r.status == 200
+        async with http.post(stack.url + "/health", json=stack.envelope({}, 1002)) as r:
+            assert r.status == 409
+        # a body the SDK cannot read (not UTF-8 without a charset, an unknown charset) or without auth_data: refused
+        for data, ctype, want in ((latin1(env, reqnum=1003), "application/json", 400),
+                                  (json.dumps(env).encode(), "application/json; charset=no-such", 400),
+                                  (b"[1, 2]", "application/json", 422), (b"{not json", "application/json", 422)):
+            async with http.post(stack.url + "/warmup", data=data, headers={"Content-Type": ctype}) as r:
+                assert r.status == want, (ctype, r.status, await r.content.read(300))
+        async with http.post(stack.url + "/health", json=stack.envelope({}, 1003)) as r:
+            assert r.status == 200  # none of them moved the mark
+
+
 def test_guard_reqnum_rules_and_the_sdk_signature_check():
     """worker.Guard.check without the SDK: the form of reqnum, the mark only a signed envelope moves; and
     sdk_signature, the SDK's own check (RSA PKCS#1 v1.5 over {"url": ...}), against a key of the test's."""

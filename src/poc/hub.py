@@ -32,6 +32,19 @@ def hub_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub")
 
 
+CACHE_NAME = "the local Hugging Face cache (HF_HUB_CACHE)"  # how texts a remote caller reads name it: no path
+
+
+def hide_cache(text: str) -> str:
+    """`text` with the hub cache's machine path (as set, and resolved) replaced by "$HF_HUB_CACHE": for what a
+    remote caller reads (an error, /health's reason); the log keeps the full path."""
+    cache = hub_cache_dir()
+    for p in sorted({cache, os.path.realpath(cache)}, key=len, reverse=True):
+        if p and len(p) > 1:
+            text = text.replace(p.rstrip("/"), "$HF_HUB_CACHE")
+    return text
+
+
 def resolve_model(name: str | None, flag: str = "--model") -> str | None:
     """A checkpoint directory for `name` (see the module docstring); no network access."""
     if not name or name.startswith("random:") or Path(name).exists() or not REPO_ID.fullmatch(name):

@@ -16,7 +16,8 @@ tests, `ServerConfig.spool_dir=None`) records live in memory only. A few sender 
 is its (url, id) pair: the same id to two destinations is two records, never merged or deduplicated into one; the
 orchestrator's results also carry `idempotency_id` in the body, so it can drop repeats); a failure is retried on a
 timer with capped, jittered exponential backoff, never by sleeping in a loop that holds others up. Connection
-errors, timeouts, 5xx and 408/413/429 are retried. Any other 4xx (400, 401, 403, 404, 409, 410, 422, ...) is a
+errors, timeouts, 5xx, 408/413/429 and an answer over 4 KiB (answers.ACK_CAP: an acknowledgement is all we read;
+the connection is dropped, not drained) are retried. Any other 4xx (400, 401, 403, 404, 409, 410, 422, ...) is a
 refusal: after `refusal_limit` (1: not retried) of them in a row the record is moved to dead-letter.jsonl in the
 spool directory (one JSON line: id, kind, url, status, reason, dead_at, payload; fsynced, never replayed, kept for
 an operator, listed by `python -m poc.clients.spool dead-letter`). So is a record past its `lifetime` (seconds from
@@ -54,6 +55,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from poc.clients.answers import ACK_CAP, parse, read_capped
 from poc.clients.spool import Entry, Spool
 from poc.logs import describe
 
@@ -641,14 +643,14 @@ class CallbackSender:
         headers = {"Idempotency-Key": key}
         try:
             async with self._session.post(url, json=body, headers=headers) as r:
-                raw = await r.read()
                 if r.status >= 300:
                     return False, f"HTTP {r.status}", r.status
+                raw = await read_capped(r, ACK_CAP)  # an acknowledgement: a longer answer is a failed POST
                 want = KINDS[first.kind]
                 if want is None:
                     return True, "", r.status
                 try:
-                    answer = await r.json(content_type=None) if raw else None
+                    answer = parse(raw)
                 except ValueError:
                     answer = None
                 status = answer.get("status") if isinstance(answer, dict) else None

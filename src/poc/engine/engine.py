@@ -68,7 +68,8 @@ class Engine(EngineBase):
         t0 = time.perf_counter()
         o = self.options
         # a checkpoint directory, or random weights of a preset shape (random:<preset>[:fp8]): benchmarks and demos
-        model, cfg = build(self.model_dir, self.v2_dtype_arg(), self.device, options=o, progress=True)
+        # no progress bar: its \r updates went into the server log (the load's time is logged when it ends)
+        model, cfg = build(self.model_dir, self.v2_dtype_arg(), self.device, options=o, progress=False)
         name = Path(self.model_dir).name
         self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile_v2)
         self.load_seconds = time.perf_counter() - t0

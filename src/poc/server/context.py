@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from pathlib import Path
 from typing import Callable
 
 from aiohttp import web
 
 from poc.clients.callbacks import CallbackSender
 from poc.engine.base import Claim, EngineBase
+from poc.hub import hide_cache
 from poc.errors import InputError
 from poc.protocol import v1
 from poc.server.config import ServerConfig
@@ -33,19 +33,28 @@ sender_key = web.AppKey("callbacks", CallbackSender)
 listening_key = web.AppKey("listening", asyncio.Event)
 tasks_key = web.AppKey("tasks", dict)  # background tasks by name
 freed_key = web.AppKey("freed", asyncio.Event)  # set on the loop whenever the engine's device lock is released
+enders_key = web.AppKey("enders", list)  # track_streams' enders: each ends one route's sessions (end_sessions)
 
 log = logging.getLogger("poc.server")
 
 
-def track_streams(app: web.Application, key: web.AppKey, end: Callable[[object], None]) -> None:
-    """app[key]: a route's open streams (the route adds and discards them); on shutdown each one is end()ed."""
+def track_streams(app: web.Application, key: web.AppKey, end: Callable[[object, str], None]) -> None:
+    """app[key]: a route's open sessions (the route adds and discards them). Each one is end(s, reason)ed on
+    shutdown ("shutdown") and by every stop (end_sessions: "stopped"), also while it only waits for work."""
     app[key] = set()
+    app.setdefault(enders_key, []).append(lambda reason: [end(s, reason) for s in list(app[key])])
 
     async def on_shutdown(app: web.Application) -> None:
         for s in list(app[key]):
-            end(s)
+            end(s, "shutdown")
 
     app.on_shutdown.append(on_shutdown)
+
+
+def end_sessions(app: web.Application, reason: str = "stopped") -> None:
+    """End every tracked session (/pooled, /warmup), whether it holds the device or waits for work."""
+    for end in app.get(enders_key, ()):
+        end(reason)
 
 
 def require_ready(app: web.Application) -> None:
@@ -54,8 +63,8 @@ def require_ready(app: web.Application) -> None:
     if engine.state == "loading":
         raise InputError("the model is still loading: retry when GET /health says ready", None, status=503)
     if engine.state == "broken":
-        raise InputError(f"the engine is broken ({engine.broken_reason}): restart the server, or load a model with "
-                         "POST /api/v1/inference/up", None, status=503)
+        raise InputError(f"the engine is broken ({hide_cache(engine.broken_reason or '')}): restart the server, or "
+                         "load a model with POST /api/v1/inference/up", None, status=503)
 
 
 def check_v1_memory(app: web.Application, params: v1.V1Params, batch_size: int, dtype: str) -> None:
@@ -136,7 +145,7 @@ def served_model(app: web.Application) -> ServedModel | None:
 
 
 def model_label(app: web.Application) -> str | None:
-    engine = app[engine_key]
-    if engine.v2 is not None:
-        return engine.v2.name
-    return Path(engine.model_dir).name if engine.model_dir else None  # loading, or failed to load
+    """The served model as /v1/models names it (its first id: the served name, else the Hub repo id); None while no
+    checkpoint is loaded (v1 only, loading, or a load that failed)."""
+    served = served_model(app)
+    return served.ids[0] if served is not None else None

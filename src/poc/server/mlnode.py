@@ -8,7 +8,7 @@ between: its MLNode client (decentralized-api/mlnodeclient) calls them on the no
     POST /api/v1/inference/pow/generate         explicit nonces (+ validation) -> /api/v1/pow/generate
     GET  /api/v1/inference/pow/generate/{id}    a queued request's result      -> /api/v1/pow/generate/{id}
     GET  /api/v1/inference/pow/status           {"status", "backends": [...]}  <- /api/v1/pow/status
-    POST /api/v1/inference/pow/stop             {"status", "results", ...}     -> /api/v1/pow/stop
+    POST /api/v1/inference/pow/stop             {"status", "results", ...}: every job, as /api/v1/stop
 
 One process plays both roles the MLNode and its vLLM backends play: every /api/v1/inference/pow route fills the
 defaults the MLNode fills (params.k_dim 12, group_id 0 of n_groups 1: this server is the one backend; a missing
@@ -201,6 +201,8 @@ async def status(request: web.Request) -> web.Response:
 
 @routes.post(f"{V2}/stop")
 async def stop_v2(request: web.Request) -> web.Response:
-    await request.app[pow_key].stop_all()
+    """The MLNode's PoC stop: here the device has one owner at a time, so it ends every job and session (as
+    /api/v1/stop), a /pooled or /warmup session that holds or waits for the device included."""
+    await stop_every_job(request.app, f"POST {V2}/stop")
     return web.json_response({"status": "OK", "results": [{"port": _port(request), "status": "stopped"}],
                               "errors": None})

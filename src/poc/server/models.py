@@ -72,7 +72,7 @@ def _unavailable(app: web.Application) -> InputError | None:
     if engine.state == "loading":
         return InputError("the model is loading: retry when GET /health says ready", None, status=503)
     if engine.state == "broken":
-        return InputError(f"no model is served: {engine.broken_reason}", None, status=503)
+        return InputError(f"no model is served: {hub.hide_cache(engine.broken_reason or '')}", None, status=503)
     return None
 
 
@@ -123,21 +123,22 @@ async def _begin_up(request: web.Request, refused: int = 409) -> web.Response | 
         path = engine.model_dir  # the same checkpoint in another dtype
     else:
         status, path = await asyncio.to_thread(hub.cache_status, model)
-        cache = hub.hub_cache_dir()
+        if status in ("NOT_FOUND", "PARTIAL"):  # the path for the operator's log; the caller reads no machine path
+            log.info("inference/up %s: %s in %s", model, status, hub.hub_cache_dir())
         if status == "NOT_FOUND":
-            raise InputError(f"model {model} is not in the local Hugging Face cache {cache} (nothing is downloaded at "
-                             f"run time: `hf download {model}` there first, or set HF_HUB_CACHE)", "model",
-                             status=refused)
+            raise InputError(f"model {model} is not in {hub.CACHE_NAME} (nothing is downloaded at run time: "
+                             f"`hf download {model}` there first)", "model", status=refused)
         if status == "PARTIAL":
-            raise InputError(f"model {model} is only partly in the local Hugging Face cache {cache} (config.json or "
-                             "safetensors files missing): download it again", "model", status=refused)
+            raise InputError(f"model {model} is only partly in {hub.CACHE_NAME} (config.json or safetensors files "
+                             "missing): download it again", "model", status=refused)
     try:
         await asyncio.to_thread(engine.preflight, path)
     except InputError as e:
-        raise InputError(f"model {model} cannot be served here: {e.message}", "model", status=refused) from None
-    except (OSError, ValueError, KeyError, TypeError) as e:  # an unreadable or malformed config.json
-        raise InputError(f"model {model} cannot be served here: its config does not read ({describe(e)})", "model",
+        raise InputError(f"model {model} cannot be served here: {hub.hide_cache(e.message)}", "model",
                          status=refused) from None
+    except (OSError, ValueError, KeyError, TypeError) as e:  # an unreadable or malformed config.json
+        raise InputError(f"model {model} cannot be served here: its config does not read "
+                         f"({hub.hide_cache(describe(e))})", "model", status=refused) from None
     if loading(app):  # another redeploy began while this one looked in the cache
         raise InputError("a model is loading: retry when GET /health says ready", None, status=409)
     if args:
@@ -160,7 +161,8 @@ async def inference_up(request: web.Request) -> web.Response:
     model, task = started
     outcome = await asyncio.shield(task)  # a client that goes away does not interrupt a load half done
     if outcome == "failed":
-        raise InputError(f"model {model} failed to load: {engine.broken_reason}", "model", status=503)
+        raise InputError(f"model {model} failed to load: {hub.hide_cache(engine.broken_reason or '')}", "model",
+                         status=503)
     if outcome == "busy":
         raise InputError(BUSY, None, status=503)
     return web.json_response({"status": "OK", "model": model, "loaded": True})

@@ -4,9 +4,12 @@ batch is a result delivered to it exactly once, and the NDJSON stream reports ea
     POST /pooled {"orchestrator_url": "http://...", ["batch_size": 100], ["max_duration": 600], ["dtype": "float16"]}
 
 Session: connect (with retry) -> poll GET config every pooled_poll_interval until a block_hash arrives (up to
-pooled_wait_timeout) -> build the model -> ready (with retry) -> compute the assigned range, batch by batch, until
-"shutdown", max_duration (counted from "computing", as the reference's compute loop) or the server stops -> flush
--> /shutdown {"stats"}. Fixed against the reference (spec-v1 §6):
+pooled_wait_timeout) -> claim the device -> build the model -> ready (with retry) -> compute the assigned range,
+batch by batch, until "shutdown", max_duration (counted from "computing", as the reference's compute loop), a stop
+(/api/v1/stop and the others: context.end_sessions) or the server stops -> give the device back -> flush ->
+/shutdown {"stats"}. The device is held only while there is work: not while waiting for the block hash or for a
+range (a session waiting for its orchestrator must not keep /health busy and every other job out). Fixed against
+the reference (spec-v1 §6):
 - F1b: every nonce of the range is computed, exactly once (the engine's iterator is the range; a job stopped for
   a command resumes with the nonces not yet computed: with replicas, results arrive out of order and a stop
   drops batches dealt but not launched, so "after the last result" would skip some and repeat others);
@@ -51,7 +54,7 @@ from poc.logs import describe
 from poc.protocol import v1, v2
 from poc.server import schemas
 from poc.server.context import (admit, check_v1_memory, check_v2_memory, config_key, engine_key, new_runner,
-                                sender_key, served_model, track_streams)
+                                require_ready, sender_key, served_model, track_streams)
 from poc.server.results import v1_hits
 from poc.server.security import url_policy
 from poc.server.stream import JobRunner, NdjsonWriter, add_spans
@@ -71,7 +74,7 @@ routes = web.RouteTableDef()
 
 
 def setup(app: web.Application) -> None:
-    track_streams(app, sessions_key, lambda s: s.request_end("server_shutdown"))
+    track_streams(app, sessions_key, lambda s, why: s.request_end("server_shutdown" if why == "shutdown" else why))
     app.add_routes(routes)
 
 
@@ -85,8 +88,10 @@ async def pooled(request: web.Request) -> web.StreamResponse:
     max_duration = schemas.get_number(body, "max_duration", default=cfg.pooled_max_duration, lo=0, lo_open=True,
                                       hi=cfg.max_duration_limit)
     dtype = schemas.get_dtype(body)
-    claim = admit(app, "/pooled")  # held for the whole session: 503 or 409 here, before the 200
-    session = PooledSession(app, url, batch_size, max_duration, dtype, claim)
+    require_ready(app)  # 503 or 409 here, before the 200; the device itself is claimed when work arrives
+    if app[engine_key].busy:
+        raise InputError("busy: a job is already running", None, status=409)
+    session = PooledSession(app, url, batch_size, max_duration, dtype)
     w = NdjsonWriter(request)
     app[sessions_key].add(session)
     try:
@@ -94,7 +99,7 @@ async def pooled(request: web.Request) -> web.StreamResponse:
         await session.run(w)
     finally:
         app[sessions_key].discard(session)
-        session.release_after_jobs(claim)
+        session.give_device()
     await w.close()
     return w.resp
 
@@ -123,10 +128,11 @@ class Assignment:
 
 
 class PooledSession:
-    def __init__(self, app: web.Application, url: str, batch_size: int | None, max_duration: float, dtype: str,
-                 claim: Claim):
+    def __init__(self, app: web.Application, url: str, batch_size: int | None, max_duration: float, dtype: str):
         self.app, self.url, self.req_batch_size, self.max_duration, self.dtype = app, url, batch_size, max_duration, dtype
-        self.claim = claim  # the device, held for the whole session: its jobs borrow it
+        # the device, held while there is work (a block hash, then a range to compute): its jobs borrow it; a
+        # session waiting for its orchestrator holds nothing, so /health stays ready and other jobs may run
+        self.claim: Claim | None = None
         self.cfg = app[config_key]
         self.sender = app[sender_key]
         self.worker_id = str(uuid.uuid4())
@@ -176,8 +182,16 @@ class PooledSession:
         self.got_block_hash.set()
         self.ended.set()
 
-    def release_after_jobs(self, claim) -> None:
-        """Give the device back once the last job's thread has ended."""
+    def take_device(self) -> None:
+        """Claim the device for the work that arrived (503 or 409 as an InputError, ending the session)."""
+        if self.claim is None:
+            self.claim = admit(self.app, "/pooled")
+
+    def give_device(self) -> None:
+        """Give the device back once the last job's thread has ended (idempotent)."""
+        claim, self.claim = self.claim, None
+        if claim is None:
+            return
         f = self._last_runner.future if self._last_runner is not None else None
         if f is None or f.done():
             claim.release()
@@ -216,7 +230,9 @@ class PooledSession:
 
     async def _shutdown(self, stats: dict, retry: bool = True) -> None:
         """POST /shutdown once nothing else goes to the orchestrator: the reference stops its heartbeat there, and an
-        orchestrator that forgets the worker on /shutdown must not see it beat (or poll) again."""
+        orchestrator that forgets the worker on /shutdown must not see it beat (or poll) again. The device goes back
+        first: /shutdown may be retried for a while against an orchestrator that is down."""
+        self.give_device()
         await self._stop_background()
         await self.client.shutdown(stats, retry=retry)
 
@@ -250,8 +266,8 @@ class PooledSession:
                 tasks.append(asyncio.create_task(self._polls(), name=f"pooled-poll-{self.worker_id[:8]}"))
                 await self.emit({"status": "registered", "worker_id": self.worker_id})
                 await self._main()
-            except InputError as e:  # a config the worker cannot compute: say which field, end the session
-                await self._fail(e.message, "InputError", field=e.field)
+            except InputError as e:  # a config the worker cannot compute (or the device busy): say why, end the session
+                await self._fail(e.message, "InputError", field=e.field, http_status=e.status)
             except Exception as e:
                 log.warning("pooled %s failed %s", self.worker_id[:8], describe(e))
                 await self._fail(str(e), type(e).__name__)
@@ -273,6 +289,7 @@ class PooledSession:
         if self.end_reason is not None:  # "shutdown" while waiting: still tell the orchestrator (F15)
             await self._end_early()
             return
+        self.take_device()  # work arrived: the device from here (a 409 line if another job took it meanwhile)
         await self.emit({"status": "received_block_hash", "block_hash": self.conf["block_hash"][:16]})
         await self.emit({"status": "loading_model"})
         t0 = time.monotonic()
@@ -294,6 +311,7 @@ class PooledSession:
         self.deadline = time.monotonic() + self.max_duration  # the wait for a block hash had its own limit
         await self.emit({"status": "computing"})
         await self._compute()
+        self.give_device()  # the flush and /shutdown below need no device
         await self._finish()
 
     async def _build_model(self) -> None:
@@ -330,6 +348,7 @@ class PooledSession:
             a = self.assignment
             if a is None or a.work in self.finished:
                 self.changed.clear()
+                self.give_device()  # nothing to compute until the orchestrator says more
                 if a is None:
                     await self.emit({"status": "waiting_range" if self.conf["public_key"] else "waiting_public_key"})
                 try:
@@ -337,6 +356,7 @@ class PooledSession:
                 except asyncio.TimeoutError:
                     self.request_end("max_duration")
                 continue
+            self.take_device()
             summary = await self._run_job(a)
             if summary.reason == "error":
                 await self._fail(summary.error, summary.error_type)

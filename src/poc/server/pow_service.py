@@ -33,8 +33,8 @@ from poc.logs import describe
 from poc.protocol import v1, v2
 from poc.server import schemas
 from poc.server.context import (check_v1_memory, check_v2_memory, claim_device, config_key, default_v2_batch,
-                                engine_key, new_runner, require_ready, runners_key, sender_key, served_model, tasks_key,
-                                wait_claim)
+                                end_sessions, engine_key, new_runner, require_ready, runners_key, sender_key,
+                                served_model, tasks_key, wait_claim)
 from poc.server.jobs import validate_v1
 from poc.server.results import v1_hits, v2_body
 from poc.server.stream import JobRunner, collect
@@ -550,9 +550,11 @@ pow_key = web.AppKey("pow", PowService)
 
 
 async def stop_every_job(app: web.Application, why: str) -> None:
-    """Stop every job: PoC generation, the queue and the v1 init, and any /generate, /pooled or /warmup job (the
-    MLNode's stop ends all its work too). What was computed is still delivered."""
+    """Stop every job: PoC generation, the queue and the v1 init, any /generate job, and every /pooled or /warmup
+    session, computing or still waiting for its work (the MLNode's stop ends all its work too). What was computed
+    is still delivered (a session's results and its orchestrator's /shutdown go out after its job has ended)."""
     await app[pow_key].stop_all()
+    end_sessions(app, "stopped")
     others = list(app[runners_key])
     for r in others:
         r.stop("stopped")

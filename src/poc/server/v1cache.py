@@ -7,11 +7,13 @@ ranks of a multi-GPU layout), so it is dropped once the device has had no job fo
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 
 from aiohttp import web
 
+from poc.engine import memory
 from poc.server.context import config_key, engine_key
 
 log = logging.getLogger("poc.server")
@@ -37,7 +39,17 @@ async def release_when_idle(app: web.Application) -> None:
         if claim is None:
             continue
         try:
-            freed = await asyncio.to_thread(engine.release_v1)
+            freed = await asyncio.to_thread(release_and_trim, engine)
         finally:
             claim.release()
         log.info("v1 model released after %.0f s without a job (%.2f GB a device)", idle, freed / 1e9)
+
+
+def release_and_trim(engine) -> int:
+    """engine.release_v1, a full collection, then the heap trimmed. The job that used the model leaves it in
+    reference cycles (its thread's frames), which only the cyclic collector frees, and an idle server allocates too
+    little to run it: a 0.8 GB model stayed resident after its release (RSS +0.83 GB) until the next job."""
+    freed = engine.release_v1()
+    gc.collect()
+    memory.trim_heap()  # what was freed in small blocks, from the build threads' arenas too
+    return freed

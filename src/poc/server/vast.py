@@ -11,6 +11,7 @@ import logging
 
 from aiohttp import web
 
+from poc.hub import hide_cache
 from poc.logs import describe
 from poc.server import schemas
 from poc.server.context import (admit, config_key, engine_key, metrics_key, model_label, new_runner, runners_key,
@@ -49,7 +50,7 @@ async def health(request: web.Request) -> web.Response:
     if attention is not None:  # the loaded model's attention recipe (README: --attention)
         body["attention"] = attention
     if engine.state == "broken":
-        body["reason"] = engine.broken_reason
+        body["reason"] = hide_cache(engine.broken_reason or "")  # the cache named, not its path
     sender = app[sender_key]
     if sender.spool is not None:  # a failing disk does not stop computing, but results are then not durable
         body["spool"] = {"ok": sender.spool_error is None, "error": sender.spool_error,

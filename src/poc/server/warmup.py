@@ -4,7 +4,8 @@
 
 Streams {"status": "warmup_ready"}, then polls GET {callback_url}/warmup/params?job_id= every warmup_poll_interval
 (one status line per poll: "warmup_waiting", or "warmup_callback_unreachable" with the error when the controller
-cannot be reached: never a silent stall) for up to warmup_max_duration ("warmup_timeout"). On {"status": "ready",
+cannot be reached or answers more than 64 KiB (clients/answers.py): never a silent stall) for up to
+warmup_max_duration ("warmup_timeout"). On {"status": "ready",
 "params": {...}} (params = a complete /generate request, v1 or v2) it runs the /generate logic and streams each
 line as it is produced (spec-v1 §6 F3: the reference buffered them all), then POSTs {callback_url}/warmup/complete
 {job_id, total_batches, total_computed, total_valid} through the durable sender (spooled, re-sent until
@@ -24,6 +25,7 @@ import uuid
 import aiohttp
 from aiohttp import web
 
+from poc.clients import answers
 from poc.errors import InputError
 from poc.logs import describe
 from poc.server import schemas
@@ -42,8 +44,18 @@ routes = web.RouteTableDef()
 
 
 def setup(app: web.Application) -> None:
-    track_streams(app, warmups_key, lambda stop: stop.set())
+    track_streams(app, warmups_key, WarmupStop.end)
     app.add_routes(routes)
+
+
+class WarmupStop(asyncio.Event):
+    """Set by a stop (/api/v1/stop and the others: "stopped") or by shutdown ("shutdown"), with the reason."""
+
+    reason = "shutdown"
+
+    def end(self, reason: str) -> None:
+        self.reason = reason
+        self.set()
 
 
 @routes.post("/warmup")
@@ -56,7 +68,7 @@ async def warmup(request: web.Request) -> web.StreamResponse:
         job_id = "unknown"
     elif isinstance(job_id, bool) or not isinstance(job_id, (str, int)):  # as the reference: echoed as given
         raise InputError(f"job_id must be a string or an integer, got {schemas._short(job_id)}", "job_id")
-    stop = asyncio.Event()
+    stop = WarmupStop()
     app[warmups_key].add(stop)
     w = NdjsonWriter(request)
     try:
@@ -71,7 +83,7 @@ async def warmup(request: web.Request) -> web.StreamResponse:
     return w.resp
 
 
-async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: str | int, stop: asyncio.Event):
+async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: str | int, stop: WarmupStop):
     """The /generate request once the controller has it; None after a timeout, a shutdown or a gone client."""
     cfg = app[config_key]
     t0 = time.monotonic()
@@ -79,6 +91,9 @@ async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: s
     async with url_policy(app).session(cfg.callback_timeout) as http:
         while True:
             elapsed = time.monotonic() - t0
+            if stop.is_set():  # a stop that came while the controller was being asked
+                await w.write({"status": stop.reason, "elapsed": round(elapsed, 3)})
+                return None
             if elapsed >= cfg.warmup_max_duration:
                 await w.write({"status": "warmup_timeout", "elapsed": round(elapsed, 3)})
                 return None
@@ -89,15 +104,15 @@ async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: s
             else:
                 try:
                     async with http.get(f"{cb}/warmup/params", params={"job_id": job_id}) as r:
-                        raw = await r.read()
                         if r.status >= 300:  # the status is logged, not streamed: no probing through us
                             line = {"status": "warmup_callback_unreachable", "poll_count": polls, "elapsed": 0.0,
                                     "error": UNREACHABLE}
                             if polls == 1 or polls % 10 == 0:
                                 log.info("warmup %s: callback %s answered HTTP %d", job_id, cb, r.status)
                         else:
+                            raw = await answers.read_capped(r, answers.PARAMS_CAP)  # a longer one: unreachable
                             try:
-                                data = await r.json(content_type=None) if raw.strip() else None
+                                data = answers.parse(raw)
                             except ValueError:
                                 data = None
                                 line["detail"] = "the answer is not JSON"
@@ -124,7 +139,7 @@ async def _wait_params(app: web.Application, w: NdjsonWriter, cb: str, job_id: s
             left = cfg.warmup_max_duration - (time.monotonic() - t0)
             try:
                 await asyncio.wait_for(stop.wait(), max(0.0, min(cfg.warmup_poll_interval, left)))
-                await w.write({"status": "shutdown", "elapsed": round(time.monotonic() - t0, 3)})
+                await w.write({"status": stop.reason, "elapsed": round(time.monotonic() - t0, 3)})
                 return None
             except asyncio.TimeoutError:
                 pass
