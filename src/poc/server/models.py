@@ -198,7 +198,7 @@ async def inference_up_status(request: web.Request) -> web.Response:
     elif not d.task.done():
         body.update(status="in_progress", is_starting=True, is_running=False, elapsed_seconds=time.time() - d.started)
     elif d.error:
-        body.update(status="failed", error=d.error)
+        body.update(status="failed", error=hub.hide_cache(d.error))  # as /health's reason: no machine path
     else:
         body.update(status="completed", elapsed_seconds=time.time() - d.started)
     return web.json_response(body)
