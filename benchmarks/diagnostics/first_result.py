@@ -49,17 +49,22 @@ WORKLOADS = {
 MODES = ("cold", "compile_at_start", "warm_cache", "warm_cache_cas")
 
 
-def dump_stacks(pid: int) -> None:
-    """SIGUSR1 to a server and the processes it started (its ranks), one after the other (their texts would
-    interleave in the shared log): each writes its threads' stacks there (poc.logs.stacks_on_sigusr1)."""
-    pids = [pid]
+def children(pid: int) -> list[int]:
+    """The processes whose parent is pid (a server's rank processes), from /proc."""
+    out = []
     for p in Path("/proc").glob("[0-9]*/stat"):
         try:
             if int(p.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                pids.append(int(p.parent.name))
+                out.append(int(p.parent.name))
         except (OSError, ValueError, IndexError):
             continue
-    for p in pids:
+    return sorted(out)
+
+
+def dump_stacks(pid: int) -> None:
+    """SIGUSR1 to a server and the processes it started (its ranks), one after the other (their texts would
+    interleave in the shared log): each writes its threads' stacks there (poc.logs.stacks_on_sigusr1)."""
+    for p in [pid, *children(pid)]:
         try:
             os.kill(p, signal.SIGUSR1)
         except OSError:

@@ -41,7 +41,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from first_result import started_server  # noqa: E402  (its folder: this script's)
+from first_result import children, started_server  # noqa: E402  (its folder: this script's)
 
 FAULTS = ("refuse", "slow", "reset")
 
@@ -134,17 +134,6 @@ def metric(text: str, name: str, label: str = "") -> float:
 
 # --------------------------------------------------------------------------------------------------
 # the processes and the GPUs
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for p in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(p.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(p.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return sorted(out)
 
 
 def server_pid() -> int:
