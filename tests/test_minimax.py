@@ -490,7 +490,10 @@ def test_cuda_minimax_is_the_spec_emulation_eager_and_compiled():
     x, vs = _inputs(cfg, S=300)
     x, vs = x.cuda(), vs.cuda()
     eager = model(x, reflections=vs).float()
-    comp = V2Compute(model, cfg, torch.bfloat16, torch.device("cuda"), "tiny-minimax", compile=True)
+    # the same weights, built for compiled layers as the engine builds them (ModelOptions.compiled: its MoE dispatch
+    # compiles its elementwise steps too)
+    served = random_model(cfg, torch.bfloat16, "cuda", fp8_ckpt=fp8, options=ModelOptions(compiled=True))
+    comp = V2Compute(served, cfg, torch.bfloat16, torch.device("cuda"), "tiny-minimax", compile=True)
     compiled = comp.model(x, reflections=vs, step=comp._step).float()
     assert torch.equal(compiled, eager)
     spec = Emulation(cfg, weights, final).forward(x, vs)

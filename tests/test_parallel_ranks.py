@@ -20,7 +20,7 @@ from poc.errors import InputError
 from poc.engine.dist import DistEngine, RankFailure
 from poc.engine.factory import make_engine, world_for
 from poc.model.options import ModelOptions
-from poc.parallel.layout import Layout
+from poc.parallel.layout import Layout, RankDiagnostics
 from poc.protocol import v1, v2
 
 from .golden import V1_GOLDEN as G1, v2_checkpoint
@@ -509,21 +509,22 @@ def test_tp_reduce_setting():
 
     assert reduce_in_model_dtype() is False  # default: fp32 partial sums, rounded once
     assert reduce_in_model_dtype("model") is True
-    with pytest.raises(ValueError, match="tp reduce must be fp32 or model"):
-        reduce_in_model_dtype("bf16")
-    assert parse_args([], env={}).model_options().tp_reduce == "fp32"
-    assert parse_args([], env={"POC_TP_REDUCE": "model"}).model_options().tp_reduce == "model"
+    with pytest.raises(InputError, match="POC_TP_REDUCE must be fp32 or model, got 'bf16'"):
+        ModelOptions(tp_reduce="bf16")  # the one check of the value, where the options are made
+    assert parse_args([], env={}).options.tp_reduce == "fp32"
+    assert parse_args([], env={"POC_TP_REDUCE": "model"}).options.tp_reduce == "model"
     with pytest.raises(InputError, match="POC_TP_REDUCE must be fp32 or model, got 'bf16'"):
         parse_args([], env={"POC_TP_REDUCE": "bf16"})
 
 
 def test_rank_profile_writes_a_breakdown_per_rank(tmp_path):
-    """POC_RANK_PROFILE=DIR (ServerConfig.rank_profile -> profile_dir): every rank profiles batches 4-7 of its first job and writes DIR/rank<N>.json (on the
-    CPU the profiler sees CPU ops, all of kind "other"; on CUDA the kernels by kind, NCCL included)."""
+    """POC_RANK_PROFILE=DIR (RankDiagnostics.profile_dir): every rank profiles batches 4-7 of its first job and writes
+    DIR/rank<N>.json (on the CPU the profiler sees CPU ops, all of kind "other"; on CUDA the kernels by kind, NCCL
+    included)."""
     from poc.profiling import KINDS
 
     e = DistEngine("cpu", model_dir=str(v2_checkpoint("qwen3")), dtype="float32", tp=2, world=2, timeout=60,
-                   profile_dir=str(tmp_path))
+                   diagnostics=RankDiagnostics(profile_dir=str(tmp_path)))
     try:
         e.load()
         arts, dropped = e.v2_artifacts(BH, PK, list(range(20)), SEQ, K, batch_size=2)  # 10 batches

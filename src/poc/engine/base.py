@@ -47,6 +47,7 @@ class ModelInfo:
     cfg: ModelConfig
     name: str
     dtype: torch.dtype
+    computes: dict | None = None  # what the model computes, as it reports it (Transformer.computes)
 
 
 class Claim:
@@ -297,25 +298,17 @@ class EngineBase(abc.ABC):
                           ranks=ranks)
 
     def v2_fp8(self) -> dict | None:
-        """How the loaded v2 model's FP8 weights are computed: {"forward": "w8a8" | "dequant", "scales": "ue8m0" |
-        "float32" (W8A8's scale format; None for dequant)}; None without a model or for one that is not an FP8
-        checkpoint (a directory's quantization_config, or random:<preset>:fp8)."""
-        from poc.model.fp8 import fp8_mode, scale_format
-        from poc.model.random_weights import random_spec
-
-        if self.v2 is None:
-            return None
-        spec = random_spec(getattr(self, "model_dir", None))
-        if self.v2.cfg.fp8_block is None and not (spec and spec[1]):
-            return None
-        forward = fp8_mode(self.options.fp8)
-        return {"forward": forward, "scales": scale_format(self.options.fp8_scales) if forward == "w8a8" else None}
+        """How the loaded v2 model computes its FP8 weights, as the model reports it (Transformer.computes):
+        {"forward": "w8a8" | "dequant", "scales": "ue8m0" | "float32" (W8A8's scale format; None for dequant)}; None
+        without a model or for one that is not an FP8 checkpoint."""
+        computes = self.v2.computes if self.v2 is not None else None
+        return computes["fp8"] if computes else None
 
     def v2_attention(self) -> str | None:
-        """The attention recipe the loaded v2 model computes (model/attention.py: fp8, fp8kv or bf16; the options'
-        choice for its config, ModelOptions.attention_for, which the model read when it was built); None without
-        a model."""
-        return None if self.v2 is None else self.options.attention_for(self.v2.cfg)
+        """The attention recipe the loaded v2 model computes (model/attention.py: fp8, fp8kv or bf16), as the model
+        reports it; None without a model."""
+        computes = self.v2.computes if self.v2 is not None else None
+        return computes["attention"] if computes else None
 
     def v2_w8a8(self) -> bool:
         """Whether the loaded v2 model is an FP8 checkpoint computed W8A8 (its experts' activations are FP8)."""

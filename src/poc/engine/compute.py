@@ -248,7 +248,8 @@ class V2Compute:
 
     def __init__(self, model, cfg, dtype: torch.dtype, device: torch.device, name: str, compile: bool = False,
                  compile_inputs: bool = True, compile_model: bool = True, stage: Stage = WHOLE):
-        """model: built (parallel.build) with the options it computes with."""
+        """model: built (parallel.build) with the options it computes with (ModelOptions.compiled: built for layers
+        compiled as `compile and compile_model` says, so its MoE dispatch compiles its elementwise steps too)."""
         self.model, self.cfg, self.dtype, self.device, self.name = model.fuse(), cfg, dtype, device, name
         self.stage = stage
         self._vectors: tuple[str, torch.Tensor] | None = None
@@ -258,9 +259,7 @@ class V2Compute:
         self._step = maybe_compile(Transformer.layer_step, compile and compile_model)
         self._project = maybe_compile(v2.project_tensors, compile)
         self.compiled = compile
-        for block in self.model.layers.values():
-            if block is not None and hasattr(block.mlp, "fast"):  # MoE dispatch: its elementwise steps compiled too
-                block.mlp.fast = compile and compile_model
+        self.computes = self.model.computes()  # what the model computes (/health), as it was built
 
     def reflections(self, block_hash: str) -> torch.Tensor:
         if self._vectors is None or self._vectors[0] != block_hash:

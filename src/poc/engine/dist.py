@@ -42,7 +42,7 @@ from poc.errors import InputError
 from poc.model.config import ModelConfig
 from poc.model.options import ModelOptions
 from poc.model.random_weights import random_spec
-from poc.parallel.layout import Layout, RankConfig
+from poc.parallel.layout import Layout, RankConfig, RankDiagnostics
 from poc.protocol import v1
 
 log = logging.getLogger("poc.parallel")
@@ -147,7 +147,7 @@ class DistEngine(EngineBase):
     def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto", tp: int = 1,
                  pp: int = 1, world: int | None = None, timeout: float = 300.0, start_timeout: float = 180.0,
                  log_level: str | None = None, compile: bool | str = False, options: ModelOptions | None = None,
-                 stage_delay: float = 0.0, stage_timing: bool = False, profile_dir: str | None = None):
+                 stage_delay: float = 0.0, diagnostics: RankDiagnostics | None = None):
         super().__init__(loading=bool(model_dir))
         self.device = resolve_device(device)
         if self.device.type == "cuda":
@@ -166,7 +166,7 @@ class DistEngine(EngineBase):
         self.compile_v1, self.compile_v2 = compile_flags(compile, self.device)
         self.compile = self.compile_v2
         self.options = options or ModelOptions()  # the ranks build and compute their models so (RankConfig)
-        self.stage_timing, self.profile_dir = stage_timing, profile_dir  # the ranks' diagnostics (RankConfig)
+        self.diagnostics = diagnostics or RankDiagnostics()  # the ranks' (RankConfig): stage timing, profiles
         self.stage_delay = stage_delay  # tests and CPU smoke runs: seconds a rank sleeps after each forward
         self.last_job_stats: dict | None = None  # the last job's pipeline figures (JobFlight.summary)
         self._ranks: _Ranks | None = None
@@ -205,8 +205,7 @@ class DistEngine(EngineBase):
             cfg = RankConfig(layout=L, backend="nccl" if cuda else "gloo", device_type=self.device.type,
                              store_port=0, timeout_s=self.timeout, threads=threads, log_level=self.log_level,
                              compile_v1=self.compile_v1, compile_v2=self.compile_v2, options=self.options,
-                             stage_delay_s=self.stage_delay, stage_timing=self.stage_timing,
-                             profile_dir=self.profile_dir)
+                             stage_delay_s=self.stage_delay, diagnostics=self.diagnostics)
             g.send(0, cfg)
             msg = self._recv(g.conns[0], g, deadline)
             if msg[0] != "store":
@@ -363,7 +362,7 @@ class DistEngine(EngineBase):
             infos = self._wait_all(g, "loaded", self.layout.world, limit=3600.0)
             self.rank_free = {i: info["free"] for i, info in enumerate(infos) if info.get("free") is not None}
             cfg = _model_config(self.model_dir)
-            self.v2 = ModelInfo(cfg, Path(self.model_dir).name, DTYPES[infos[0]["dtype"]])
+            self.v2 = ModelInfo(cfg, Path(self.model_dir).name, DTYPES[infos[0]["dtype"]], infos[0]["computes"])
         self.load_seconds = time.perf_counter() - t0
 
     v2_dtype_arg = Engine.v2_dtype_arg

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -66,7 +67,7 @@ class Engine(EngineBase):
         from poc.parallel.build import build
 
         t0 = time.perf_counter()
-        o = self.options
+        o = replace(self.options, compiled=self.compile_v2)  # built for the layers it runs: compiled on CUDA
         # a checkpoint directory, or random weights of a preset shape (random:<preset>[:fp8]): benchmarks and demos
         model, cfg = build(self.model_dir, self.v2_dtype_arg(), self.device, options=o, progress=True)
         name = Path(self.model_dir).name

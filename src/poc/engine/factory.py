@@ -43,14 +43,14 @@ def make_engine(device: str | None = None, model_dir: str | None = None, dtype: 
                 pp: int = 1, replicas: int | None = None, devices: int | None = None, layout: str = "",
                 **kw) -> EngineBase:
     """An Engine in this process when one device does everything, else a DistEngine over world ranks (`kw`: the
-    engines' own: compile, options (ModelOptions: the server's ServerConfig.model_options()), and DistEngine's,
-    e.g. stage_timing and profile_dir). replicas None (or 0): on CUDA as many as the visible GPUs allow."""
+    engines' own: compile, options (ModelOptions: the server's ServerConfig.options), and DistEngine's, e.g.
+    diagnostics (RankDiagnostics)). replicas None (or 0): on CUDA as many as the visible GPUs allow."""
     if layout == "auto":
         from poc.engine import auto
 
         o = kw.get("options") or ModelOptions()
         gpus = auto.detect_gpus() if device in (None, "", "auto") or device.startswith("cuda") else []
-        choice = auto.for_model(model_dir, dtype, o.fp8_experts, gpus, fp8=o.fp8)
+        choice = auto.for_model(model_dir, dtype, gpus, o)
         log.info("--layout auto: %s", choice.why)
         tp, pp, replicas = choice.tp, choice.pp, choice.replicas
     elif layout:

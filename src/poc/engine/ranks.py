@@ -26,6 +26,7 @@ import queue
 import sys
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
@@ -230,8 +231,8 @@ class Rank:
         self.io = Stage(first=self.is_first, last=self.is_last, reporter=self.is_reporter,
                         recv=lambda shape, dtype: pp.recv(shape, dtype, self.device, self.prev),
                         send=lambda out: pp.send(out, self.next), mark=self._mark)
-        self._profile_dir, self._profiled = cfg.profile_dir, False
-        timing = cfg.stage_timing and self.device.type == "cuda"
+        self._profile_dir, self._profiled = cfg.diagnostics.profile_dir, False
+        timing = cfg.diagnostics.stage_timing and self.device.type == "cuda"
         self._timing, self._prev_end, self._host_s = (collections.deque() if timing else None), None, {}
         self.clock: JobClock | None = None  # the running job's (run_job)
         self._starve_t0: float | None = None  # the leader found nothing queued: since when (a job's batch ends it)
@@ -340,7 +341,7 @@ class Rank:
         self.v2 = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        L, o = self.layout, self.cfg.options
+        L, o = self.layout, replace(self.cfg.options, compiled=self.cfg.compile_v2)  # built for compiled layers or not
         # a checkpoint's slices read from its files, or a preset's random weights made on this device: only this part
         model, mcfg = build(model_dir, dtype, self.device, self.part, o)
         mdtype = next(model.parameters()).dtype
@@ -350,7 +351,8 @@ class Rank:
         log.info("loaded %s: stage %d/%d tp %d/%d, %.1f MB on this rank in %.1f s", model_dir, self.stage, L.pp,
                  self.tp_rank, L.tp, n_bytes / 1e6, time.perf_counter() - t0)
         self.send(("loaded", self.rank, {"bytes": n_bytes, "seconds": time.perf_counter() - t0,
-                                         "dtype": str(mdtype).removeprefix("torch."), "free": free_bytes(self.device)}))
+                                         "dtype": str(mdtype).removeprefix("torch."), "free": free_bytes(self.device),
+                                         "computes": self.v2.computes}))
 
     def v1_model(self, job: V1Job):
         key = (job.params, job.block_hash, job.dtype)

@@ -5,10 +5,11 @@ device and filled in place, so a 30B-parameter bf16 model needs its own size on 
 tensor. Each tensor comes from its own stream and is drawn whole before a rank keeps its slice, so a model is the
 same on one device and split in any tensor/pipeline-parallel layout.
 MoE experts are made stacked (the layout `fuse()` produces). With `fp8_experts` (random:<preset>:fp8) the model is an
-FP8 checkpoint's, computed W8A8 (fp8.fp8_mode, the default): attention, dense-MLP and expert weights float8_e4m3fn
+FP8 checkpoint's, computed W8A8 (ModelOptions.fp8, the default): attention, dense-MLP and expert weights float8_e4m3fn
 with per-128x128-block scales. With fp8="dequant" the experts are FP8 dequantised per layer and the other linears
 plain model-dtype weights (what the dequantise forward computes with; a tensor-parallel split need not fall on
-128-blocks). To compare the two arithmetics on the same weights, build the W8A8 model and switch fp8.recipe.
+128-blocks). To compare the two arithmetics on the same weights, build the W8A8 model and switch
+fp8.diagnostic_emulation.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from poc.model.config import ModelConfig
-from poc.model.fp8 import FP8, fp8_mode, use_fp8_linears, use_scales
+from poc.model.fp8 import FP8, use_fp8_linears, use_scales
 from poc.model.options import ModelOptions
 from poc.model.transformer import MoE, Transformer
 
@@ -35,7 +36,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_ckpt: bool = 
     """A fused, eval-mode headless model of `cfg`'s shape. `shard(model)` runs on the meta model first (e.g. keep a
     pipeline stage, apply tensor/expert parallel) so only this rank's part is ever allocated; it returns the slices
     it cut (parallel.tp.apply_tp's plan: name -> (dim, start, stop) of the full tensor), or None. fp8_ckpt: an FP8
-    checkpoint's model, run as options.fp8 says (fp8.fp8_mode: w8a8 or dequant), W8A8 in scale format
+    checkpoint's model, run as options.fp8 says (w8a8 or dequant), W8A8 in scale format
     options.fp8_scales (ue8m0 or float32; the checkpoint-like weights drawn here are then re-quantised,
     fp8.use_scales); the rest of the options as the loader reads them (the attention recipe, the kernels).
 
@@ -51,7 +52,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_ckpt: bool = 
     for name, p in model.named_parameters():  # the model dtype, but for a float32 router
         if name not in keep:
             p.data = p.data.to(dtype)
-    w8a8 = fp8_ckpt and fp8_mode(options.fp8) == "w8a8"
+    w8a8 = fp8_ckpt and options.fp8 == "w8a8"
     if w8a8:
         use_fp8_linears(model, lambda name: True)
     whole = {name: p.shape for name, p in model.named_parameters()}

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from poc.model.config import ModelConfig
-from poc.model.options import ModelOptions
+from poc.model.options import ModelOptions, TpReduce
 from poc.model.random_init import build_v1_model
 from poc.model.random_weights import random_model, random_spec
 from poc.model.transformer import Transformer
@@ -46,7 +46,7 @@ class Part:
     tp_rank: int = 0
     tp_size: int = 1
     group: Any = None
-    tp_reduce: str = "fp32"
+    tp_reduce: TpReduce = "fp32"
 
     def shard(self, model: Transformer) -> Plan:
         """Cut a meta-built (or built) model down to this part; the slices cut, for the loader."""
