@@ -20,7 +20,8 @@ from poc.errors import InputError
 from poc.engine.dist import DistEngine, RankFailure
 from poc.engine.factory import make_engine, world_for
 from poc.model.options import ModelOptions
-from poc.parallel.layout import Layout, RankDiagnostics
+from poc.engine.rankgroup import RankDiagnostics
+from poc.parallel.layout import Layout
 from poc.protocol import v1, v2
 
 from .golden import V1_GOLDEN as G1, v2_checkpoint

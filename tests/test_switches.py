@@ -14,7 +14,7 @@ import pytest
 from poc import cli
 from poc.errors import InputError
 from poc.model.options import ModelOptions
-from poc.parallel.layout import RankDiagnostics
+from poc.engine.rankgroup import RankDiagnostics
 from poc.server.config import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,7 +22,7 @@ SRC = ROOT / "src"
 NAME = re.compile(r"POC_[A-Z0-9_]+")
 # where switches are read: the server's settings and the command-line tools' argument parsing
 READERS = {"poc.server.config", "poc.cli", "poc.bench", "poc.clients.spool",
-           "poc.model.options", "poc.parallel.layout"}  # ModelOptions.from_env, RankDiagnostics.from_env (a mapping)
+           "poc.model.options", "poc.engine.rankgroup"}  # ModelOptions.from_env, RankDiagnostics.from_env (a mapping)
 # not switches: the secret the engine hands its rank processes (a child's environment, read once and removed)
 INTERNAL = {"POC_RANK_KEY"}
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 from poc.errors import InputError
 from poc.protocol import v1  # numpy only: the workloads' params
 from poc.model.options import ModelOptions  # plain data: the environment's switches
-from poc.parallel.layout import RankDiagnostics
+from poc.engine.rankgroup import RankDiagnostics
 
 
 def _import_heavy() -> None:

@@ -100,7 +100,7 @@ def run(argv: list[str]) -> int:
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise InputError(f"--{flag} must be positive, got {getattr(args, flag)}", flag)
     from poc.model.options import ModelOptions
-    from poc.parallel.layout import RankDiagnostics
+    from poc.engine.rankgroup import RankDiagnostics
 
     par = dict(tp=args.tp, pp=args.pp, replicas=args.replicas, options=ModelOptions.from_env(os.environ),
                diagnostics=RankDiagnostics.from_env(os.environ))

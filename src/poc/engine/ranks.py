@@ -40,7 +40,7 @@ from poc.engine.jobs import V1Job, V2Job
 from poc.logs import OneLineFormatter, stacks_on_sigusr1
 from poc.parallel import pp
 from poc.parallel.build import Part, build
-from poc.parallel.layout import RankConfig
+from poc.engine.rankgroup import RankConfig
 from poc.protocol.pool import pool_workers
 
 log = logging.getLogger("poc.ranks")

@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 from poc import dtypes
 from poc.errors import InputError
 from poc.model.options import ModelOptions
-from poc.parallel.layout import RankDiagnostics
+from poc.engine.rankgroup import RankDiagnostics
 from poc.switches import env_flag
 
 DTYPE_CHOICES = ("auto", *dtypes.NAMES)
