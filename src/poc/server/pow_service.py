@@ -31,7 +31,7 @@ from poc.engine.jobs import BatchResult
 from poc.errors import InputError
 from poc.logs import describe
 from poc.protocol import v1, v2
-from poc.server import schemas
+from poc.server import fields, schemas
 from poc.server.context import (check_v1_memory, check_v2_memory, claim_device, config_key, default_v2_batch,
                                 engine_key, new_runner, require_ready, runners_key, sender_key, served_model, tasks_key,
                                 wait_claim)
@@ -374,7 +374,7 @@ class PowService:
         init = self.need_v1()
         batch = schemas.parse_proof_batch(body, self.cfg, as_reference=True)
         if batch.block_hash != init.block_hash:
-            raise InputError(f"block_hash {schemas._short(batch.block_hash)} is not the initialized {init.block_hash!r}",
+            raise InputError(f"block_hash {fields.short(batch.block_hash)} is not the initialized {init.block_hash!r}",
                              "block_hash")
         check_v1_memory(self.app, init.params, max(1, min(len(set(batch.nonces)), 100)), "float16")
         job = self._enqueue("validate_v1", (batch, init), len(batch.nonces))

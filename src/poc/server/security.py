@@ -188,7 +188,7 @@ def client_networks(entries, resolve=socket.getaddrinfo) -> tuple[Network, ...]:
 
 def setup(app: web.Application, config) -> Security:
     """The guard for `config` (ServerConfig); InputError for an unusable SIGNER_PUBKEY or POC_ALLOWED_CLIENTS."""
-    from poc.server.schemas import json_limits_key, url_policy_of
+    from poc.server.fields import json_limits_key, url_policy_of
 
     sec = Security(policy=url_policy_of(config), api_token=config.api_token or None,
                    signer=SignatureKey(config.signer_pubkey) if config.signer_pubkey else None,
