@@ -10,6 +10,7 @@ from poc.engine.factory import make_engine
 from poc.errors import InputError
 from poc.model.config import PRESETS
 from poc.model.options import ModelOptions
+from poc.model.source import RandomPreset
 from poc.engine import auto
 from poc.engine.auto import GiB, Gpu
 from poc.server.app import create_app
@@ -96,7 +97,7 @@ def test_the_factory_builds_the_chosen_layout(monkeypatch, caplog):
         assert e.options == opts  # the ranks get them (RankConfig)
     finally:
         e.close()
-    assert seen == [("random:tiny", "float32", [], opts)]  # the CPU: no GPU looked for
+    assert seen == [(RandomPreset("tiny"), "float32", [], opts)]  # parsed once; the CPU: no GPU looked for
     assert "--layout auto: planted" in caplog.messages
     with pytest.raises(InputError, match="layout must be auto"):
         make_engine("cpu", layout="fastest")

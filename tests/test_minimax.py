@@ -415,9 +415,11 @@ def test_random_weights_are_a_checkpoint_the_emulation_reads(tmp_path):
     """random:tiny-minimax:fp8 (the benchmarks' model, W8A8 and FP8 attention) computes the emulation of the
     checkpoint its draws make (random_weights.checkpoint_layer, under the release's names): what the GPU accuracy
     benchmark compares, at the real shape."""
-    from poc.model.random_weights import random_model, random_spec
+    from poc.model.random_weights import random_model
+    from poc.model.source import parse
 
-    cfg, fp8 = random_spec("random:tiny-minimax:fp8")
+    src = parse("random:tiny-minimax:fp8")
+    cfg, fp8 = src.config(), src.fp8
     model = random_model(cfg, torch.bfloat16, "cpu", fp8_ckpt=fp8)
     assert model.attention == "fp8" and cfg.fp8_block == (128, 128)
     weights = random_layers(cfg, torch.bfloat16, "cpu")
@@ -480,10 +482,12 @@ def test_cuda_minimax_is_the_spec_emulation_eager_and_compiled():
     route kernel): compiled as the server runs gives eager's bits, and both are the float32 emulation's numbers on
     the GPU as closely as the float32 accumulation order allows (the recipe variants are much farther)."""
     from poc.engine.compute import V2Compute
-    from poc.model.random_weights import random_model, random_spec
+    from poc.model.random_weights import random_model
+    from poc.model.source import parse
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    cfg, fp8 = random_spec("random:tiny-minimax:fp8")
+    src = parse("random:tiny-minimax:fp8")
+    cfg, fp8 = src.config(), src.fp8
     model = random_model(cfg, torch.bfloat16, "cuda", fp8_ckpt=fp8)
     weights = random_layers(cfg, torch.bfloat16, "cuda")
     final = dict(model.named_parameters())["norm.weight"]

@@ -187,15 +187,20 @@ def test_unload_model_leaves_fresh_ranks_that_hold_no_checkpoint(dist_engine, re
                           axis=1).max() < 1e-5
 
 
-def test_random_spec_errors():
+def test_model_sources_and_their_errors():
+    """A --model parsed once (model/source.py): a checkpoint directory as given, a random preset (with :fp8 an FP8
+    checkpoint's config), a preset that does not exist refused naming the presets."""
     from poc.errors import InputError
-    from poc.model.random_weights import random_spec
+    from poc.model.source import Checkpoint, RandomPreset, parse
 
-    assert random_spec("/models/qwen") is None and random_spec(None) is None
-    assert random_spec("random:tiny-moe:fp8")[1] is True
+    assert parse("/models/qwen") == Checkpoint("/models/qwen") and parse("/models/qwen").name == "qwen"
+    src = parse("random:tiny-moe:fp8")
+    assert src == RandomPreset("tiny-moe", fp8=True) and str(src) == src.name == "random:tiny-moe:fp8"
+    assert src.config().fp8_block == (128, 128) and parse("random:tiny-moe").config().fp8_block is None
+    assert parse(src) is src
     for bad in ("random:nope", "random:tiny:int4"):
         with pytest.raises(InputError, match="random:<preset>"):
-            random_spec(bad)
+            parse(bad)
 
 
 @pytest.mark.parametrize("name", ["moe-mlp-only", "moe-sparse-step", "moe-fp8", "minimax", "minimax-fp8"])

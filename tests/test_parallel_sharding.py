@@ -138,7 +138,8 @@ def test_a_rank_part_is_the_whole_model_cut(source):
     tensors at its place: its layers, and its rows / columns of the sliced ones (the v1 q/k rows permuted inside each
     head before the cut), bit for bit."""
     from poc.model.random_init import v1_config
-    from poc.parallel.build import Part, V1Weights, build
+    from poc.model.source import V1Weights
+    from poc.parallel.build import Part, build
     from poc.protocol.v1 import V1Params
 
     p = V1Params(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_dim_multiplier=None, multiple_of=32,

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from poc.engine import memory
 from poc.errors import InputError
 from poc.model.options import ModelOptions
+from poc.model.source import ModelSource
+from poc.model.source import parse as parse_source
 from poc.parallel.layout import Layout, stage_layers
 
 GiB = 1 << 30
@@ -143,11 +145,12 @@ def detect_gpus() -> list[Gpu]:
     return out
 
 
-def for_model(model: str | None, dtype: str = "auto", gpus: list[Gpu] | None = None,
+def for_model(model: "str | ModelSource | None", dtype: str = "auto", gpus: list[Gpu] | None = None,
               options: ModelOptions | None = None) -> Choice:
-    """choose() for a server's --model (a checkpoint directory or random:<preset>[:fp8]) on `gpus` (default: the
-    visible ones), its FP8 weights computed as `options` say (ModelOptions.fp8, .fp8_experts). Without a model (PoC
-    v1 only: each request brings its own, which one GPU holds) every GPU is a replica."""
+    """choose() for a server's --model (a model source, or the string naming a checkpoint directory or
+    random:<preset>[:fp8]) on `gpus` (default: the visible ones), its FP8 weights computed as `options` say
+    (ModelOptions.fp8, .fp8_experts). Without a model (PoC v1 only: each request brings its own, which one GPU holds)
+    every GPU is a replica."""
     gpus = detect_gpus() if gpus is None else gpus
     if not model:
         n = max(1, len(gpus))
@@ -156,24 +159,16 @@ def for_model(model: str | None, dtype: str = "auto", gpus: list[Gpu] | None = N
     return choose(cfg, gpus, dtype_bytes, kind)
 
 
-def model_shape(model: str, dtype: str = "auto", options: ModelOptions | None = None):
-    """(ModelConfig, bytes per model-dtype element, fp8 kind for layer_bytes) of a --model, read without loading;
-    an FP8 checkpoint computed as `options` say (fp8: w8a8 or dequant; under dequant fp8_experts)."""
+def model_shape(model: "str | ModelSource", dtype: str = "auto", options: ModelOptions | None = None):
+    """(ModelConfig, bytes per model-dtype element, fp8 kind for layer_bytes) of a --model (a source, or the string
+    that names one), read without loading; an FP8 checkpoint computed as `options` say (fp8: w8a8 or dequant; under
+    dequant fp8_experts)."""
     from poc.dtypes import BYTES
-    from poc.model.random_weights import random_spec
 
     o = options or ModelOptions()
-
-    spec = random_spec(model)
-    if spec is not None:
-        cfg, fp8 = spec
-    else:
-        from poc.model.config import ModelConfig
-
-        cfg = ModelConfig.from_hf(model)
-        fp8 = cfg.fp8_block is not None
+    cfg = parse_source(model).config()  # a preset's :fp8 is in its config, as an FP8 checkpoint's is
     name = (cfg.torch_dtype or "float32") if dtype == "auto" else dtype
     kind = None
-    if fp8:
+    if cfg.fp8_block is not None:
         kind = "w8a8" if o.fp8 == "w8a8" else ("experts" if o.fp8_experts == "keep" else None)
     return cfg, BYTES[name], kind

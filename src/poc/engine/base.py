@@ -27,6 +27,8 @@ from poc.engine.jobs import BatchResult, JobSummary, V1Job, V2Job
 from poc.errors import InputError
 from poc.model.config import ModelConfig
 from poc.model.options import ModelOptions
+from poc.model.source import ModelSource
+from poc.model.source import parse as parse_source
 from poc.protocol import v1, v2
 
 STATES = ("loading", "ready", "busy", "broken")
@@ -103,7 +105,7 @@ class EngineBase(abc.ABC):
     """The engine interface: life cycle, one device lock, model info, memory estimates, jobs."""
 
     device: torch.device
-    model_dir: str | None
+    source: ModelSource | None = None  # the PoC v2 model this engine serves (model/source.py), parsed once
     v2: ModelInfo | None
     compile_v1: bool
     compile_v2: bool
@@ -116,6 +118,16 @@ class EngineBase(abc.ABC):
         self._loading = loading
 
     # ------------------------------------------------------------------------------------ life cycle
+
+    @property
+    def model_dir(self) -> str | None:
+        """The --model this engine serves, as it was given (a checkpoint directory, random:<preset>[:fp8]); None: PoC
+        v1 only. Set, it is parsed (source.parse: an InputError for a preset that does not exist)."""
+        return None if self.source is None else str(self.source)
+
+    @model_dir.setter
+    def model_dir(self, model: "str | ModelSource | None") -> None:
+        self.source = parse_source(model) if model else None
 
     @property
     def state(self) -> str:
@@ -157,7 +169,7 @@ class EngineBase(abc.ABC):
     def preflight(self, model_dir: str) -> ModelConfig:
         """The checkpoint's config, checked as far as it can be without loading (InputError when it cannot be
         served here): run before `switch_model`, so a bad choice leaves the loaded model in place."""
-        return ModelConfig.from_hf(model_dir)
+        return parse_source(model_dir).config()
 
     def switch_model(self, model_dir: str, dtype: str | None = None) -> None:
         """Unload the loaded checkpoint and load `model_dir` in its place (blocking: a thread, under the caller's

@@ -22,8 +22,9 @@ import torch
 from poc import dtypes
 from poc.model.compile import maybe_compile, note_new_shape
 from poc.model.options import ModelOptions
+from poc.model.source import V1Weights
 from poc.model.transformer import Transformer
-from poc.parallel.build import Part, V1Weights, build
+from poc.parallel.build import Part, build
 from poc.protocol import v1, v2
 
 log = logging.getLogger("poc.compute")

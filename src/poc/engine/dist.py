@@ -37,7 +37,7 @@ from poc.engine.rankgroup import RankConfig, RankDiagnostics, RankFailure, RankG
 from poc.errors import InputError
 from poc.model.config import ModelConfig
 from poc.model.options import ModelOptions
-from poc.model.random_weights import random_spec
+from poc.model.source import ModelSource
 from poc.parallel.layout import Layout
 from poc.protocol import v1
 
@@ -232,10 +232,11 @@ class DistEngine(EngineBase):
     """The engine interface (EngineBase) over layout.world rank processes: it loads the checkpoint on them, deals each
     job's batches (JobRun) and runs the one-shot helpers; its RankGroup runs the processes."""
 
-    def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto", tp: int = 1,
-                 pp: int = 1, world: int | None = None, timeout: float = 300.0, start_timeout: float = 180.0,
-                 log_level: str | None = None, compile: bool | str = False, options: ModelOptions | None = None,
-                 stage_delay: float = 0.0, diagnostics: RankDiagnostics | None = None):
+    def __init__(self, device: str | None = None, model_dir: "str | ModelSource | None" = None, dtype: str = "auto",
+                 tp: int = 1, pp: int = 1, world: int | None = None, timeout: float = 300.0,
+                 start_timeout: float = 180.0, log_level: str | None = None, compile: bool | str = False,
+                 options: ModelOptions | None = None, stage_delay: float = 0.0,
+                 diagnostics: RankDiagnostics | None = None):
         super().__init__(loading=bool(model_dir))
         self.device = resolve_device(device)
         if self.device.type == "cuda":
@@ -312,18 +313,19 @@ class DistEngine(EngineBase):
     def _load(self) -> None:
         """Start the ranks and load the checkpoint given at start (each rank reads its own slices)."""
         t0 = time.perf_counter()
-        if self.model_dir:  # refuse an uneven split here, before any process starts
-            self.layout.check_config(_model_config(self.model_dir), f"model {Path(self.model_dir).name}")
+        src = self.source
+        cfg = src.config() if src is not None else None
+        if src is not None:  # refuse an uneven split here, before any process starts
+            self.layout.check_config(cfg, f"model {src.name}")
         self.start()
-        if self.model_dir:
+        if src is not None:
             dtype = self.v2_dtype_arg()
             g = self._ranks
             for r in range(self.layout.replicas):
-                g.send(self.layout.leader(r), ("load", self.model_dir, dtype))
+                g.send(self.layout.leader(r), ("load", src, dtype))
             infos = g.wait_all("loaded", self.layout.world, limit=3600.0)
             self.rank_free = {i: info["free"] for i, info in enumerate(infos) if info.get("free") is not None}
-            cfg = _model_config(self.model_dir)
-            self.v2 = ModelInfo(cfg, Path(self.model_dir).name, DTYPES[infos[0]["dtype"]], infos[0]["computes"])
+            self.v2 = ModelInfo(cfg, src.name, DTYPES[infos[0]["dtype"]], infos[0]["computes"])
         self.load_seconds = time.perf_counter() - t0
 
     v2_dtype_arg = Engine.v2_dtype_arg
@@ -458,7 +460,3 @@ class DistEngine(EngineBase):
         return V2Job(block_hash, public_key, 0, seq_len, k_dim, iter(list(nonces)), batch_size, stronger_rng,
                      Limits(max_nonces=None, max_duration=None))
 
-
-def _model_config(model_dir: str) -> ModelConfig:
-    spec = random_spec(model_dir)
-    return spec[0] if spec else ModelConfig.from_hf(model_dir)

@@ -29,7 +29,6 @@ import time
 from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -41,6 +40,7 @@ from poc.logs import OneLineFormatter, stacks_on_sigusr1
 from poc.parallel import pp
 from poc.parallel.build import Part, build
 from poc.engine.rankgroup import RankConfig
+from poc.model.source import ModelSource
 from poc.protocol.pool import pool_workers
 
 log = logging.getLogger("poc.ranks")
@@ -336,19 +336,19 @@ class Rank:
 
     # ------------------------------------------------------------------------------------ models
 
-    def load(self, model_dir: str, dtype) -> None:
+    def load(self, source: ModelSource, dtype) -> None:
         t0 = time.perf_counter()
         self.v2 = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         L, o = self.layout, replace(self.cfg.options, compiled=self.cfg.compile_v2)  # built for compiled layers or not
         # a checkpoint's slices read from its files, or a preset's random weights made on this device: only this part
-        model, mcfg = build(model_dir, dtype, self.device, self.part, o)
+        model, mcfg = build(source, dtype, self.device, self.part, o)
         mdtype = next(model.parameters()).dtype
         # compiled at fixed shapes like the single-device engine (a short last batch compiles its own shape)
-        self.v2 = V2Compute(model, mcfg, mdtype, self.device, Path(model_dir).name, self.cfg.compile_v2, stage=self.io)
+        self.v2 = V2Compute(model, mcfg, mdtype, self.device, source.name, self.cfg.compile_v2, stage=self.io)
         n_bytes = sum(t.numel() * t.element_size() for t in self.v2.model.state_dict().values())
-        log.info("loaded %s: stage %d/%d tp %d/%d, %.1f MB on this rank in %.1f s", model_dir, self.stage, L.pp,
+        log.info("loaded %s: stage %d/%d tp %d/%d, %.1f MB on this rank in %.1f s", source, self.stage, L.pp,
                  self.tp_rank, L.tp, n_bytes / 1e6, time.perf_counter() - t0)
         self.send(("loaded", self.rank, {"bytes": n_bytes, "seconds": time.perf_counter() - t0,
                                          "dtype": str(mdtype).removeprefix("torch."), "free": free_bytes(self.device),

@@ -1,4 +1,5 @@
-"""Random weights of a real model shape, made on the device: for benchmarks and GPU tests (nothing is downloaded).
+"""Random weights of a real model shape, made on the device: for benchmarks and GPU tests (nothing is downloaded);
+what a `random:<preset>[:fp8]` model source (source.RandomPreset) is built from.
 
 N(0, 0.02) matrices and norms near 1, as transformers initialises a fresh model. The model is built on the meta
 device and filled in place, so a 30B-parameter bf16 model needs its own size on the GPU and room for its largest
@@ -24,9 +25,9 @@ from torch import nn
 from poc.model.config import ModelConfig
 from poc.model.fp8 import FP8, use_fp8_linears, use_scales
 from poc.model.options import ModelOptions
+from poc.model.source import FP8_BLOCK
 from poc.model.transformer import MoE, Transformer
 
-RANDOM_PREFIX = "random:"  # a model "directory" of the form random:<preset>[:fp8] (benchmarks, demos)
 FP8_SPREAD = 64.0  # the fp8 payload is N(0, 64) (max 448), its scale 0.02 / 64: dequantised N(0, 0.02)
 
 
@@ -45,7 +46,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_ckpt: bool = 
     device = torch.device(device)
     options = options or ModelOptions()
     if fp8_ckpt and cfg.fp8_block is None:  # an FP8 checkpoint's config says so (the attention recipe reads it)
-        cfg = replace(cfg, fp8_block=(128, 128))
+        cfg = replace(cfg, fp8_block=FP8_BLOCK)
     with torch.device("meta"):
         model = Transformer(cfg, options=options)
     keep = set(model.float32_params())
@@ -95,7 +96,7 @@ def checkpoint_layer(cfg: ModelConfig, layer: int, dtype: torch.dtype, device, f
     time)."""
     device = torch.device(device)
     if fp8_ckpt and cfg.fp8_block is None:
-        cfg = replace(cfg, fp8_block=(128, 128))
+        cfg = replace(cfg, fp8_block=FP8_BLOCK)
     with torch.device("meta"):
         block = Transformer(replace(cfg, n_layers=layer + 1)).layers[str(layer)]
     if fp8_ckpt:
@@ -177,20 +178,3 @@ def _fp8_experts(name: str, experts: range, rows: int, cols: int, device,
         w[i] = fp8_payload((rows, cols), device, g)
         s[i].uniform_(0.9, 1.1, generator=g)
     return w, s * (0.02 / FP8_SPREAD)
-
-
-def random_spec(model: str | None) -> tuple[ModelConfig, bool] | None:
-    """(config, fp8 experts) for "random:<preset>[:fp8]" (a preset of poc.model.config.PRESETS), else None."""
-    if not model or not str(model).startswith(RANDOM_PREFIX):
-        return None
-    from poc.errors import InputError
-    from poc.model.config import PRESETS
-
-    name, _, opt = str(model)[len(RANDOM_PREFIX):].partition(":")
-    if name not in PRESETS or opt not in ("", "fp8"):
-        raise InputError(f"--model {model!r}: expected random:<preset>[:fp8] with a preset of "
-                         f"{', '.join(sorted(PRESETS))}", "model")
-    cfg = PRESETS[name]
-    if opt == "fp8":  # an FP8 checkpoint's config: its quantization_config's blocks
-        cfg = replace(cfg, fp8_block=(128, 128))
-    return cfg, opt == "fp8"
