@@ -13,7 +13,7 @@ pytest.importorskip("transformers")  # the checkpoints are made by transformers
 from poc.errors import InputError  # noqa: E402
 from poc.model.options import ModelOptions  # noqa: E402
 from poc.model.weights import dequantize_fp8, load_model  # noqa: E402
-from tests.checkpoints import (MOE_CASES, QUANT, make_hf, make_hf_moe, quantize, unit_rows,  # noqa: E402
+from .checkpoints import (MOE_CASES, QUANT, make_hf, make_hf_moe, quantize, unit_rows,  # noqa: E402
                                write_fp8_and_twin)
 
 FP8_FORWARD = "dequant"  # every loader here is passed it: the dequantise forward (W8A8, the default, is test_w8a8.py's)

@@ -63,7 +63,7 @@ def moe_reference(tmp_path_factory):
     dense layers by decoder_sparse_step, one FP8; the MiniMax-M2 ones (its q/k norm over all heads, partial RoPE, the
     sigmoid router with a bias) as transformers saves it and as MiniMax ships it (FP8, MTP layers)."""
     pytest.importorskip("transformers")
-    from tests.checkpoints import MOE_CASES, make_hf_minimax, make_hf_moe, write_fp8_and_twin, write_minimax_fp8
+    from .checkpoints import MOE_CASES, make_hf_minimax, make_hf_moe, write_fp8_and_twin, write_minimax_fp8
 
     out = {}
     for name, case in (("moe-mlp-only", "mlp-only-layer-norm-topk"), ("moe-sparse-step", "sparse-step-2-no-norm"),

@@ -19,8 +19,8 @@ from poc.errors import InputError  # noqa: E402
 from poc.model import experts, fp8  # noqa: E402
 from poc.model.options import FP8_SCALES, ModelOptions  # noqa: E402
 from poc.model.weights import load_model  # noqa: E402
-from tests.checkpoints import make_hf, make_hf_moe, unit_rows, write_fp8_and_twin  # noqa: E402
-from tests.fp8_spec import E4M3, emulation, spec_quantize, spec_requant  # noqa: E402
+from .checkpoints import make_hf, make_hf_moe, unit_rows, write_fp8_and_twin  # noqa: E402
+from .fp8_spec import E4M3, emulation, spec_quantize, spec_requant  # noqa: E402
 
 def adversarial() -> torch.Tensor:
     """Rows of 256 columns (two groups) the quantiser can get wrong, and one row of 300 (a partial last group)."""
@@ -558,7 +558,7 @@ def test_tensor_and_expert_parallel_on_gloo(ckpts, tmp_path):
     in another order, and a value that lands on an FP8 rounding boundary may round the other way downstream, as
     it may between any two validators' layouts); each rank holds FP8 slices with their block scales. Both scale
     formats: under UE8M0 each rank re-quantises its own slices (per 128x128 block, so as the whole would be)."""
-    from tests.gloo import run_ranks
+    from .gloo import run_ranks
 
     torch.save((X, VS), tmp_path / "in.pt")
     names = [f"{ckpts[n]}|{fmt}" for n in ("dense", "moe") for fmt in FP8_SCALES]
@@ -590,7 +590,7 @@ async def test_the_server_serves_the_configured_scale_format(fmt, ckpts, aiohttp
     from poc.server.app import create_app
     from poc.server.config import parse_args
     from poc.server.context import engine_key
-    from tests.servers import server_config, wait_status
+    from .servers import server_config, wait_status
 
     want = fmt or "ue8m0"
     kw = {"options": ModelOptions(fp8_scales=fmt)} if fmt else {}
