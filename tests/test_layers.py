@@ -264,6 +264,28 @@ def test_diagnostics_and_scripts_use_public_names():
     assert not bad, "private names of poc used from outside the package:\n" + "\n".join(bad)
 
 
+def patches_sys_path(source: str) -> list[str]:
+    """Where `source` changes sys.path: sys.path.insert/append/extend, or an assignment to it or a slice of it."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.path.insert", "sys.path.append",
+                                                                      "sys.path.extend"):
+            found.append(f"line {node.lineno}: {ast.unparse(node.func)}")
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if ast.unparse(t).startswith("sys.path"):
+                    found.append(f"line {node.lineno}: {ast.unparse(t)} = ...")
+    return found
+
+
+def test_diagnostics_and_scripts_leave_sys_path_alone():
+    """They run with the package on the path (the venv's .pth from scripts/ensure_venv.sh, or benchmarks/run.sh's
+    PYTHONPATH, `PYTHONPATH=src:.` by hand for the few that read tests/ helpers), as an installed user would: a path
+    patched in one script hides which checkout it runs."""
+    bad = [f"{p.relative_to(ROOT)} {m}" for p in python_files(USER_ROOTS) for m in patches_sys_path(p.read_text())]
+    assert not bad, "sys.path changed by a diagnostic or script:\n" + "\n".join(bad)
+
+
 def test_each_rule_fails_on_a_planted_violation(tmp_path, monkeypatch):
     """Every check above, run on a small tree with one violation of its rule planted, fails and names it."""
     def write(rel: str, text: str = "") -> None:
@@ -286,6 +308,7 @@ def test_each_rule_fails_on_a_planted_violation(tmp_path, monkeypatch):
     write("tests/test_fp8.py", "def test_x():\n    from .test_moe import CASES\n")
     write("benchmarks/diagnostics/w8a8.py",
           "from poc.model import fp8\nfrom poc.model.transformer import _act\nglu = fp8._gluon(None)\n")
+    write("benchmarks/diagnostics/old.py", "import sys\nsys.path.insert(0, 'src')\nsys.path[:0] = ['.']\n")
     module = globals()
     monkeypatch.setitem(module, "SRC", tmp_path / "src")
     monkeypatch.setitem(module, "ROOT", tmp_path)
@@ -300,6 +323,8 @@ def test_each_rule_fails_on_a_planted_violation(tmp_path, monkeypatch):
                                                "tests/test_fp8.py line 2: .test_moe.CASES"]),
         (test_diagnostics_and_scripts_use_public_names, ["line 2: imports poc.model.transformer._act",
                                                           "line 3: reads fp8._gluon"]),
+        (test_diagnostics_and_scripts_leave_sys_path_alone, ["old.py line 2: sys.path.insert",
+                                                             "old.py line 3: sys.path[:0] = ..."]),
     ]
     for check, named in checks:
         with pytest.raises(AssertionError) as e:
