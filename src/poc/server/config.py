@@ -23,6 +23,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from aiohttp import web
+
 from poc import dtypes
 from poc.errors import InputError
 from poc.model.options import ModelOptions
@@ -138,6 +140,9 @@ class ServerConfig:
             raise InputError("max_connections and stream_max_waiting must be >= 1", "max_connections")
         if self.dtype not in DTYPE_CHOICES:
             raise InputError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}", "dtype")
+
+
+config_key = web.AppKey("config", ServerConfig)  # the app's settings: every module of the server reads them here
 
 
 def check_spool_dir(path: str | None) -> None:

@@ -20,12 +20,11 @@ from poc.clients.callbacks import CallbackSender
 from poc.engine.base import Claim, EngineBase
 from poc.errors import InputError
 from poc.protocol import v1
-from poc.server.config import ServerConfig
+from poc.server.config import config_key
 from poc.server.metrics import Metrics
 from poc.server.schemas import ServedModel
 from poc.server.stream import JobRunner
 
-config_key = web.AppKey("config", ServerConfig)
 engine_key = web.AppKey("engine", EngineBase)
 metrics_key = web.AppKey("metrics", Metrics)
 runners_key = web.AppKey("runners", set)  # the JobRunners in flight (for /health and shutdown)

@@ -18,12 +18,18 @@ from poc.engine.jobs import Limits
 from poc.errors import InputError
 from poc.protocol.nonces import MAX_NONCE
 from poc.server import bigjson
-from poc.server.config import ServerConfig
+from poc.server.config import ServerConfig, config_key
 
 MISSING = object()
 MAX_INT64 = MAX_NONCE  # heights, node numbers: int64 on the chain
 OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are parsed on a thread, in steps (bigjson.py)
-json_limits_key = web.AppKey("json_limits", tuple)  # (values, containers) a large body may hold (security.setup)
+
+
+def json_limits(cfg: ServerConfig) -> tuple[int, int]:
+    """(values, containers) a large body may hold, parsed in steps (bigjson.py): at most what the largest real one
+    holds, v2 /generate's nonces and their validation artifacts ({nonce, vector_b64} each: 4 values and 1 object a
+    nonce), plus the other fields."""
+    return 4 * cfg.max_request_nonces + 4096, cfg.max_request_nonces + 1024
 
 
 # --------------------------------------------------------------------------------------------------
@@ -41,7 +47,8 @@ async def read_json(request: web.Request, max_bytes: int) -> dict:
         raise InputError(f"request body is over the {max_bytes}-byte limit", None, status=413) from None
     try:
         if len(raw) > OFF_LOOP_BYTES:  # json's C parser would hold the GIL, and so the loop, for the whole body
-            obj = await bigjson.parse_off_loop(raw, _no_constant, *request.config_dict.get(json_limits_key, ()))
+            cfg = request.config_dict.get(config_key)
+            obj = await bigjson.parse_off_loop(raw, _no_constant, *(json_limits(cfg) if cfg is not None else ()))
         else:  # at most 64 KiB: under 10 ms on the loop, whatever it holds
             obj = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as e:
