@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from poc import dtypes
 from poc.engine.jobs import Limits, V1Job, V2Job
@@ -207,7 +208,7 @@ class PowV2Init:
     node_count: int
     group_id: int
     n_groups: int
-    batch_size: int | None  # None: not in the request (the server's default_v2_batch, filled before job())
+    batch_size: int  # the request's, else the served model's default (default_batch)
     seq_len: int
     k_dim: int
     url: str | None
@@ -228,7 +229,15 @@ class PowV2Init:
                 "n_groups": self.n_groups, "seq_len": self.seq_len, "k_dim": self.k_dim}
 
 
-def parse_pow_v2_init(body: dict, cfg: ServerConfig, served: ServedModel | None) -> PowV2Init:
+def _protocol_default(seq_len: int) -> int:
+    """The batch a v2 request without one gets where no engine says otherwise (the server passes the engine's rule
+    for the served model, context.default_v2_batch: a Gonka node sends none)."""
+    return v2.DEFAULT_BATCH_SIZE
+
+
+def parse_pow_v2_init(body: dict, cfg: ServerConfig, served: ServedModel | None,
+                      default_batch: Callable[[int], int] = _protocol_default) -> PowV2Init:
+    """/init/generate's v2 body; a batch_size it does not give is default_batch(seq_len)."""
     check_keys(body, {"block_hash", "block_height", "public_key", "node_id", "node_count", "params"}, strict=False)
     seq_len, k_dim = parse_v2_params(body["params"], served)
     bh, height, pk = get_header(body)
@@ -237,9 +246,12 @@ def parse_pow_v2_init(body: dict, cfg: ServerConfig, served: ServedModel | None)
     if first > MAX_INT32:  # the node would store every nonce of this lattice wrapped (int32): refuse it now
         raise InputError(f"the first nonce of this node, node_id + group_id*node_count = {first}, is past the int32 "
                          f"range (max {MAX_INT32}) the Gonka node stores PoC v2 nonces in", "node_id")
-    return PowV2Init(bh, height, pk, node_id, node_count, group_id, n_groups,
-                     get_batch_size(body, cfg, default=None), seq_len, k_dim, get_url(body, policy=url_policy_of(cfg)),
-                     get_bool(body, "poc_stronger_rng", default=False))
+    batch_size = get_batch_size(body, cfg, default=None)
+    url, stronger = get_url(body, policy=url_policy_of(cfg)), get_bool(body, "poc_stronger_rng", default=False)
+    if batch_size is None:  # asked last: the body is valid, so the default is for a request that runs
+        batch_size = default_batch(seq_len)
+    return PowV2Init(bh, height, pk, node_id, node_count, group_id, n_groups, batch_size, seq_len, k_dim, url,
+                     stronger)
 
 
 @dataclass
@@ -252,7 +264,7 @@ class PowV2Generate:
     nonces: list[int]
     seq_len: int
     k_dim: int
-    batch_size: int | None  # None: not in the request (the server's default_v2_batch, filled before job())
+    batch_size: int  # the request's, else the served model's default (default_batch)
     wait: bool
     url: str | None
     stronger_rng: bool
@@ -265,7 +277,9 @@ class PowV2Generate:
                      stronger_rng=self.stronger_rng, limits=Limits(max_nonces=None, max_duration=None))
 
 
-def parse_pow_v2_generate(body: dict, cfg: ServerConfig, served: ServedModel | None) -> PowV2Generate:
+def parse_pow_v2_generate(body: dict, cfg: ServerConfig, served: ServedModel | None,
+                          default_batch: Callable[[int], int] = _protocol_default) -> PowV2Generate:
+    """/api/v1/pow/generate's body; a batch_size it does not give is default_batch(seq_len)."""
     check_keys(body, {"block_hash", "block_height", "public_key", "node_id", "node_count", "nonces", "params"},
                strict=False)
     seq_len, k_dim = parse_v2_params(body["params"], served)
@@ -273,9 +287,10 @@ def parse_pow_v2_generate(body: dict, cfg: ServerConfig, served: ServedModel | N
     node_id = get_int(body, "node_id", lo=0, hi=MAX_INT64)
     node_count = get_int(body, "node_count", lo=1, hi=MAX_INT64)
     nonces = get_nonces(body, "nonces", cfg.max_request_nonces)
-    req = PowV2Generate(bh, height, pk, node_id, node_count, nonces, seq_len, k_dim,
-                        get_batch_size(body, cfg, default=None), get_bool(body, "wait", default=False),
-                        get_url(body, policy=url_policy_of(cfg)), get_bool(body, "poc_stronger_rng", default=False))
+    batch_size = get_batch_size(body, cfg, default=None)
+    wait, url = get_bool(body, "wait", default=False), get_url(body, policy=url_policy_of(cfg))
+    req = PowV2Generate(bh, height, pk, node_id, node_count, nonces, seq_len, k_dim, batch_size, wait, url,
+                        get_bool(body, "poc_stronger_rng", default=False))
     val = body.get("validation")
     if val is not None:
         req.received = _parse_validation(val, nonces)
@@ -291,6 +306,8 @@ def parse_pow_v2_generate(body: dict, cfg: ServerConfig, served: ServedModel | N
             p_mismatch=get_number(st, "p_mismatch", prefix="stat_test", default=d.p_mismatch, lo=0, hi=1.0),
             fraud_threshold=get_number(st, "fraud_threshold", prefix="stat_test", default=d.fraud_threshold, lo=0,
                                        hi=1.0))
+    if req.batch_size is None:  # asked last: the body is valid, so the default is for a request that runs
+        req.batch_size = default_batch(seq_len)
     return req
 
 
