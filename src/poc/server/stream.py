@@ -35,6 +35,7 @@ from poc.engine.base import Claim, EngineBase
 from poc.engine.jobs import BatchResult, JobSummary, V1Job
 from poc.errors import InputError
 from poc.logs import describe_parts
+from poc.protocol import v1
 from poc.server.config import ServerConfig, config_key
 
 if TYPE_CHECKING:
@@ -256,7 +257,7 @@ class JobRunner:
 
     def _valid(self, b: BatchResult) -> int:
         if isinstance(self.job, V1Job):
-            return int((b.dist < self.job.r_target).sum()) if b.dist is not None else 0
+            return int(v1.valid(b.dist, self.job.r_target).sum()) if b.dist is not None else 0
         return len(b.artifacts or [])
 
     def _arrive(self, q: asyncio.Queue, b: BatchResult) -> None:
