@@ -85,12 +85,13 @@ class Stage:
             self.mark(1)
         return out
 
-    def finish(self, prep, out: torch.Tensor, device: torch.device) -> "Handle | None":
-        """Hand the output on (not the last stage), or a Handle to collect (the reporter); None otherwise."""
+    def finish(self, prep, out: torch.Tensor, n: int, device: torch.device) -> "Handle | None":
+        """Hand the output on whole (not the last stage: a batch padded to its compiled shape stays so for the next
+        stage), or a Handle to collect its first n rows, the batch's own (the reporter); None otherwise."""
         if not self.last:
             self.send(out)
             return None
-        return Handle(prep, out, device) if self.reporter else None
+        return Handle(prep, out[:n], device) if self.reporter else None
 
 
 WHOLE = Stage()
@@ -215,7 +216,7 @@ class V1Compute:
         out = st.forward(lambda: self.model(x, last_only=True, logits=st.last, step=self._step))
         if st.post:
             out = self._post(out, _pad_rows(prep.perms.to(self.device, non_blocking=True), B))
-        return st.finish(prep, out[:n], self.device)
+        return st.finish(prep, out, n, self.device)
 
     def collect(self, h: Handle) -> dict:
         return {"dist": h.wait().numpy().copy()}
@@ -279,9 +280,7 @@ class V2Compute:
 
     @torch.inference_mode()
     def launch(self, prep: V2Prepared, pad_to: int | None = None) -> Handle:
-        dev = self.device
-        if self.model.rope_cos.shape[0] < prep.seq_len or self.model.rope_cos.device != dev:
-            self.model.init_rope(dev, max(prep.seq_len, self.cfg.max_seq_len))  # outside any compiled graph
+        dev = self.device  # the RoPE table grows or moves in Transformer.forward, outside any compiled graph
         st, S, D, n = self.stage, prep.seq_len, self.cfg.dim, len(prep.nonces)
         B = pad_to if self.compiled and pad_to and n < pad_to else n
 
@@ -296,7 +295,7 @@ class V2Compute:
         out = st.forward(lambda: self.model(x, reflections=refl, last_only=True, step=self._step))
         if st.post:
             out = self._project(out, on_device(prep.pick), on_device(prep.haar))
-        return st.finish(prep, out[:n], dev)
+        return st.finish(prep, out, n, dev)
 
     def keys(self, seq_len: int) -> torch.Tensor:
         n = seq_len * self.cfg.dim

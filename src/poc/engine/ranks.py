@@ -450,13 +450,13 @@ class Rank:
         prep = self.v2.prepare(job.block_hash, job.public_key, nonces, job.seq_len, job.k_dim, job.stronger_rng)
         self._host("prepare", t0)
         t0 = time.perf_counter()
-        handle = self.v2.launch(prep)
+        handle = self.v2.launch(prep, pad_to=job.batch_size)  # a short last batch padded, as on one device
         self._host("launch", t0)
         return handle
 
     def launch_v1(self, job: V1Job, nonces: list[int]):
         comp = self.v1_model(job)
-        return comp.launch(comp.prepare(job.public_key, nonces))
+        return comp.launch(comp.prepare(job.public_key, nonces), pad_to=job.batch_size)
 
     def _host(self, name: str, t0: float) -> None:
         """POC_STAGE_TIMING: add the host seconds since t0 to this batch's host time under `name`."""
