@@ -465,7 +465,8 @@ def test_only_the_model_sets_its_modules_attributes():
     assert {"n_heads", "sum_dtype", "w13", "ue8m0", "forward"} <= attrs - settings
     bad = [f"{name} {m}" for name, source in sources.items() if not in_room(name, MODEL_ROOM)
            for m in sets_attributes(source, settings if in_room(name, REWRITE_ROOM) else attrs)]
-    bad += [f"{p.relative_to(ROOT)} {m}" for p in python_files(USER_ROOTS) for m in sets_attributes(p.read_text(), attrs)]
+    bad += [f"{p.relative_to(ROOT)} {m}" for p in python_files(USER_ROOTS)
+            for m in sets_attributes(p.read_text(), attrs)]
     assert not bad, ("set on a model module from outside model/ (give the model a ModelOptions field and let it "
                      "read it when it is built):\n" + "\n".join(bad))
 
@@ -527,9 +528,11 @@ def test_the_settings_rules_fail_on_planted_violations(tmp_path, monkeypatch):
         "src/poc/model/fp8.py": "def use_scales(model):\n    for m in model.modules():\n        m.fast = True\n",
         "src/poc/model/options.py": "Fp8Scales = Literal['ue8m0', 'float32']\n",
         "src/poc/parallel/tp.py": "def apply_tp(block):\n    block.n_heads //= 2\n    block.fused_norm = False\n",
-        "src/poc/engine/compute.py": "def setup(model):\n    for b in model.layers.values():\n        b.mlp.fast = True\n",
+        "src/poc/engine/compute.py": ("def setup(model):\n    for b in model.layers.values():\n"
+                                      "        b.mlp.fast = True\n"),
         "src/poc/engine/fine.py": "class E:\n    def __init__(self, options):\n        self.options = options\n",
-        "src/poc/server/config.py": "def check(v):\n    if v not in ('float32', 'ue8m0'):\n        raise ValueError(v)\n",
+        "src/poc/server/config.py": ("def check(v):\n    if v not in ('float32', 'ue8m0'):\n"
+                                     "        raise ValueError(v)\n"),
         "benchmarks/diagnostics/x.py": "def f(block):\n    setattr(block.self_attn, 'recipe', 'fp8')\n"
                                        "RECIPES = ['fp8', 'fp8kv', 'bf16']\n",
     }

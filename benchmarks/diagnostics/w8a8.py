@@ -296,7 +296,8 @@ def accuracy(args) -> dict:
             emu[fmt] = artifacts(comp, nonces, args.batch, lambda: fp8.diagnostic_emulation("float32"))
             if fmt == "ue8m0":
                 emu_other = artifacts(comp, nonces, args.batch, lambda: _both(
-                    fp8.diagnostic_emulation("float32"), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])))
+                    fp8.diagnostic_emulation("float32"),
+                    sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])))
                 deq = artifacts(comp, nonces, args.batch, lambda: fp8.diagnostic_emulation("dequantised"))
             del model, comp
             torch.cuda.empty_cache()

@@ -33,8 +33,7 @@ from poc.logs import describe
 from poc.protocol import v1, v2
 from poc.server import fields, schemas
 from poc.server.context import (admission, check_v1_memory, claim_device, config_key, default_v2_batch, engine_key,
-                                new_runner, require_ready, runners_key, sender_key, served_model, tasks_key,
-                                wait_claim)
+                                new_runner, require_ready, runners_key, sender_key, served_model, tasks_key, wait_claim)
 from poc.server.jobs import validate_v1
 from poc.server.results import v1_hits, v2_body
 from poc.server.stream import JobRunner, collect
