@@ -20,7 +20,7 @@
 # Every name is attempted; the exit status is the number that failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src:$PWD PYTHONUNBUFFERED=1  # the package; the repo root for tests/ helpers some read
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 export PYTHON=$PY  # the diagnostics run the same interpreter
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.golden import ROOT
+from .golden import ROOT
 
 
 def run_ranks(script: str, io: Path, args: list[str], world: int = 2, timeout: float = 120,

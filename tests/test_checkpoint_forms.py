@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 from poc.model.weights import INDEX_FILE, checkpoint_files, dequantize_fp8, load_model  # noqa: E402
 from poc.model.options import ModelOptions  # noqa: E402
 from poc.parallel.build import Part, build  # noqa: E402
-from tests.checkpoints import quantize, randomize  # noqa: E402
+from .checkpoints import quantize, randomize  # noqa: E402
 
 ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM"}

@@ -148,9 +148,9 @@ def test_compile_modes_and_server_flags():
     assert (cfg.tp, cfg.pp, cfg.replicas, cfg.compile) == (2, 1, 3, "off")
     cfg = parse_args([], env={"POC_TP": "4", "POC_COMPILE": "on"})
     assert cfg.tp == 4 and cfg.compile == "on" and cfg.pp == 1
-    assert parse_args([], env={}).fp8_experts == "keep"
-    assert parse_args(["--fp8-experts", "dequant"], env={}).fp8_experts == "dequant"
-    assert parse_args([], env={"POC_FP8_EXPERTS": "dequant"}).fp8_experts == "dequant"
+    assert parse_args([], env={}).options.fp8_experts == "keep"
+    assert parse_args(["--fp8-experts", "dequant"], env={}).options.fp8_experts == "dequant"
+    assert parse_args([], env={"POC_FP8_EXPERTS": "dequant"}).options.fp8_experts == "dequant"
     for bad in (["--tp", "0"], ["--tp", "two"], ["--compile", "maybe"], ["--replicas", "-1"], ["--fp8-experts", "x"]):
         with pytest.raises(InputError):
             parse_args(bad, env={})

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")  # the checkpoints are made by transformers
 from poc.errors import InputError  # noqa: E402
 from poc.model.options import ModelOptions  # noqa: E402
 from poc.model.weights import dequantize_fp8, load_model  # noqa: E402
-from tests.checkpoints import (MOE_CASES, QUANT, make_hf, make_hf_moe, quantize, unit_rows,  # noqa: E402
+from .checkpoints import (MOE_CASES, QUANT, make_hf, make_hf_moe, quantize, unit_rows,  # noqa: E402
                                write_fp8_and_twin)
 
 FP8_FORWARD = "dequant"  # every loader here is passed it: the dequantise forward (W8A8, the default, is test_w8a8.py's)
@@ -137,7 +137,6 @@ def test_fp8_experts_kept_in_memory(tmp_path, device):
     tensor-parallel rank (its experts only). Width 128 and hidden 192: gate|up on whole block rows, a cropped
     column block."""
     from poc.model.transformer import MoE
-    from poc.model.weights import fp8_experts_mode
     from poc.parallel.build import Part, build
 
     src = tmp_path / "src"
@@ -162,6 +161,5 @@ def test_fp8_experts_kept_in_memory(tmp_path, device):
     rank, _ = build(tmp_path / "fp8", torch.bfloat16, "cpu", Part(tp_rank=1, tp_size=2), options=ModelOptions(fp8=FP8_FORWARD))
     m = next(b.mlp for b in rank.layers.values() if isinstance(b.mlp, MoE))
     assert (m.first, m.stop) == (4, 8) and m.w13.shape == (4, 256, 192) and m.w13.dtype == torch.float8_e4m3fn
-    assert fp8_experts_mode("dequant") == "dequant"
-    with pytest.raises(InputError, match="keep or dequant"):
-        fp8_experts_mode("int4")
+    with pytest.raises(InputError, match="--fp8-experts / POC_FP8_EXPERTS must be keep or dequant"):
+        ModelOptions(fp8_experts="int4")

@@ -118,7 +118,7 @@ async def test_a_large_body_is_parsed_off_the_event_loop_in_steps(client, monkey
     would hold the GIL, and so the loop, for the whole body), within the values a real request can hold."""
     import threading
 
-    from poc.server import bigjson, schemas
+    from poc.server import bigjson, fields
 
     seen = []
     loads, steps = json.loads, bigjson.loads
@@ -129,12 +129,12 @@ async def test_a_large_body_is_parsed_off_the_event_loop_in_steps(client, monkey
             return f(*a, **kw)
         return call
 
-    monkeypatch.setattr(schemas.json, "loads", spy("json", loads))
+    monkeypatch.setattr(fields.json, "loads", spy("json", loads))
     monkeypatch.setattr(bigjson, "loads", spy("steps", steps))
     small = v1_request(max_nonces=4, batch_size=4)
     r = await client.post("/generate", json=small)
     await r.read()
-    big = v1_request(max_nonces=4, batch_size=4, pad="x" * (schemas.OFF_LOOP_BYTES + 1))  # refused, after parsing
+    big = v1_request(max_nonces=4, batch_size=4, pad="x" * (fields.OFF_LOOP_BYTES + 1))  # refused, after parsing
     r = await client.post("/generate", data=io.BytesIO(json.dumps(big).encode()),
                           headers={"Content-Type": "application/json"})
     assert r.status == 400 and (await r.json())["field"] == "pad"

@@ -264,6 +264,28 @@ def test_diagnostics_and_scripts_use_public_names():
     assert not bad, "private names of poc used from outside the package:\n" + "\n".join(bad)
 
 
+def patches_sys_path(source: str) -> list[str]:
+    """Where `source` changes sys.path: sys.path.insert/append/extend, or an assignment to it or a slice of it."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.path.insert", "sys.path.append",
+                                                                      "sys.path.extend"):
+            found.append(f"line {node.lineno}: {ast.unparse(node.func)}")
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if ast.unparse(t).startswith("sys.path"):
+                    found.append(f"line {node.lineno}: {ast.unparse(t)} = ...")
+    return found
+
+
+def test_diagnostics_and_scripts_leave_sys_path_alone():
+    """They run with the package on the path (the venv's .pth from scripts/ensure_venv.sh, or benchmarks/run.sh's
+    PYTHONPATH, `PYTHONPATH=src:.` by hand for the few that read tests/ helpers), as an installed user would: a path
+    patched in one script hides which checkout it runs."""
+    bad = [f"{p.relative_to(ROOT)} {m}" for p in python_files(USER_ROOTS) for m in patches_sys_path(p.read_text())]
+    assert not bad, "sys.path changed by a diagnostic or script:\n" + "\n".join(bad)
+
+
 def test_each_rule_fails_on_a_planted_violation(tmp_path, monkeypatch):
     """Every check above, run on a small tree with one violation of its rule planted, fails and names it."""
     def write(rel: str, text: str = "") -> None:
@@ -286,6 +308,7 @@ def test_each_rule_fails_on_a_planted_violation(tmp_path, monkeypatch):
     write("tests/test_fp8.py", "def test_x():\n    from .test_moe import CASES\n")
     write("benchmarks/diagnostics/w8a8.py",
           "from poc.model import fp8\nfrom poc.model.transformer import _act\nglu = fp8._gluon(None)\n")
+    write("benchmarks/diagnostics/old.py", "import sys\nsys.path.insert(0, 'src')\nsys.path[:0] = ['.']\n")
     module = globals()
     monkeypatch.setitem(module, "SRC", tmp_path / "src")
     monkeypatch.setitem(module, "ROOT", tmp_path)
@@ -300,6 +323,8 @@ def test_each_rule_fails_on_a_planted_violation(tmp_path, monkeypatch):
                                                "tests/test_fp8.py line 2: .test_moe.CASES"]),
         (test_diagnostics_and_scripts_use_public_names, ["line 2: imports poc.model.transformer._act",
                                                           "line 3: reads fp8._gluon"]),
+        (test_diagnostics_and_scripts_leave_sys_path_alone, ["old.py line 2: sys.path.insert",
+                                                             "old.py line 3: sys.path[:0] = ..."]),
     ]
     for check, named in checks:
         with pytest.raises(AssertionError) as e:
@@ -375,3 +400,166 @@ def test_the_route_rule_fails_on_a_planted_violation(tmp_path, monkeypatch):
     assert "route module poc.server.b imports route module poc.server.a" in str(e.value)
     assert "poc.server.shared imports route module poc.server.b (only poc.server.app composes them)" in str(e.value)
     assert "poc.server.app imports" not in str(e.value) and "poc.server.a imports" not in str(e.value)
+
+
+# --- the model's settings: one typed door (model/options.py), read by the model when it is built -----------------
+
+MODEL_ROOM = "poc.model"  # the model and its loaders: they configure a model from its ModelOptions
+REWRITE_ROOM = "poc.parallel"  # rewrites of a built model (tp slices, pipeline cuts): structure, never a setting
+
+
+def in_room(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
+def model_attributes(sources: dict[str, str]) -> tuple[set[str], set[str]]:
+    """(the attributes the model room's nn.Module classes set on themselves, and `forward`; the settings among them:
+    those a class sets from its ModelOptions (`self.x = options.y...`), and `options`), read from `sources`."""
+    classes = {}
+    for name, source in sources.items():
+        if in_room(name, MODEL_ROOM):
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.ClassDef):
+                    classes[node.name] = ({ast.unparse(b).split(".")[-1] for b in node.bases}, node)
+    mods = {"Module"}
+    while more := {c for c, (bases, _) in classes.items() if bases & mods} - mods:
+        mods |= more
+    attrs, settings = {"forward"}, {"options"}
+    for cls in mods - {"Module"}:
+        for node in ast.walk(classes[cls][1]):
+            if not isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) or node.value is None:
+                continue
+            reads = any(isinstance(x, ast.Attribute) and isinstance(x.value, ast.Name) and x.value.id == "options"
+                        for x in ast.walk(node.value))
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for x in ast.walk(target):
+                    if isinstance(x, ast.Attribute) and isinstance(x.value, ast.Name) and x.value.id == "self":
+                        attrs.add(x.attr)
+                        settings |= {x.attr} if reads else set()
+    return attrs, settings
+
+
+def sets_attributes(source: str, names: set[str]) -> list[str]:
+    """Where `source` sets or deletes one of `names` on an object other than its own (`self`): `x.name = ...`,
+    `del x.name`, `x.name += ...`, `setattr(x, "name", ...)`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)) and node.attr in names
+                and ast.unparse(node.value) != "self"):
+            found.append(f"line {node.lineno}: sets {ast.unparse(node)}")
+        elif (isinstance(node, ast.Call) and ast.unparse(node.func) in ("setattr", "delattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in names):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_model_sets_its_modules_attributes():
+    """No module outside model/ sets an attribute on a model module: the model configures itself from its
+    ModelOptions when it is built (no engine code setting a block's or a MoE's flags). parallel/ rewrites a built
+    model's structure (slices, local head counts, the all-reduces after o_proj/down_proj/a MoE block with their
+    reduce dtype), and even it sets none of the settings the model reads from its options. The diagnostics and
+    scripts set none either."""
+    sources = {name: path.read_text() for name, path in modules().items()}
+    attrs, settings = model_attributes(sources)
+    assert {"fused_norm", "gluon", "fast", "recipe", "attention", "options"} <= settings  # it sees them
+    assert {"n_heads", "sum_dtype", "w13", "ue8m0", "forward"} <= attrs - settings
+    bad = [f"{name} {m}" for name, source in sources.items() if not in_room(name, MODEL_ROOM)
+           for m in sets_attributes(source, settings if in_room(name, REWRITE_ROOM) else attrs)]
+    bad += [f"{p.relative_to(ROOT)} {m}" for p in python_files(USER_ROOTS)
+            for m in sets_attributes(p.read_text(), attrs)]
+    assert not bad, ("set on a model module from outside model/ (give the model a ModelOptions field and let it "
+                     "read it when it is built):\n" + "\n".join(bad))
+
+
+def option_values() -> dict[str, tuple[str, ...]]:
+    """Each Literal-typed ModelOptions field's allowed values, from its type (written once, in model/options.py)."""
+    import dataclasses
+    import typing
+
+    from poc.model.options import ModelOptions, values
+
+    hints = typing.get_type_hints(ModelOptions)
+    return {f.name: values(hints[f.name]) for f in dataclasses.fields(ModelOptions) if values(hints[f.name])}
+
+
+def values_written_again(source: str, options: dict[str, tuple[str, ...]]) -> list[str]:
+    """Collections of string constants in `source` (a tuple, list or set, a dict's keys) that spell out an option's
+    allowed values again: all of them, or all but one of three or more (the recipes without `auto`). The arguments of
+    a Literal[...] type are where they are written, and a pair of one option's many values is logic, not a copy."""
+    tree = ast.parse(source)
+    literal = {id(n.slice) for n in ast.walk(tree)
+               if isinstance(n, ast.Subscript) and ast.unparse(n.value).split(".")[-1] == "Literal"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and id(node) not in literal:
+            elts = node.elts
+        elif isinstance(node, ast.Dict):
+            elts = node.keys
+        else:
+            continue
+        words = {e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+        for name, allowed in options.items():
+            if len(words) >= max(2, len(allowed) - 1) and words <= set(allowed):
+                found.append(f"line {node.lineno}: {ast.unparse(node)[:70]} (ModelOptions.{name}'s values)")
+    return found
+
+
+def test_the_allowed_values_of_each_option_are_written_once():
+    """Each option's allowed values are its Literal type in model/options.py, checked there once when the options
+    are made; nothing else in the package, the diagnostics or the scripts spells them out again (a copy drifts:
+    import the type's tuple, e.g. options.FP8_SCALES, or let ModelOptions check)."""
+    options = option_values()
+    assert options["fp8_scales"] == ("ue8m0", "float32") and "auto" in options["attention"]  # it sees them
+    files = [(name, path) for name, path in modules().items()] + [(str(p.relative_to(ROOT)), p)
+                                                                  for p in python_files(USER_ROOTS)]
+    bad = [f"{name} {m}" for name, path in files for m in values_written_again(path.read_text(), options)]
+    assert not bad, "an option's allowed values written again:\n" + "\n".join(bad)
+
+
+def test_the_settings_rules_fail_on_planted_violations(tmp_path, monkeypatch):
+    """An engine setting a MoE's flag, a rewrite setting a block's setting, a diagnostic setting one through
+    setattr, and a module checking an option's values against its own copy are each named; the model room setting
+    its own, a rewrite slicing the structure, and a Literal type are not."""
+    files = {
+        "src/poc/model/transformer.py": (
+            "class Block(nn.Module):\n    def __init__(self, cfg, options):\n"
+            "        self.fused_norm = options.fused_norm\n        self.n_heads = cfg.n_heads\n"
+            "class MoE(nn.Module):\n    def __init__(self, cfg, options):\n        self.fast = options.compiled\n"),
+        "src/poc/model/fp8.py": "def use_scales(model):\n    for m in model.modules():\n        m.fast = True\n",
+        "src/poc/model/options.py": "Fp8Scales = Literal['ue8m0', 'float32']\n",
+        "src/poc/parallel/tp.py": "def apply_tp(block):\n    block.n_heads //= 2\n    block.fused_norm = False\n",
+        "src/poc/engine/compute.py": ("def setup(model):\n    for b in model.layers.values():\n"
+                                      "        b.mlp.fast = True\n"),
+        "src/poc/engine/fine.py": "class E:\n    def __init__(self, options):\n        self.options = options\n",
+        "src/poc/server/config.py": ("def check(v):\n    if v not in ('float32', 'ue8m0'):\n"
+                                     "        raise ValueError(v)\n"),
+        "benchmarks/diagnostics/x.py": "def f(block):\n    setattr(block.self_attn, 'recipe', 'fp8')\n"
+                                       "RECIPES = ['fp8', 'fp8kv', 'bf16']\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    monkeypatch.setitem(globals(), "SRC", tmp_path / "src")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    monkeypatch.setitem(globals(), "USER_ROOTS", [tmp_path / "benchmarks"])
+    monkeypatch.setitem(globals(), "option_values", lambda: {"fp8_scales": ("ue8m0", "float32"),
+                                                             "attention": ("auto", "fp8", "fp8kv", "bf16")})
+    monkeypatch.setitem(globals(), "model_attributes", lambda sources: ({"fused_norm", "n_heads", "fast", "recipe",
+                                                                         "forward", "options", "sum_dtype", "w13",
+                                                                         "ue8m0", "gluon", "attention"},
+                                                                        {"fused_norm", "fast", "recipe", "options",
+                                                                         "gluon", "attention"}))
+    with pytest.raises(AssertionError) as e:
+        test_only_the_model_sets_its_modules_attributes()
+    assert ("poc.engine.compute line 3: sets b.mlp.fast" in str(e.value) and "poc.parallel.tp line 3: sets "
+            "block.fused_norm" in str(e.value) and "x.py line 2: setattr(block.self_attn, 'recipe', 'fp8')"
+            in str(e.value)), str(e.value)
+    assert "n_heads" not in str(e.value) and "poc.model" not in str(e.value) and "fine" not in str(e.value)
+    with pytest.raises(AssertionError) as e:
+        test_the_allowed_values_of_each_option_are_written_once()
+    assert "poc.server.config line 2: ('float32', 'ue8m0') (ModelOptions.fp8_scales's values)" in str(e.value)
+    assert "x.py line 3: ['fp8', 'fp8kv', 'bf16'] (ModelOptions.attention's values)" in str(e.value)
+    assert "poc.model.options" not in str(e.value)
+    monkeypatch.undo()  # the reader itself, on the planted model room: the settings are what it sets from options
+    attrs, settings = model_attributes({"poc.model.transformer": files["src/poc/model/transformer.py"]})
+    assert settings == {"fused_norm", "fast", "options"} and {"n_heads", "forward"} <= attrs - settings

@@ -10,6 +10,7 @@ from poc.engine.factory import make_engine
 from poc.errors import InputError
 from poc.model.config import PRESETS
 from poc.model.options import ModelOptions
+from poc.model.source import RandomPreset
 from poc.engine import auto
 from poc.engine.auto import GiB, Gpu
 from poc.server.app import create_app
@@ -21,7 +22,7 @@ H200 = Gpu("NVIDIA H200", int(139.8 * GiB))
 
 
 def pick(model: str | None, gpus) -> tuple[int, int, int]:
-    c = auto.for_model(model, "auto", "keep", gpus)
+    c = auto.for_model(model, "auto", gpus)
     return c.tp, c.pp, c.replicas
 
 
@@ -37,7 +38,7 @@ def test_the_choices_for_the_production_shapes():
     assert pick("random:qwen3-8b", [H100] * 4) == (1, 1, 4)
     assert pick(None, [H100] * 4) == (1, 1, 4)  # PoC v1 only: a request's model fits one GPU
     assert pick("random:qwen3-8b", []) == (1, 1, 1)  # no GPU: one process
-    c = auto.for_model("random:qwen3-235b-a22b:fp8", "auto", "keep", [H100] * 4)
+    c = auto.for_model("random:qwen3-235b-a22b:fp8", "auto", [H100] * 4)
     assert c.label() == "pp=4" and "55.6 GiB of weights" in c.why and "not 2 replicas of tp=2" in c.why
 
 
@@ -83,8 +84,8 @@ def test_the_factory_builds_the_chosen_layout(monkeypatch, caplog):
     is refused."""
     seen = []
 
-    def for_model(model, dtype, fp8_experts, gpus, fp8):
-        seen.append((model, dtype, fp8_experts, gpus, fp8))
+    def for_model(model, dtype, gpus, options):
+        seen.append((model, dtype, gpus, options))
         return auto.Choice(1, 2, 2, "planted")
 
     monkeypatch.setattr(auto, "for_model", for_model)
@@ -96,7 +97,7 @@ def test_the_factory_builds_the_chosen_layout(monkeypatch, caplog):
         assert e.options == opts  # the ranks get them (RankConfig)
     finally:
         e.close()
-    assert seen == [("random:tiny", "float32", "dequant", [], "dequant")]  # the CPU: no GPU looked for
+    assert seen == [(RandomPreset("tiny"), "float32", [], opts)]  # parsed once; the CPU: no GPU looked for
     assert "--layout auto: planted" in caplog.messages
     with pytest.raises(InputError, match="layout must be auto"):
         make_engine("cpu", layout="fastest")

@@ -119,17 +119,15 @@ def test_a_tensor_parallel_rank_is_checked_for_its_own_share_against_its_own_fre
 
 def test_ranks_report_free_memory_and_the_tightest_one_counts():
     """DistEngine records the ranks' ("memory", rank, bytes) reports as they come (they never reach a job's loop)."""
-    import queue
-
     from poc.engine.dist import DistEngine
 
     e = DistEngine("cpu", world=2, tp=1, timeout=30)
     assert e.free_bytes() is None  # nothing reported (the CPU: the server reads the host memory itself)
-    g = type("G", (), {"inbox": queue.Queue()})()
+    g = e.new_group()  # no process started: the messages are put in its inbox here
     for m in [("memory", 0, 7 * GiB), ("memory", 1, 3 * GiB), ("result", 1, 0, 1, {}, 0.1)]:
         g.inbox.put(m)
-    assert e._next(g, 0.5)[0] == "result" and e.free_bytes() == 3 * GiB
-    assert e._next(g, 0.05) is None
+    assert g.next(0.5)[0] == "result" and e.free_bytes() == 3 * GiB
+    assert g.next(0.05) is None
 
 
 def test_ranks_on_the_cpu_share_the_host_memory():

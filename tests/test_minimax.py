@@ -17,10 +17,10 @@ from poc.model.config import ModelConfig  # noqa: E402
 from poc.model.options import ModelOptions  # noqa: E402
 from poc.model.transformer import AllHeadsRMSNorm, MoE, apply_partial_rope, rope_table  # noqa: E402
 from poc.model.weights import load_model  # noqa: E402
-from tests.checkpoints import (MINIMAX_RELEASE_FIELDS, MINIMAX_WIDE, make_hf_minimax, random_layers,  # noqa: E402
+from .checkpoints import (MINIMAX_RELEASE_FIELDS, MINIMAX_WIDE, make_hf_minimax, random_layers,  # noqa: E402
                                unit_rows, write_minimax_fp8)
-from tests.minimax_spec import Emulation, Recipe, e4, file_weights  # noqa: E402
-from tests.parity import check_hidden_and_logits, check_reflections  # noqa: E402
+from .minimax_spec import Emulation, Recipe, e4, file_weights  # noqa: E402
+from .parity import check_hidden_and_logits, check_reflections  # noqa: E402
 
 X = torch.randn(3, 11, 64, generator=torch.Generator().manual_seed(1))
 
@@ -331,7 +331,7 @@ def test_the_qk_norm_and_rope_are_the_spec_steps(release_model):
     assert (got == want).float().mean().item() > 0.99 and _rel(got, want) < 1e-3
     x = torch.randn(3, 4, 7, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
     cos, sin = rope_table(64, 7, cfg.rope_theta)
-    from tests.minimax_spec import rope_tables
+    from .minimax_spec import rope_tables
     c, s = rope_tables(7, 64, cfg.rope_theta)
     assert torch.equal(apply_partial_rope(x, cos, sin).float(), emu.rope(x.float(), c, s))
 
@@ -370,7 +370,7 @@ def test_tensor_and_expert_parallel_on_gloo_is_the_one_process_model(release, re
     (the ranks' float32 sums of squares all-reduced); the output equals one process's closely (the row-parallel
     partial sums add in another order, so a value on an FP8 rounding boundary may round the other way, as between
     any two validators' layouts) and the spec's emulation as closely."""
-    from tests.gloo import run_ranks
+    from .gloo import run_ranks
 
     root, _ = release
     model, cfg, weights, final = release_model
@@ -415,9 +415,11 @@ def test_random_weights_are_a_checkpoint_the_emulation_reads(tmp_path):
     """random:tiny-minimax:fp8 (the benchmarks' model, W8A8 and FP8 attention) computes the emulation of the
     checkpoint its draws make (random_weights.checkpoint_layer, under the release's names): what the GPU accuracy
     benchmark compares, at the real shape."""
-    from poc.model.random_weights import random_model, random_spec
+    from poc.model.random_weights import random_model
+    from poc.model.source import parse
 
-    cfg, fp8 = random_spec("random:tiny-minimax:fp8")
+    src = parse("random:tiny-minimax:fp8")
+    cfg, fp8 = src.config(), src.fp8
     model = random_model(cfg, torch.bfloat16, "cpu", fp8_ckpt=fp8)
     assert model.attention == "fp8" and cfg.fp8_block == (128, 128)
     weights = random_layers(cfg, torch.bfloat16, "cpu")
@@ -480,17 +482,22 @@ def test_cuda_minimax_is_the_spec_emulation_eager_and_compiled():
     route kernel): compiled as the server runs gives eager's bits, and both are the float32 emulation's numbers on
     the GPU as closely as the float32 accumulation order allows (the recipe variants are much farther)."""
     from poc.engine.compute import V2Compute
-    from poc.model.random_weights import random_model, random_spec
+    from poc.model.random_weights import random_model
+    from poc.model.source import parse
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    cfg, fp8 = random_spec("random:tiny-minimax:fp8")
+    src = parse("random:tiny-minimax:fp8")
+    cfg, fp8 = src.config(), src.fp8
     model = random_model(cfg, torch.bfloat16, "cuda", fp8_ckpt=fp8)
     weights = random_layers(cfg, torch.bfloat16, "cuda")
     final = dict(model.named_parameters())["norm.weight"]
     x, vs = _inputs(cfg, S=300)
     x, vs = x.cuda(), vs.cuda()
     eager = model(x, reflections=vs).float()
-    comp = V2Compute(model, cfg, torch.bfloat16, torch.device("cuda"), "tiny-minimax", compile=True)
+    # the same weights, built for compiled layers as the engine builds them (ModelOptions.compiled: its MoE dispatch
+    # compiles its elementwise steps too)
+    served = random_model(cfg, torch.bfloat16, "cuda", fp8_ckpt=fp8, options=ModelOptions(compiled=True))
+    comp = V2Compute(served, cfg, torch.bfloat16, torch.device("cuda"), "tiny-minimax", compile=True)
     compiled = comp.model(x, reflections=vs, step=comp._step).float()
     assert torch.equal(compiled, eager)
     spec = Emulation(cfg, weights, final).forward(x, vs)

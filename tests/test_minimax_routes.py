@@ -28,7 +28,7 @@ SEQ, K = 16, 12
 def minimax(tmp_path_factory):
     """The release-layout checkpoint and the single-process engine's float32 vectors of nonces 0..7 for
     v2_request's block hash and key."""
-    from tests.checkpoints import MINIMAX_WIDE, make_hf_minimax, write_minimax_fp8
+    from .checkpoints import MINIMAX_WIDE, make_hf_minimax, write_minimax_fp8
 
     root = tmp_path_factory.mktemp("minimax-routes")
     make_hf_minimax(root / "src", bias_std=0.05, **MINIMAX_WIDE)

@@ -10,8 +10,8 @@ transformers = pytest.importorskip("transformers")
 from poc.model.config import ModelConfig  # noqa: E402
 from poc.model.transformer import Transformer, apply_rope, rope_freqs, rope_table  # noqa: E402
 from poc.model.weights import load_model  # noqa: E402
-from tests.checkpoints import DENSE_CASES, LLAMA3_ROPE, make_hf, unit_rows  # noqa: E402
-from tests.parity import check_hidden_and_logits, check_reflections  # noqa: E402
+from .checkpoints import DENSE_CASES, LLAMA3_ROPE, make_hf, unit_rows  # noqa: E402
+from .parity import check_hidden_and_logits, check_reflections  # noqa: E402
 
 
 @pytest.fixture(params=sorted(DENSE_CASES))

@@ -14,9 +14,9 @@ from poc.model import experts  # noqa: E402
 from poc.model.config import ModelConfig  # noqa: E402
 from poc.model.transformer import MLP, MoE, Transformer  # noqa: E402
 from poc.model.weights import load_model  # noqa: E402
-from tests.checkpoints import MOE_CASES, hf_moe_config, make_hf_moe, unit_rows, write_fp8_and_twin  # noqa: E402
-from tests.gloo import run_ranks  # noqa: E402
-from tests.parity import check_hidden_and_logits, check_reflections, hooked_hf_forward  # noqa: E402
+from .checkpoints import MOE_CASES, hf_moe_config, make_hf_moe, unit_rows, write_fp8_and_twin  # noqa: E402
+from .gloo import run_ranks  # noqa: E402
+from .parity import check_hidden_and_logits, check_reflections, hooked_hf_forward  # noqa: E402
 
 FP8_FORWARD = "dequant"  # the FP8 cases check the dequantise forward (their tiny shapes do not split on 128-blocks under
 # tensor parallel), passed to every loader here; the default W8A8 forward is tests/test_w8a8.py's

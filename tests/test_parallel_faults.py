@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from poc.engine.jobs import Limits, V1Job, V2Job
 from poc.engine.dist import DistEngine, RankFailure
-from poc.parallel.layout import Layout
+from poc.engine.jobs import Limits, V1Job, V2Job
+from poc.engine.rankgroup import RankGroup
 from poc.protocol import v1
 
 from .golden import V1_GOLDEN as G1, v2_checkpoint
@@ -23,23 +23,22 @@ def v1_params(name: str) -> v1.V1Params:
     return v1.V1Params.from_json(G1["sets"][name]["params"])
 
 
-class _SimulatedRanks:
-    """In-process stand-in for the rank processes of DistEngine: each replica builds its model for `build_s`
-    after the job arrives, then computes its queued batches one by one (`batch_s` each); an "end" with drop
+class _SimulatedRanks(RankGroup):
+    """In-process stand-in for the rank processes of a DistEngine's RankGroup: each replica builds its model for
+    `build_s` after the job arrives, then computes its queued batches one by one (`batch_s` each); an "end" with drop
     cancels what is still queued. Speaks the engine's messages: started, result, done. `fail_at=(replica, n)`:
-    that replica fails on its n-th batch (1-based) as a rank that raised does: the engine breaks (engine._fail:
-    every rank killed, "failed" queued). `sent` lists the nonces of every result the replicas reported."""
+    that replica fails on its n-th batch (1-based) as a rank that raised does: the group fails (RankGroup.fail:
+    every rank killed, the engine broken, "failed" queued). `sent` lists the nonces of every result the replicas
+    reported."""
 
-    def __init__(self, layout: Layout, build_s: float, batch_s: float, engine: DistEngine | None = None,
-                 fail_at: tuple[int, int] | None = None):
+    def __init__(self, engine: DistEngine, build_s: float, batch_s: float, fail_at: tuple[int, int] | None = None):
         import queue
 
-        self.inbox: queue.Queue = queue.Queue()
-        self.layout, self.build_s, self.batch_s = layout, build_s, batch_s
-        self.engine, self.fail_at = engine, fail_at
-        self.queues = {r: queue.Queue() for r in range(layout.replicas)}
-        self.replica_of = {layout.leader(r): r for r in range(layout.replicas)}
-        self.closing, self.lock, self.sent = False, threading.Lock(), []
+        super().__init__(engine.rank_config(), on_fail=engine.mark_broken)
+        self.layout, self.build_s, self.batch_s, self.fail_at = engine.layout, build_s, batch_s, fail_at
+        self.queues = {r: queue.Queue() for r in range(self.layout.replicas)}
+        self.replica_of = {self.layout.leader(r): r for r in range(self.layout.replicas)}
+        self.lock, self.sent = threading.Lock(), []
 
     def send(self, rank: int, msg) -> None:
         r = self.replica_of[rank]
@@ -48,7 +47,7 @@ class _SimulatedRanks:
         else:
             self.queues[r].put(msg)
 
-    def kill(self) -> None:  # engine._fail: what a killed rank had not reported never arrives
+    def kill(self) -> None:  # RankGroup.fail: what a killed rank had not reported never arrives
         self.closing = True
 
     def _put(self, msg) -> bool:
@@ -80,7 +79,7 @@ class _SimulatedRanks:
             n += 1
             if self.fail_at == (r, n):
                 with self.lock:
-                    self.engine._fail(self, f"rank {self.layout.leader(r)} failed: RuntimeError: boom")
+                    self.fail(f"rank {self.layout.leader(r)} failed: RuntimeError: boom")
                 return
             _, _, seq, nonces = m
             if not self._put(("result", jid, r, seq, {"nonces": nonces, "dist": np.zeros(len(nonces))},
@@ -90,7 +89,7 @@ class _SimulatedRanks:
 
 def _simulated(build_s: float = 0.0, batch_s: float = 0.02, **kw) -> DistEngine:
     e = DistEngine("cpu", world=2, tp=1, timeout=5)  # two replicas, simulated in this process
-    e._ranks = _SimulatedRanks(e.layout, build_s, batch_s, engine=e, **kw)
+    e._ranks = _SimulatedRanks(e, build_s, batch_s, **kw)
     return e
 
 
@@ -104,7 +103,7 @@ def test_max_duration_counts_from_the_built_model_not_the_job_start():
     here) still computes for max_duration: the clock starts at the replicas' "started", as one device starts it
     after its build; before, the deadline passed during the build and every dealt batch was dropped."""
     e = DistEngine("cpu", world=2, tp=1, timeout=30)  # two replicas, simulated in this process
-    e._ranks = _SimulatedRanks(e.layout, build_s=0.6, batch_s=0.05)
+    e._ranks = _SimulatedRanks(e, build_s=0.6, batch_s=0.05)
     job = V1Job(BH, PK, 1, v1_params("A_gqa_plain_rope"), 1.5, v1.worker_nonces(0, 0, 1), 4, "float32",
                 Limits(max_nonces=None, max_duration=0.3))
     out = []
@@ -215,8 +214,6 @@ def test_results_still_in_the_sockets_reach_the_job_before_a_failure():
     stopped at the failure and they were lost)."""
     from multiprocessing import Pipe
 
-    from poc.engine.dist import _Ranks
-
     class Proc:  # a rank process: killing it closes its end of the connection
         def __init__(self, end, pid):
             self.end, self.pid, self.returncode = end, pid, None
@@ -232,7 +229,7 @@ def test_results_still_in_the_sockets_reach_the_job_before_a_failure():
             return self.returncode
 
     e = DistEngine("cpu", world=2, tp=1, timeout=5)
-    g = _Ranks(2)
+    g = e.new_group()
     ends = [Pipe() for _ in range(2)]
     g.conns = {r: ends[r][0] for r in range(2)}
     g.procs = [Proc(ends[r][1], 1000 + r) for r in range(2)]
@@ -240,7 +237,7 @@ def test_results_still_in_the_sockets_reach_the_job_before_a_failure():
     for seq in (1, 3, 5):
         ends[0][1].send(("result", 1, 0, seq, {"nonces": [seq]}, 0.1))
     ends[1][1].send(("error", 1, "RuntimeError: boom"))
-    e._read(g)
+    g.read()  # the reader thread's loop, here in the test's thread
     msgs = []
     while not g.inbox.empty():
         msgs.append(g.inbox.get())

@@ -20,6 +20,7 @@ from poc.errors import InputError
 from poc.engine.dist import DistEngine, RankFailure
 from poc.engine.factory import make_engine, world_for
 from poc.model.options import ModelOptions
+from poc.engine.rankgroup import RankDiagnostics
 from poc.parallel.layout import Layout
 from poc.protocol import v1, v2
 
@@ -62,7 +63,7 @@ def moe_reference(tmp_path_factory):
     dense layers by decoder_sparse_step, one FP8; the MiniMax-M2 ones (its q/k norm over all heads, partial RoPE, the
     sigmoid router with a bias) as transformers saves it and as MiniMax ships it (FP8, MTP layers)."""
     pytest.importorskip("transformers")
-    from tests.checkpoints import MOE_CASES, make_hf_minimax, make_hf_moe, write_fp8_and_twin, write_minimax_fp8
+    from .checkpoints import MOE_CASES, make_hf_minimax, make_hf_moe, write_fp8_and_twin, write_minimax_fp8
 
     out = {}
     for name, case in (("moe-mlp-only", "mlp-only-layer-norm-topk"), ("moe-sparse-step", "sparse-step-2-no-norm"),
@@ -186,15 +187,20 @@ def test_unload_model_leaves_fresh_ranks_that_hold_no_checkpoint(dist_engine, re
                           axis=1).max() < 1e-5
 
 
-def test_random_spec_errors():
+def test_model_sources_and_their_errors():
+    """A --model parsed once (model/source.py): a checkpoint directory as given, a random preset (with :fp8 an FP8
+    checkpoint's config), a preset that does not exist refused naming the presets."""
     from poc.errors import InputError
-    from poc.model.random_weights import random_spec
+    from poc.model.source import Checkpoint, RandomPreset, parse
 
-    assert random_spec("/models/qwen") is None and random_spec(None) is None
-    assert random_spec("random:tiny-moe:fp8")[1] is True
+    assert parse("/models/qwen") == Checkpoint("/models/qwen") and parse("/models/qwen").name == "qwen"
+    src = parse("random:tiny-moe:fp8")
+    assert src == RandomPreset("tiny-moe", fp8=True) and str(src) == src.name == "random:tiny-moe:fp8"
+    assert src.config().fp8_block == (128, 128) and parse("random:tiny-moe").config().fp8_block is None
+    assert parse(src) is src
     for bad in ("random:nope", "random:tiny:int4"):
         with pytest.raises(InputError, match="random:<preset>"):
-            random_spec(bad)
+            parse(bad)
 
 
 @pytest.mark.parametrize("name", ["moe-mlp-only", "moe-sparse-step", "moe-fp8", "minimax", "minimax-fp8"])
@@ -509,21 +515,22 @@ def test_tp_reduce_setting():
 
     assert reduce_in_model_dtype() is False  # default: fp32 partial sums, rounded once
     assert reduce_in_model_dtype("model") is True
-    with pytest.raises(ValueError, match="tp reduce must be fp32 or model"):
-        reduce_in_model_dtype("bf16")
-    assert parse_args([], env={}).model_options().tp_reduce == "fp32"
-    assert parse_args([], env={"POC_TP_REDUCE": "model"}).model_options().tp_reduce == "model"
+    with pytest.raises(InputError, match="POC_TP_REDUCE must be fp32 or model, got 'bf16'"):
+        ModelOptions(tp_reduce="bf16")  # the one check of the value, where the options are made
+    assert parse_args([], env={}).options.tp_reduce == "fp32"
+    assert parse_args([], env={"POC_TP_REDUCE": "model"}).options.tp_reduce == "model"
     with pytest.raises(InputError, match="POC_TP_REDUCE must be fp32 or model, got 'bf16'"):
         parse_args([], env={"POC_TP_REDUCE": "bf16"})
 
 
 def test_rank_profile_writes_a_breakdown_per_rank(tmp_path):
-    """POC_RANK_PROFILE=DIR (ServerConfig.rank_profile -> profile_dir): every rank profiles batches 4-7 of its first job and writes DIR/rank<N>.json (on the
-    CPU the profiler sees CPU ops, all of kind "other"; on CUDA the kernels by kind, NCCL included)."""
+    """POC_RANK_PROFILE=DIR (RankDiagnostics.profile_dir): every rank profiles batches 4-7 of its first job and writes
+    DIR/rank<N>.json (on the CPU the profiler sees CPU ops, all of kind "other"; on CUDA the kernels by kind, NCCL
+    included)."""
     from poc.profiling import KINDS
 
     e = DistEngine("cpu", model_dir=str(v2_checkpoint("qwen3")), dtype="float32", tp=2, world=2, timeout=60,
-                   profile_dir=str(tmp_path))
+                   diagnostics=RankDiagnostics(profile_dir=str(tmp_path)))
     try:
         e.load()
         arts, dropped = e.v2_artifacts(BH, PK, list(range(20)), SEQ, K, batch_size=2)  # 10 batches

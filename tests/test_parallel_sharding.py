@@ -114,6 +114,40 @@ def test_stages_chain_to_the_full_model():
         torch.testing.assert_close(stages[1](h, reflections=refl), full(x, reflections=refl), atol=0, rtol=0)
 
 
+def test_a_short_last_batch_goes_down_the_pipeline_padded():
+    """A rank that runs compiled pads a short last batch to the job's batch size, as the one-device engine does (no
+    new compiled shape): stage 0 hands the next stage the padded batch whole (the shape its receive expects), and the
+    last stage reports the batch's own rows, those of the unpadded pipeline. (On the CPU the compiled flag is set
+    by hand and the layers stay eager.)"""
+    import queue
+
+    from poc.engine.compute import Stage, V2Compute
+    from poc.parallel.build import Part, build
+
+    q, sent = queue.Queue(), []
+
+    def send(t: torch.Tensor) -> None:
+        sent.append(tuple(t.shape))
+        q.put(t.clone())
+
+    parts = []
+    for s in range(2):
+        model, cfg = build(v2_checkpoint("qwen3"), torch.float32, "cpu", Part(stage=s, n_stages=2))
+        io = Stage(first=s == 0, last=s == 1, recv=lambda shape, dtype: q.get(), send=send)
+        parts.append(V2Compute(model, cfg, torch.float32, torch.device("cpu"), "qwen3", stage=io))
+
+    def run(pad_to: int | None) -> torch.Tensor:
+        handle = None
+        for c in parts:
+            c.compiled = pad_to is not None  # what compile=True sets (the pad applies to a compiled shape only)
+            handle = c.launch(c.prepare(BH, PK, [0, 1, 2], SEQ, K), pad_to=pad_to) or handle
+        return handle.wait()
+
+    plain, padded = run(None), run(4)
+    assert sent == [(3, SEQ, cfg.dim), (4, SEQ, cfg.dim)] and padded.shape == plain.shape == (3, K)
+    torch.testing.assert_close(padded, plain, atol=1e-6, rtol=1e-5)  # another batch size: another GEMM blocking
+
+
 def cut(whole: dict, name: str, plan: dict, cfg) -> torch.Tensor:
     """Tensor `name` of a part, cut from the whole model's state dict by the plan (a fused qkv / gate_up: the cut of
     each of its pieces, concatenated)."""
@@ -138,7 +172,8 @@ def test_a_rank_part_is_the_whole_model_cut(source):
     tensors at its place: its layers, and its rows / columns of the sliced ones (the v1 q/k rows permuted inside each
     head before the cut), bit for bit."""
     from poc.model.random_init import v1_config
-    from poc.parallel.build import Part, V1Weights, build
+    from poc.model.source import V1Weights
+    from poc.parallel.build import Part, build
     from poc.protocol.v1 import V1Params
 
     p = V1Params(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_dim_multiplier=None, multiple_of=32,

@@ -21,7 +21,8 @@ from poc.protocol import v1, v2
 from poc.server.app import create_app
 from poc.server.config import parse_args
 from poc.server.context import engine_key
-from poc.server.schemas import get_nonces, stride_nonces
+from poc.protocol.nonces import stride_nonces
+from poc.server.fields import get_nonces
 
 from .golden import V1_GOLDEN as G1, V2_GOLDEN as G2
 from .servers import (BH, PARAMS_A, QWEN3, SET_A, V1_KEYS, first_batch_line, metric, server_config, v1_request,
@@ -142,7 +143,7 @@ async def test_pyworker_envelope(client):
 
 def test_pyworker_envelope_with_other_keys():
     # spec-v1 §4.0: a body with a `payload` key is the envelope, whatever else it carries
-    from poc.server.schemas import unwrap
+    from poc.server.fields import unwrap
 
     req = v1_request()
     assert unwrap({"auth_data": {"reqnum": 1}, "payload": req, "endpoint": "/generate", "cost": 5}) == req

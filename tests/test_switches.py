@@ -14,13 +14,15 @@ import pytest
 from poc import cli
 from poc.errors import InputError
 from poc.model.options import ModelOptions
+from poc.engine.rankgroup import RankDiagnostics
 from poc.server.config import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 NAME = re.compile(r"POC_[A-Z0-9_]+")
 # where switches are read: the server's settings and the command-line tools' argument parsing
-READERS = {"poc.server.config", "poc.cli", "poc.bench", "poc.clients.spool"}
+READERS = {"poc.server.config", "poc.cli", "poc.bench", "poc.clients.spool",
+           "poc.model.options", "poc.engine.rankgroup"}  # ModelOptions.from_env, RankDiagnostics.from_env (a mapping)
 # not switches: the secret the engine hands its rank processes (a child's environment, read once and removed)
 INTERNAL = {"POC_RANK_KEY"}
 
@@ -137,14 +139,16 @@ def test_the_settings_read_the_model_and_rank_switches(monkeypatch):
     """ServerConfig reads them (defaults as before: W8A8, UE8M0, experts kept, fused norm and Gluon on, fp32 reduce,
     the CPU count) and a bad value stops the start naming the variable; python -m poc reads the same ones."""
     d = parse_args([], env={})
-    assert d.model_options() == ModelOptions() == ModelOptions("w8a8", "ue8m0", "keep", True, True, "fp32", None)
-    assert not d.stage_timing and d.rank_profile is None
+    assert d.options == ModelOptions() == ModelOptions("w8a8", "ue8m0", "keep", True, True, "fp32", None)
+    assert d.diagnostics == RankDiagnostics(stage_timing=False, profile_dir=None)
     c = parse_args([], env={"POC_FP8": "dequant", "POC_FP8_FUSED_NORM": "0", "POC_FP8_GLUON": "0",
                             "POC_TP_REDUCE": "model", "POC_POOL_WORKERS": "3", "POC_STAGE_TIMING": "1",
                             "POC_RANK_PROFILE": "/tmp/prof", "POC_FP8_EXPERTS": "dequant"})
-    assert c.model_options() == ModelOptions(fp8="dequant", fp8_experts="dequant", fused_norm=False, gluon=False,
-                                             tp_reduce="model", pool_workers=3)
-    assert c.stage_timing and c.rank_profile == "/tmp/prof"
+    assert c.options == ModelOptions(fp8="dequant", fp8_experts="dequant", fused_norm=False, gluon=False,
+                                     tp_reduce="model", pool_workers=3)
+    assert c.diagnostics == RankDiagnostics(stage_timing=True, profile_dir="/tmp/prof")
+    assert ModelOptions.from_env({"POC_FP8_SCALES": "float32"}) == ModelOptions(fp8_scales="float32")
+    assert ModelOptions.from_env({"POC_FP8_SCALES": "float32"}, fp8_scales="ue8m0") == ModelOptions()  # a flag wins
     for var, bad, message in [("POC_FP8", "int4", "POC_FP8 must be w8a8 or dequant"),
                               ("POC_FP8_FUSED_NORM", "on", "POC_FP8_FUSED_NORM must be 0 or 1"),
                               ("POC_FP8_GLUON", "2", "POC_FP8_GLUON must be 0 or 1"),

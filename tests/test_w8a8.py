@@ -17,10 +17,10 @@ pytest.importorskip("transformers")  # the checkpoints are made by transformers
 from poc.engine.compute import V2Compute  # noqa: E402
 from poc.errors import InputError  # noqa: E402
 from poc.model import experts, fp8  # noqa: E402
-from poc.model.options import ModelOptions  # noqa: E402
+from poc.model.options import FP8_SCALES, ModelOptions  # noqa: E402
 from poc.model.weights import load_model  # noqa: E402
-from tests.checkpoints import make_hf, make_hf_moe, unit_rows, write_fp8_and_twin  # noqa: E402
-from tests.fp8_spec import E4M3, emulation, spec_quantize, spec_requant  # noqa: E402
+from .checkpoints import make_hf, make_hf_moe, unit_rows, write_fp8_and_twin  # noqa: E402
+from .fp8_spec import E4M3, emulation, spec_quantize, spec_requant  # noqa: E402
 
 def adversarial() -> torch.Tensor:
     """Rows of 256 columns (two groups) the quantiser can get wrong, and one row of 300 (a partial last group)."""
@@ -151,22 +151,21 @@ def test_ue8m0_weight_requant_is_the_formula_bit_for_bit():
     assert torch.equal(lin.weight_scale_inv, qs) and "ue8m0" in repr(lin)
 
 
-@pytest.mark.parametrize("read,var,default,other,bad,message", [
-    (fp8.scale_format, "POC_FP8_SCALES", "ue8m0", "float32", "e8m0", "ue8m0 or float32"),
-    (fp8.fp8_mode, "POC_FP8", "w8a8", "dequant", "int4", "w8a8 or dequant")])
-def test_fp8_settings(read, var, default, other, bad, message, monkeypatch):
-    """The scale format and the FP8 forward: the value given, else the default (the model code reads no
-    environment); the environment variable is ServerConfig's, and a bad value is refused naming the choices, there
-    at start-up as here."""
+@pytest.mark.parametrize("field,var,default,other,bad,message", [
+    ("fp8_scales", "POC_FP8_SCALES", "ue8m0", "float32", "e8m0", "ue8m0 or float32"),
+    ("fp8", "POC_FP8", "w8a8", "dequant", "int4", "w8a8 or dequant")])
+def test_fp8_settings(field, var, default, other, bad, message, monkeypatch):
+    """The scale format and the FP8 forward: ModelOptions' fields, the default unless given (the model code reads no
+    environment); the environment variable is read where the options are made (ServerConfig's parse_args), and a bad
+    value is refused naming the choices, there at start-up as where any options are made."""
     from poc.server.config import parse_args
 
-    assert read() == default and read(other) == other
+    assert getattr(ModelOptions(), field) == default and getattr(ModelOptions(**{field: other}), field) == other
     monkeypatch.setenv(var, other)
-    assert read() == default
-    opts = parse_args([], env={var: other}).model_options()
-    assert read(opts.fp8_scales if var == "POC_FP8_SCALES" else opts.fp8) == other
+    assert getattr(ModelOptions(), field) == default
+    assert getattr(parse_args([], env={var: other}).options, field) == other
     with pytest.raises(InputError, match=message):
-        read(bad)
+        ModelOptions(**{field: bad})
     with pytest.raises(InputError, match=message):
         parse_args([], env={var: bad})
 
@@ -261,7 +260,7 @@ def test_cuda_expert_kernels_match_the_unfused_recipe(dtype, ue8m0):
     assert torch.equal(s[live], want_s[live])
     assert q.view(torch.uint8)[live].float().std() > 10  # not a degenerate (all-zero or saturated) activation
     y, dest = experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, ue8m0=ue8m0)
-    with fp8.recipe("emulate"):
+    with fp8.diagnostic_emulation("float32"):
         ref, dest_ref = experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, ue8m0=ue8m0)
     got, ref = y[dest].float(), ref[dest_ref].float()
     # each GEMM is within 2e-3 (test_cuda_kernels_match_the_spec); SwiGLU's output is quantised again, so a bf16 ulp
@@ -339,7 +338,7 @@ VS = unit_rows(3, 256)
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("fmt", fp8.SCALE_FORMATS)
+@pytest.mark.parametrize("fmt", FP8_SCALES)
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_w8a8_forward_equals_the_spec_emulation(name, fmt, ckpts, monkeypatch):
     """Our W8A8 forward in scale format fmt against the spec's arithmetic emulated in float32 on the checkpoint's
@@ -413,8 +412,8 @@ def test_norm_quant_hands_the_fp8_readers_their_input_quantised(name, ckpts, mon
     for a, b in zip(off, on):
         assert torch.equal(a, b)
     assert not torch.equal(off[0], off[2])  # the reflections count
-    # not quantised under another recipe, or with the fused norm off
-    with fp8.recipe("dequant"):
+    # not quantised under the dequantised emulation, or with the fused norm off
+    with fp8.diagnostic_emulation("dequantised"):
         r, h = fp8.norm_quant(model.norm, x)
     assert r is None and torch.equal(h, model.norm(x))
     r, h = fp8.norm_quant(model.norm, x, residual=x, keep=True)
@@ -470,7 +469,7 @@ def test_cuda_norm_quant_kernel_gives_the_unfused_bits(dtype, D, M, ue8m0):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels)")
 @torch.no_grad()
-@pytest.mark.parametrize("fmt", fp8.SCALE_FORMATS)
+@pytest.mark.parametrize("fmt", FP8_SCALES)
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_cuda_models_compute_the_same_bits_with_the_fused_norm(name, fmt, ckpts):
     """A bf16 W8A8 model on CUDA, eager and compiled: the same bits with the norm and the quantiser fused
@@ -478,15 +477,14 @@ def test_cuda_models_compute_the_same_bits_with_the_fused_norm(name, fmt, ckpts)
     from poc.model.compile import maybe_compile
     from poc.model.transformer import Transformer
 
-    model, cfg = load_model(ckpts[name], dtype=torch.bfloat16, device="cuda", progress=False, options=ModelOptions(fp8_scales=fmt))
-    model.fuse()
-    x, vs = X.bfloat16().cuda(), VS[:cfg.n_layers].bfloat16().cuda()
     step = maybe_compile(Transformer.layer_step, True)
     torch._dynamo.reset()
     outs = {}
-    for fused in (True, False):
-        for b in model.layers.values():
-            b.fused_norm = fused  # ModelOptions.fused_norm, as the engine's V2Compute sets it
+    for fused in (True, False):  # ModelOptions.fused_norm, which each Block reads when the model is built
+        model, cfg = load_model(ckpts[name], dtype=torch.bfloat16, device="cuda", progress=False,
+                                options=ModelOptions(fp8_scales=fmt, fused_norm=fused))
+        model.fuse()
+        x, vs = X.bfloat16().cuda(), VS[:cfg.n_layers].bfloat16().cuda()
         outs[fused] = [model(x, reflections=vs, last_only=False), model(x, reflections=vs),
                        model(x, reflections=vs, last_only=False, step=step)]
     for a, b in zip(outs[True], outs[False]):
@@ -494,9 +492,9 @@ def test_cuda_models_compute_the_same_bits_with_the_fused_norm(name, fmt, ckpts)
     assert outs[True][0].abs().amax() > 0
 
 
-def test_recipe_and_block_errors():
-    with pytest.raises(ValueError, match="recipe"):
-        with fp8.recipe("fast-ish"):
+def test_emulation_and_block_errors():
+    with pytest.raises(ValueError, match="diagnostic emulation"):
+        with fp8.diagnostic_emulation("dequant"):  # the load option's name is not one of the switch's
             pass
     with pytest.raises(ValueError, match="128-blocks"):
         fp8.scale_slice("q_proj.weight", 0, 0, 192, 384)
@@ -560,10 +558,10 @@ def test_tensor_and_expert_parallel_on_gloo(ckpts, tmp_path):
     in another order, and a value that lands on an FP8 rounding boundary may round the other way downstream, as
     it may between any two validators' layouts); each rank holds FP8 slices with their block scales. Both scale
     formats: under UE8M0 each rank re-quantises its own slices (per 128x128 block, so as the whole would be)."""
-    from tests.gloo import run_ranks
+    from .gloo import run_ranks
 
     torch.save((X, VS), tmp_path / "in.pt")
-    names = [f"{ckpts[n]}|{fmt}" for n in ("dense", "moe") for fmt in fp8.SCALE_FORMATS]
+    names = [f"{ckpts[n]}|{fmt}" for n in ("dense", "moe") for fmt in FP8_SCALES]
     res = run_ranks(_RANK, tmp_path, names, timeout=240)
     for name in names:
         path, fmt = name.split("|")
@@ -592,10 +590,10 @@ async def test_the_server_serves_the_configured_scale_format(fmt, ckpts, aiohttp
     from poc.server.app import create_app
     from poc.server.config import parse_args
     from poc.server.context import engine_key
-    from tests.servers import server_config, wait_status
+    from .servers import server_config, wait_status
 
     want = fmt or "ue8m0"
-    kw = {"fp8_scales": fmt} if fmt else {}
+    kw = {"options": ModelOptions(fp8_scales=fmt)} if fmt else {}
     c = await aiohttp_client(create_app(server_config(model=str(ckpts["moe"]), **kw)))
     h = await wait_status(c)
     assert h["fp8"] == {"forward": "w8a8", "scales": want}
@@ -603,8 +601,9 @@ async def test_the_server_serves_the_configured_scale_format(fmt, ckpts, aiohttp
     assert fp8.scales_of(model) == want
     lin = next(m for m in model.modules() if isinstance(m, fp8.Fp8Linear))
     assert lin.ue8m0 == (want == "ue8m0") and (torch.frexp(lin.weight_scale_inv)[0] == 0.5).all() == (want == "ue8m0")
-    assert parse_args(["--model", "m"], env={"POC_FP8_SCALES": "float32"}).fp8_scales == "float32"
-    assert parse_args(["--model", "m", "--fp8-scales", "ue8m0"], env={"POC_FP8_SCALES": "float32"}).fp8_scales == "ue8m0"
-    with pytest.raises(InputError, match="fp8-scales must be ue8m0 or float32") as e:
+    assert parse_args(["--model", "m"], env={"POC_FP8_SCALES": "float32"}).options.fp8_scales == "float32"
+    assert parse_args(["--model", "m", "--fp8-scales", "ue8m0"],
+                      env={"POC_FP8_SCALES": "float32"}).options.fp8_scales == "ue8m0"
+    with pytest.raises(InputError, match="--fp8-scales / POC_FP8_SCALES must be ue8m0 or float32") as e:
         parse_args(["--model", "m"], env={"POC_FP8_SCALES": "e8m0"})
     assert e.value.field == "fp8_scales"

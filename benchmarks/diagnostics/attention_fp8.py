@@ -2,7 +2,8 @@
 other recipes at the MiniMax-M2.7 attention shape (48 query heads, 8 kv heads, head_dim 128, seq 1024): time per
 call (triton.testing.do_bench, median), TFLOP/s, and the kernel's distance to the torch emulation of the recipe.
 
-    python benchmarks/diagnostics/attention_fp8.py --out benchmarks/h100/attention_fp8.json [--batch 16 64]
+    PYTHONPATH=src:. python benchmarks/diagnostics/attention_fp8.py --out benchmarks/h100/attention_fp8.json \\
+        [--batch 16 64]
 
 TFLOP/s count causal attention as 2 B H S^2 D FLOPs (QK^T and PV, 2 B H S^2 D each, half of each under the mask).
 The inputs are what the model hands over: transposed views of one (B, S, (H + 2 Hkv) D) projection output, bf16.
@@ -24,8 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 H, HKV, D, S = 48, 8, 128, 1024  # MiniMax-M2.7: query heads, kv heads, head_dim; the chain's seq_len
 

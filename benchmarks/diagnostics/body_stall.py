@@ -220,7 +220,6 @@ async def abort_all(port: int, count: int, mib: int, headers: str = "") -> list[
 def parse_case(case: str, bodies: int, mib: int) -> dict:
     """The parse alone, in this process: what the server's own work does to its loop, without the machine's network
     and the sender competing for the two cores."""
-    sys.path.insert(0, str(ROOT / "src"))
     import gc
 
     from poc.server import bigjson

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from poc.model.compile import eager_numerics, maybe_compile  # noqa: E402
 from poc.model.numerics import reflect  # noqa: E402

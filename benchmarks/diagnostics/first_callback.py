@@ -26,7 +26,6 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from first_result import started_server  # noqa: E402  (its folder: this script's)
 
 

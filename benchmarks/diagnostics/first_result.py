@@ -32,7 +32,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "src"))
 READY = "Application startup complete."
 # bench.py's W3/W5 shapes (random weights of the real models, bf16); T: a tiny model for a CPU smoke run
 WORKLOADS = {

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from poc.bench import cuda_time  # noqa: E402
 from poc.model.fp8 import dequantize_blocks  # noqa: E402

@@ -1,7 +1,7 @@
 """Max |ours - transformers| for each case of the parity tests (tests/test_model_parity.py, its checkpoints from
 tests/checkpoints.py), on the CPU in float32.
 
-    python benchmarks/diagnostics/model_parity.py [--out benchmarks/cpu/model_parity.json]
+    PYTHONPATH=src:. python benchmarks/diagnostics/model_parity.py [--out benchmarks/cpu/model_parity.json]
 
 For each case (LLaMA GQA/MHA/llama3 rope scaling, Qwen2 with biases, Qwen3 GQA/MHA; batch 3, seq 11, 3 layers,
 weights scaled so that attention is far from uniform): the final-norm hidden states, the logits, and the hidden
@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 import transformers  # noqa: E402
 

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from poc.bench import one_ulp  # noqa: E402
 from poc.engine.engine import Engine  # noqa: E402

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from poc.bench import BH, PK  # noqa: E402
 from poc.engine.engine import Engine  # noqa: E402

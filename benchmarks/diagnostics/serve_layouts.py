@@ -44,9 +44,6 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from first_result import WORKLOADS, started_server  # noqa: E402
 
@@ -207,7 +204,6 @@ def probe(a) -> dict:
     GPUs); the model's weights and a batch's activations a GPU would hold in each layout asked for."""
     code = """
 import json, sys
-sys.path.insert(0, %r)
 import torch
 from poc.engine import auto
 a = json.loads(sys.argv[1])
@@ -222,7 +218,7 @@ for name, (tp, pp, rep) in {**a["dims"], "auto": (c.tp, c.pp, c.replicas)}.items
     out["need_gib"][name] = [w / auto.GiB, act / auto.GiB, tp * pp * rep]
 out["room_gib"] = auto.room_bytes(min(g.total_bytes for g in gpus), 0.95) / auto.GiB if gpus else None
 print(json.dumps(out))
-""" % str(ROOT / "src")
+"""
     arg = json.dumps({"device": a.device, "model": a.model, "dtype": a.dtype, "batch": a.batch, "seq": a.seq,
                       "dims": {k: v for k, v in DIMS.items() if k in a.layouts}})
     out = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, timeout=300)
@@ -237,7 +233,6 @@ def bench_process(a, dims: tuple[int, int, int], batch: int, env: dict) -> dict:
     built and compiled (from the shared cache) once more."""
     code = """
 import json, sys
-sys.path.insert(0, %r)
 from poc.bench import BH, PK, run_engine
 from poc.engine.jobs import V2Job
 from poc.engine.factory import make_engine
@@ -250,7 +245,7 @@ r = run_engine(e, V2Job(BH, PK, 1, a["seq"], 12, v1.worker_nonces(0, 0, 1), a["b
 r["pipeline"] = getattr(e, "last_job_stats", None)
 e.close()
 print(json.dumps(r))
-""" % str(ROOT / "src")
+"""
     arg = json.dumps({"device": a.device, "model": a.model, "dtype": a.dtype, "dims": dims, "seq": a.seq,
                       "batch": batch, "n": (1 + a.timed) * dims[2]})
     out = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, timeout=a.timeout,

@@ -40,7 +40,6 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from first_result import children, started_server  # noqa: E402  (its folder: this script's)
 
 FAULTS = ("refuse", "slow", "reset")

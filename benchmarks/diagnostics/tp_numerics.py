@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from poc.bench import pyplot  # noqa: E402
 from poc.engine.engine import Engine  # noqa: E402

@@ -32,8 +32,6 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "src")]
 
 from poc.model import fp8  # noqa: E402
 from poc.model.kernels import fp8_triton  # noqa: E402

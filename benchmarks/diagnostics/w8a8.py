@@ -44,7 +44,7 @@ from poc.bench import cuda_time, pyplot
 from poc.engine.compute import V2Compute
 from poc.model import experts, fp8
 from poc.model.config import PRESETS
-from poc.model.options import ModelOptions
+from poc.model.options import FP8_SCALES, ModelOptions
 from poc.model.kernels import fp8_triton
 from poc.model.random_weights import fp8_payload, random_model
 from poc.protocol import v2
@@ -229,7 +229,7 @@ def kernels(args) -> dict:
         ends = torch.searchsorted(idx[rows], torch.arange(1, E + 1, device="cuda"))
         y, dest = experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, act)
         y = y[dest]
-        with fp8.recipe("emulate"):
+        with fp8.diagnostic_emulation("float32"):
             ref, dest = experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, act)
             ref = ref[dest].float()
         rel = float((y.float() - ref).norm() / ref.norm())
@@ -286,18 +286,19 @@ def accuracy(args) -> dict:
         cfg = replace(PRESETS[SHAPE], n_layers=layers)
         nonces = list(range(n))
         ours, emu = {}, {}
-        for fmt in ("ue8m0", "float32"):  # the same checkpoint-like weights (seed 0), each scale format
+        for fmt in FP8_SCALES:  # the same checkpoint-like weights (seed 0), each scale format
             model = random_model(cfg, torch.bfloat16, "cuda", fp8_ckpt=True, seed=0,
-                                 options=ModelOptions(fp8="w8a8", fp8_scales=fmt))
+                                 options=ModelOptions(fp8="w8a8", fp8_scales=fmt, compiled=args.compile))
             comp = V2Compute(model, cfg, torch.bfloat16, torch.device("cuda"), SHAPE, compile=args.compile)
             t0 = time.perf_counter()
             ours[fmt] = artifacts(comp, nonces, args.batch)
             t_ours = t_ours if fmt == "float32" else time.perf_counter() - t0
-            emu[fmt] = artifacts(comp, nonces, args.batch, lambda: fp8.recipe("emulate"))
+            emu[fmt] = artifacts(comp, nonces, args.batch, lambda: fp8.diagnostic_emulation("float32"))
             if fmt == "ue8m0":
                 emu_other = artifacts(comp, nonces, args.batch, lambda: _both(
-                    fp8.recipe("emulate"), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])))
-                deq = artifacts(comp, nonces, args.batch, lambda: fp8.recipe("dequant"))
+                    fp8.diagnostic_emulation("float32"),
+                    sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])))
+                deq = artifacts(comp, nonces, args.batch, lambda: fp8.diagnostic_emulation("dequantised"))
             del model, comp
             torch.cuda.empty_cache()
         row = {"layers": layers, "nonces": n, "batch": args.batch, "compile": args.compile, "scales": "ue8m0",
@@ -387,7 +388,7 @@ def ue8m0(args) -> dict:
             print(json.dumps(row), flush=True)
     x = torch.randn(64 * 1024, PRESETS[SHAPE].dim, device="cuda", dtype=torch.bfloat16)
     res["quantiser_gbps"] = {fmt: x.numel() * (2 + 1) / cuda_time(lambda: fp8.quantize_act(x, ue8m0=fmt == "ue8m0"))
-                             / 1e9 for fmt in ("ue8m0", "float32")}
+                             / 1e9 for fmt in FP8_SCALES}
     print(json.dumps(res["quantiser_gbps"]), flush=True)
     return res
 

@@ -23,10 +23,12 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from poc.errors import InputError
 from poc.protocol import v1  # numpy only: the workloads' params
-from poc.server.config import ServerConfig, env_switches  # plain data: the environment's switches
+from poc.model.options import ModelOptions  # plain data: the environment's switches
+from poc.engine.rankgroup import RankDiagnostics
 
 
 def _import_heavy() -> None:
@@ -47,6 +49,17 @@ def _import_heavy() -> None:
 
 if __name__ != "__main__":
     _import_heavy()
+
+class Switches(NamedTuple):
+    """The environment's model and rank switches (README's Configuration table), read once in main()."""
+
+    options: ModelOptions
+    diagnostics: RankDiagnostics
+
+    @classmethod
+    def from_env(cls, env) -> "Switches":
+        return cls(ModelOptions.from_env(env), RankDiagnostics.from_env(env))
+
 
 BH = "ba5b00876d55f32856a5fbae8b4ebd79c5a90c763b23c15b7ec813cda54965ab"
 PK = "03b9be7b7bcc197eadcd6cd0ab62d129aa39b94e53ea72ecacc4d95ccec859435c"
@@ -206,15 +219,15 @@ def hf_forward_rate(cfg: ModelConfig, seq_len: int, batch: int, dtype: torch.dty
 
 
 def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceiling: float,
-                   warm: int, timed: int, sw: ServerConfig, compile_inputs: bool = True) -> list[dict]:
-    """sw: the environment's model and rank switches (server.config.env_switches); compile_inputs: the v2 input
-    generator compiled with the model (POC_COMPILE_INPUTS)."""
+                   warm: int, timed: int, sw: Switches, compile_inputs: bool = True) -> list[dict]:
+    """sw: the environment's model and rank switches (Switches.from_env); compile_inputs: the v2 input generator
+    compiled with the model (POC_COMPILE_INPUTS)."""
     w = WORKLOADS[name]
     dtype = DTYPES[w["dtype"]]
     rows = []
     if w.get("tp"):
         return bench_dist(name, batches, ceiling, warm, timed, compile, sw)
-    opts = sw.model_options()
+    opts = sw.options
     engine = make_engine("cuda", replicas=1, compile=compile, options=opts)
     if w["protocol"] == "v1":
         engine.load()  # starts the input processes, as the server does at start
@@ -228,7 +241,7 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
         cfg, seq_len, head = v1_config(p), p.seq_len, True
     else:
         cfg = workload_config(w)
-        model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w, opts)
+        model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w, replace(opts, compiled=compile))
         cfg = model.cfg
         engine.v2 = V2Compute(model, cfg, dtype, torch.device("cuda"), w["model"], compile=compile,
                               compile_inputs=compile_inputs)
@@ -284,7 +297,7 @@ def bench_workload(name: str, batches: list[int], compile: bool, hf: bool, ceili
 
 
 def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: int, compile: bool,
-               sw: ServerConfig) -> list[dict]:
+               sw: Switches) -> list[dict]:
     """A workload over tp GPUs through the DistEngine (rank processes, NCCL), random weights made by each rank."""
     w = WORKLOADS[name]
     spec = f"random:{w['model']}" + (":fp8" if w.get("fp8") else "")
@@ -292,7 +305,7 @@ def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: 
     gpus = w["tp"] * w.get("pp", 1) * w.get("replicas", 1)
     engine = make_engine("cuda", model_dir=spec, dtype=w["dtype"], tp=w["tp"], pp=w.get("pp", 1),
                          replicas=w.get("replicas", 1), compile="on" if compile else "off",
-                         options=sw.model_options(), stage_timing=sw.stage_timing, profile_dir=sw.rank_profile)
+                         options=sw.options, diagnostics=sw.diagnostics)
     engine.load()
     build = time.perf_counter() - t0
     cfg, seq_len = PRESETS[w["model"]], w["seq_len"]
@@ -309,7 +322,7 @@ def bench_dist(name: str, batches: list[int], ceiling: float, warm: int, timed: 
         row = {"workload": name, "batch": b, "dtype": w["dtype"], "fp8_experts": w.get("fp8", False), "tp": w["tp"],
                "pp": w.get("pp", 1), "replicas": w.get("replicas", 1), "gpus": gpus, "seq_len": seq_len,
                "compile": compile,
-               "tp_reduce": sw.tp_reduce, "flops_per_nonce": fl, **r,
+               "tp_reduce": sw.options.tp_reduce, "flops_per_nonce": fl, **r,
                "tflops": r["nonces_per_s"] * fl / 1e12,
                "pct_of_ceiling": 100 * r["nonces_per_s"] * fl / 1e12 / (ceiling * gpus),
                "flop_limit_nonces_per_s": ceiling * gpus * 1e12 / fl, "model_build_s": build,
@@ -392,7 +405,7 @@ def one_ulp(comp: V2Compute) -> V2Compute:
     return comp
 
 
-def profile(name: str, batch: int, compile: bool, sw: ServerConfig, warm: int = 3, steps: int = 4) -> dict:
+def profile(name: str, batch: int, compile: bool, sw: Switches, warm: int = 3, steps: int = 4) -> dict:
     """Where the time of one workload goes: CUDA kernel time by kind (torch.profiler) against wall time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
@@ -402,9 +415,9 @@ def profile(name: str, batch: int, compile: bool, sw: ServerConfig, warm: int = 
     w = WORKLOADS[name]
     dtype = DTYPES[w["dtype"]]
     cfg = workload_config(w)
-    opts = sw.model_options()
+    opts = sw.options
     engine = make_engine("cuda", replicas=1, compile=compile, options=opts)
-    model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w, opts)
+    model = random_v2_model(cfg, dtype, "cuda", w.get("fp8", False), w, replace(opts, compiled=compile))
     cfg = model.cfg
     engine.v2 = V2Compute(model, cfg, dtype, torch.device("cuda"), w["model"], compile=compile)
     job = V2Job(BH, PK, 1, w["seq_len"], 12, v1.worker_nonces(0, 0, 1), batch)
@@ -502,7 +515,7 @@ def main(argv=None) -> None:
     # the environment's switches, read once here: the server's (README's Configuration table) and the bench's own
     # POC_COMPILE_INPUTS (1, default: the v2 input generator compiled with the model; 0: eager inputs)
     try:
-        sw = ServerConfig(**env_switches(os.environ))
+        sw = Switches.from_env(os.environ)
     except InputError as e:
         ap.error(str(e))
     compile_inputs = os.environ.get("POC_COMPILE_INPUTS", "1").strip()

@@ -6,7 +6,7 @@
 Both take [--tp N] [--pp M] [--replicas R] (env POC_TP, POC_PP, POC_REPLICAS): more than one device runs in
 rank processes (poc.engine.dist); on CUDA every visible GPU is used unless --replicas caps it. The model's and the
 ranks' switches are the server's environment variables (POC_FP8, POC_FP8_SCALES, POC_FP8_EXPERTS, POC_TP_REDUCE,
-POC_POOL_WORKERS, ...: README's Configuration table), read here once (server.config.env_switches).
+POC_POOL_WORKERS, ...: README's Configuration table), read here once (ModelOptions.from_env, RankDiagnostics.from_env).
 
 One JSON line per nonce on stdout. Bad input: one line on stderr and exit code 2.
 """
@@ -99,11 +99,11 @@ def run(argv: list[str]) -> int:
     for flag in ("tp", "pp", "replicas"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise InputError(f"--{flag} must be positive, got {getattr(args, flag)}", flag)
-    from poc.server.config import ServerConfig, env_switches
+    from poc.model.options import ModelOptions
+    from poc.engine.rankgroup import RankDiagnostics
 
-    sw = ServerConfig(**env_switches(os.environ))
-    par = dict(tp=args.tp, pp=args.pp, replicas=args.replicas, options=sw.model_options(),
-               stage_timing=sw.stage_timing, profile_dir=sw.rank_profile)
+    par = dict(tp=args.tp, pp=args.pp, replicas=args.replicas, options=ModelOptions.from_env(os.environ),
+               diagnostics=RankDiagnostics.from_env(os.environ))
     # torch (via poc.engine.factory) is imported only after every check that needs no device: a bad argument is
     # answered in well under a second (tests/test_ops.py checks the imports, scripts/startup_time.py the time)
 

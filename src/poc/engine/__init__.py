@@ -2,7 +2,8 @@
 
 base.py      EngineBase, the interface the server uses (states, the device claim, model info, memory checks, run)
 engine.py    Engine: one device, in this process
-dist.py      DistEngine: replicas x pp x tp rank processes over torch.distributed
+dist.py      DistEngine: replicas x pp x tp rank processes over torch.distributed (load, deal a job: JobRun)
+rankgroup.py RankGroup: one generation of rank processes (spawn, read, fail, kill, watchdog), RankConfig
 ranks.py     the rank process (python -m poc.engine.ranks): SPMD loop, jobs handed on by each replica's leader
 factory.py   make_engine(): the one choice of engine (server, CLI, bench), --layout auto by auto.py
 compute.py   one batch: inputs -> forward -> post-process, on one device or a pipeline stage

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 from poc.engine import memory
 from poc.errors import InputError
+from poc.model.options import ModelOptions
+from poc.model.source import ModelSource
+from poc.model.source import parse as parse_source
 from poc.parallel.layout import Layout, stage_layers
 
 GiB = 1 << 30
@@ -142,36 +145,30 @@ def detect_gpus() -> list[Gpu]:
     return out
 
 
-def for_model(model: str | None, dtype: str = "auto", fp8_experts: str = "keep",
-              gpus: list[Gpu] | None = None, fp8: str = "w8a8") -> Choice:
-    """choose() for a server's --model (a checkpoint directory or random:<preset>[:fp8]) on `gpus` (default: the
-    visible ones), its FP8 weights computed as `fp8` says (ModelOptions.fp8). Without a model (PoC v1 only: each
-    request brings its own, which one GPU holds) every GPU is a replica."""
+def for_model(model: "str | ModelSource | None", dtype: str = "auto", gpus: list[Gpu] | None = None,
+              options: ModelOptions | None = None) -> Choice:
+    """choose() for a server's --model (a model source, or the string naming a checkpoint directory or
+    random:<preset>[:fp8]) on `gpus` (default: the visible ones), its FP8 weights computed as `options` say
+    (ModelOptions.fp8, .fp8_experts). Without a model (PoC v1 only: each request brings its own, which one GPU holds)
+    every GPU is a replica."""
     gpus = detect_gpus() if gpus is None else gpus
     if not model:
         n = max(1, len(gpus))
         return Choice(1, 1, n, f"no --model (PoC v1: one GPU holds a request's model): {label(1, 1, n)}")
-    cfg, dtype_bytes, kind = model_shape(model, dtype, fp8_experts, fp8)
+    cfg, dtype_bytes, kind = model_shape(model, dtype, options)
     return choose(cfg, gpus, dtype_bytes, kind)
 
 
-def model_shape(model: str, dtype: str = "auto", fp8_experts: str = "keep", fp8_forward: str = "w8a8"):
-    """(ModelConfig, bytes per model-dtype element, fp8 kind for layer_bytes) of a --model, read without loading;
-    an FP8 checkpoint computed as fp8_forward says (w8a8 or dequant)."""
+def model_shape(model: "str | ModelSource", dtype: str = "auto", options: ModelOptions | None = None):
+    """(ModelConfig, bytes per model-dtype element, fp8 kind for layer_bytes) of a --model (a source, or the string
+    that names one), read without loading; an FP8 checkpoint computed as `options` say (fp8: w8a8 or dequant; under
+    dequant fp8_experts)."""
     from poc.dtypes import BYTES
-    from poc.model.fp8 import fp8_mode
-    from poc.model.random_weights import random_spec
 
-    spec = random_spec(model)
-    if spec is not None:
-        cfg, fp8 = spec
-    else:
-        from poc.model.config import ModelConfig
-
-        cfg = ModelConfig.from_hf(model)
-        fp8 = cfg.fp8_block is not None
+    o = options or ModelOptions()
+    cfg = parse_source(model).config()  # a preset's :fp8 is in its config, as an FP8 checkpoint's is
     name = (cfg.torch_dtype or "float32") if dtype == "auto" else dtype
     kind = None
-    if fp8:
-        kind = "w8a8" if fp8_mode(fp8_forward) == "w8a8" else ("experts" if fp8_experts == "keep" else None)
+    if cfg.fp8_block is not None:
+        kind = "w8a8" if o.fp8 == "w8a8" else ("experts" if o.fp8_experts == "keep" else None)
     return cfg, BYTES[name], kind

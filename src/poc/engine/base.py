@@ -27,6 +27,8 @@ from poc.engine.jobs import BatchResult, JobSummary, V1Job, V2Job
 from poc.errors import InputError
 from poc.model.config import ModelConfig
 from poc.model.options import ModelOptions
+from poc.model.source import ModelSource
+from poc.model.source import parse as parse_source
 from poc.protocol import v1, v2
 
 STATES = ("loading", "ready", "busy", "broken")
@@ -47,6 +49,7 @@ class ModelInfo:
     cfg: ModelConfig
     name: str
     dtype: torch.dtype
+    computes: dict | None = None  # what the model computes, as it reports it (Transformer.computes)
 
 
 class Claim:
@@ -102,7 +105,7 @@ class EngineBase(abc.ABC):
     """The engine interface: life cycle, one device lock, model info, memory estimates, jobs."""
 
     device: torch.device
-    model_dir: str | None
+    source: ModelSource | None = None  # the PoC v2 model this engine serves (model/source.py), parsed once
     v2: ModelInfo | None
     compile_v1: bool
     compile_v2: bool
@@ -115,6 +118,16 @@ class EngineBase(abc.ABC):
         self._loading = loading
 
     # ------------------------------------------------------------------------------------ life cycle
+
+    @property
+    def model_dir(self) -> str | None:
+        """The --model this engine serves, as it was given (a checkpoint directory, random:<preset>[:fp8]); None: PoC
+        v1 only. Set, it is parsed (source.parse: an InputError for a preset that does not exist)."""
+        return None if self.source is None else str(self.source)
+
+    @model_dir.setter
+    def model_dir(self, model: "str | ModelSource | None") -> None:
+        self.source = parse_source(model) if model else None
 
     @property
     def state(self) -> str:
@@ -156,7 +169,7 @@ class EngineBase(abc.ABC):
     def preflight(self, model_dir: str) -> ModelConfig:
         """The checkpoint's config, checked as far as it can be without loading (InputError when it cannot be
         served here): run before `switch_model`, so a bad choice leaves the loaded model in place."""
-        return ModelConfig.from_hf(model_dir)
+        return parse_source(model_dir).config()
 
     def switch_model(self, model_dir: str, dtype: str | None = None) -> None:
         """Unload the loaded checkpoint and load `model_dir` in its place (blocking: a thread, under the caller's
@@ -297,25 +310,17 @@ class EngineBase(abc.ABC):
                           ranks=ranks)
 
     def v2_fp8(self) -> dict | None:
-        """How the loaded v2 model's FP8 weights are computed: {"forward": "w8a8" | "dequant", "scales": "ue8m0" |
-        "float32" (W8A8's scale format; None for dequant)}; None without a model or for one that is not an FP8
-        checkpoint (a directory's quantization_config, or random:<preset>:fp8)."""
-        from poc.model.fp8 import fp8_mode, scale_format
-        from poc.model.random_weights import random_spec
-
-        if self.v2 is None:
-            return None
-        spec = random_spec(getattr(self, "model_dir", None))
-        if self.v2.cfg.fp8_block is None and not (spec and spec[1]):
-            return None
-        forward = fp8_mode(self.options.fp8)
-        return {"forward": forward, "scales": scale_format(self.options.fp8_scales) if forward == "w8a8" else None}
+        """How the loaded v2 model computes its FP8 weights, as the model reports it (Transformer.computes):
+        {"forward": "w8a8" | "dequant", "scales": "ue8m0" | "float32" (W8A8's scale format; None for dequant)}; None
+        without a model or for one that is not an FP8 checkpoint."""
+        computes = self.v2.computes if self.v2 is not None else None
+        return computes["fp8"] if computes else None
 
     def v2_attention(self) -> str | None:
-        """The attention recipe the loaded v2 model computes (model/attention.py: fp8, fp8kv or bf16; the options'
-        choice for its config, ModelOptions.attention_for, which the model read when it was built); None without
-        a model."""
-        return None if self.v2 is None else self.options.attention_for(self.v2.cfg)
+        """The attention recipe the loaded v2 model computes (model/attention.py: fp8, fp8kv or bf16), as the model
+        reports it; None without a model."""
+        computes = self.v2.computes if self.v2 is not None else None
+        return computes["attention"] if computes else None
 
     def v2_w8a8(self) -> bool:
         """Whether the loaded v2 model is an FP8 checkpoint computed W8A8 (its experts' activations are FP8)."""

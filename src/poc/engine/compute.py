@@ -22,8 +22,9 @@ import torch
 from poc import dtypes
 from poc.model.compile import maybe_compile, note_new_shape
 from poc.model.options import ModelOptions
+from poc.model.source import V1Weights
 from poc.model.transformer import Transformer
-from poc.parallel.build import Part, V1Weights, build
+from poc.parallel.build import Part, build
 from poc.protocol import v1, v2
 
 log = logging.getLogger("poc.compute")
@@ -84,12 +85,13 @@ class Stage:
             self.mark(1)
         return out
 
-    def finish(self, prep, out: torch.Tensor, device: torch.device) -> "Handle | None":
-        """Hand the output on (not the last stage), or a Handle to collect (the reporter); None otherwise."""
+    def finish(self, prep, out: torch.Tensor, n: int, device: torch.device) -> "Handle | None":
+        """Hand the output on whole (not the last stage: a batch padded to its compiled shape stays so for the next
+        stage), or a Handle to collect its first n rows, the batch's own (the reporter); None otherwise."""
         if not self.last:
             self.send(out)
             return None
-        return Handle(prep, out, device) if self.reporter else None
+        return Handle(prep, out[:n], device) if self.reporter else None
 
 
 WHOLE = Stage()
@@ -214,7 +216,7 @@ class V1Compute:
         out = st.forward(lambda: self.model(x, last_only=True, logits=st.last, step=self._step))
         if st.post:
             out = self._post(out, _pad_rows(prep.perms.to(self.device, non_blocking=True), B))
-        return st.finish(prep, out[:n], self.device)
+        return st.finish(prep, out, n, self.device)
 
     def collect(self, h: Handle) -> dict:
         return {"dist": h.wait().numpy().copy()}
@@ -248,7 +250,8 @@ class V2Compute:
 
     def __init__(self, model, cfg, dtype: torch.dtype, device: torch.device, name: str, compile: bool = False,
                  compile_inputs: bool = True, compile_model: bool = True, stage: Stage = WHOLE):
-        """model: built (parallel.build) with the options it computes with."""
+        """model: built (parallel.build) with the options it computes with (ModelOptions.compiled: built for layers
+        compiled as `compile and compile_model` says, so its MoE dispatch compiles its elementwise steps too)."""
         self.model, self.cfg, self.dtype, self.device, self.name = model.fuse(), cfg, dtype, device, name
         self.stage = stage
         self._vectors: tuple[str, torch.Tensor] | None = None
@@ -258,9 +261,7 @@ class V2Compute:
         self._step = maybe_compile(Transformer.layer_step, compile and compile_model)
         self._project = maybe_compile(v2.project_tensors, compile)
         self.compiled = compile
-        for block in self.model.layers.values():
-            if block is not None and hasattr(block.mlp, "fast"):  # MoE dispatch: its elementwise steps compiled too
-                block.mlp.fast = compile and compile_model
+        self.computes = self.model.computes()  # what the model computes (/health), as it was built
 
     def reflections(self, block_hash: str) -> torch.Tensor:
         if self._vectors is None or self._vectors[0] != block_hash:
@@ -279,9 +280,7 @@ class V2Compute:
 
     @torch.inference_mode()
     def launch(self, prep: V2Prepared, pad_to: int | None = None) -> Handle:
-        dev = self.device
-        if self.model.rope_cos.shape[0] < prep.seq_len or self.model.rope_cos.device != dev:
-            self.model.init_rope(dev, max(prep.seq_len, self.cfg.max_seq_len))  # outside any compiled graph
+        dev = self.device  # the RoPE table grows or moves in Transformer.forward, outside any compiled graph
         st, S, D, n = self.stage, prep.seq_len, self.cfg.dim, len(prep.nonces)
         B = pad_to if self.compiled and pad_to and n < pad_to else n
 
@@ -296,7 +295,7 @@ class V2Compute:
         out = st.forward(lambda: self.model(x, reflections=refl, last_only=True, step=self._step))
         if st.post:
             out = self._project(out, on_device(prep.pick), on_device(prep.haar))
-        return st.finish(prep, out[:n], dev)
+        return st.finish(prep, out, n, dev)
 
     def keys(self, seq_len: int) -> torch.Tensor:
         n = seq_len * self.cfg.dim

@@ -1,11 +1,11 @@
 """DistEngine: the Engine interface over replicas x pp x tp rank processes (poc.engine.factory picks it).
 
-The server process never joins the process group. It starts `python -m poc.engine.ranks` once per rank (a
-fresh interpreter: a spawned child would re-import the server's __main__, aiohttp and all), talks to them over
-authenticated local sockets, hands each replica's leader the job and then its batches of nonces, and merges the
-replicas' results into emit() in arrival order. Nonces are dealt by the rule the one-device Engine follows too
-(jobs.Dealer): from the job's one iterator, a batch at a time, to whichever replica has room (pp + 2 batches a
-replica), so the replicas' streams are disjoint and together exactly the job's, and a faster replica takes more.
+The server process never joins the process group. The engine owns one RankGroup at a time (poc.engine.rankgroup:
+the rank processes started, read, failed and ended), hands each replica's leader the job and then its batches of
+nonces, and merges the replicas' results into emit() in arrival order. Nonces are dealt by the rule the one-device
+Engine follows too (jobs.Dealer): from the job's one iterator, a batch at a time, to whichever replica has room
+(pp + 2 batches a replica), so the replicas' streams are disjoint and together exactly the job's, and a faster
+replica takes more. One job's dealing is a JobRun.
 
 A rank that dies, fails or times out breaks the engine: the running job raises RankFailure (the server writes it
 as the stream's error line), the other ranks are killed, /health reads state == "broken", and restart() (or a new
@@ -20,66 +20,30 @@ import itertools
 import json
 import logging
 import os
-import queue
-import secrets
-import subprocess
-import sys
 import threading
 import time
-from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from poc.engine.compute import DTYPES, compile_flags, resolve_device
 from poc.engine import memory
 from poc.engine.base import Claim, EngineBase, ModelInfo
+from poc.engine.compute import DTYPES, compile_flags, resolve_device
 from poc.engine.engine import Engine
 from poc.engine.jobs import BatchResult, Dealer, JobSummary, Limits, V1Job, V2Job
+from poc.engine.rankgroup import RankConfig, RankDiagnostics, RankFailure, RankGroup
 from poc.errors import InputError
 from poc.model.config import ModelConfig
 from poc.model.options import ModelOptions
-from poc.model.random_weights import random_spec
-from poc.parallel.layout import Layout, RankConfig
+from poc.model.source import ModelSource
+from poc.parallel.layout import Layout
 from poc.protocol import v1
 
 log = logging.getLogger("poc.parallel")
-SRC = str(Path(__file__).resolve().parents[2])  # the directory holding the poc package, for the ranks' sys.path
 
-
-class RankFailure(RuntimeError):
-    """A rank died, failed or timed out: the engine is broken until restart()."""
-
-
-class _Ranks:
-    """One generation of rank processes and their connections."""
-
-    def __init__(self, world: int):
-        self.procs: list[subprocess.Popen] = []
-        self.conns: dict[int, Connection] = {}
-        self.inbox: queue.Queue = queue.Queue()
-        self.closing = False
-        self.locks = [threading.Lock() for _ in range(world)]
-        self.reader: threading.Thread | None = None
-
-    def send(self, rank: int, msg) -> None:
-        with self.locks[rank]:
-            self.conns[rank].send(msg)
-
-    def kill(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=10)
-
-    def close_conns(self) -> None:
-        for c in self.conns.values():
-            with contextlib.suppress(OSError):
-                c.close()
+__all__ = ["DistEngine", "JobFlight", "JobRun", "RankFailure"]
 
 
 class JobFlight:
@@ -141,13 +105,138 @@ class JobFlight:
                 "emit_s": round(self.emit_s, 4), "ranks": self.ranks}
 
 
-class DistEngine(EngineBase):
-    """The engine interface (EngineBase) over layout.world rank processes."""
+class JobRun:
+    """One job dealt to the replicas of a RankGroup (DistEngine._run): batches of the job's nonces by the engines' rule
+    (jobs.Dealer: batches_ahead() each, a result's replacement dealt before the result goes to the consumer), the
+    replicas' messages taken until every replica is done; stop/limits end the dealing, and every batch a replica
+    launched is still reported (the leaders drop batches not yet launched on a stop)."""
 
-    def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto", tp: int = 1,
-                 pp: int = 1, world: int | None = None, timeout: float = 300.0, start_timeout: float = 180.0,
-                 log_level: str | None = None, compile: bool | str = False, options: ModelOptions | None = None,
-                 stage_delay: float = 0.0, stage_timing: bool = False, profile_dir: str | None = None):
+    def __init__(self, engine: "DistEngine", g: RankGroup, job, jid: int, on_result, stop: threading.Event):
+        self.engine, self.g, self.job, self.jid, self.on_result, self.stop = engine, g, job, jid, on_result, stop
+        self.L, self.lim = engine.layout, job.limits
+        self.dealer = Dealer(job, self.L.replicas, self.L.pp)
+        self.seqs = itertools.count(1)
+        self.ended, self.done = [False] * self.L.replicas, [False] * self.L.replicas
+        self.computed = self.batches = 0
+        self.reason: str | None = None
+        self.failure: Exception | None = None  # the nonce iterator's error: the job ends as on a stop, then raises it
+        # the clock starts when a replica reports its model built ("started"): max_duration counts compute, not a
+        # v1 model's build, as on one device; the batches dealt ahead meanwhile wait in the ranks' queues
+        self.t_start: float | None = None
+        self.flight = JobFlight(self.L.replicas, self.dealer.ahead)
+
+    def run(self) -> str:
+        """Deal, take the replicas' messages until all are done; the reason the dealing ended."""
+        g, L = self.g, self.L
+        last = time.monotonic()
+        try:
+            for r in self.dealer.first():
+                self.deal(r)
+            while not all(self.done):
+                msg = g.next(0.1)
+                if msg is None:  # no result yet: a stop or the deadline still drops what is not launched
+                    if self.stop.is_set() and not all(self.ended):
+                        self.end_all("stopped", True)
+                    elif self.over_time() and not all(self.ended):
+                        self.end_all("max_duration", True)
+                    g.watchdog(last, self.engine.timeout + 60)
+                    continue
+                last = time.monotonic()
+                if msg[1] == self.jid:  # else a late message of an earlier job
+                    self.receive(msg)
+        except RankFailure:
+            raise
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.finish_on_error()
+            raise
+        if self.failure is not None:
+            raise self.failure
+        if self.reason == "exhausted" and self.lim.max_nonces is not None and self.computed >= self.lim.max_nonces:
+            self.reason = "max_nonces"
+        return self.reason or "exhausted"
+
+    def receive(self, msg) -> None:
+        """One message of this job from a replica: its model is built, a batch's result, its ranks' figures, done."""
+        if msg[0] == "started":
+            self.t_start = self.t_start or time.perf_counter()
+        elif msg[0] == "result":
+            t_result = time.perf_counter()
+            _, _, r, seq, payload, secs = msg
+            payload["replica"] = r
+            nonces = payload.pop("nonces")
+            self.computed += len(nonces)
+            self.batches += 1
+            self.flight.reported(r)
+            b = BatchResult(index=self.batches, nonces=nonces, elapsed=time.perf_counter() - self.t_start,
+                            batch_seconds=secs, dist=payload.get("dist"), artifacts=payload.get("artifacts"),
+                            dropped=payload.get("dropped", []))
+            n = self.flight.out[r]
+            self.deal(r)  # first: the consumer's time (a stream line, a callback's spooling) is not the devices'
+            self.flight.redealt(r, t_result, self.flight.out[r] > n)
+            t_emit = time.perf_counter()
+            self.on_result(seq, b, payload)
+            self.flight.emit_s += time.perf_counter() - t_emit
+        elif msg[0] == "stats":
+            self.flight.ranks += [x for x in msg[3] or [] if x is not None]
+        elif msg[0] == "done":
+            self.done[msg[2]] = True
+
+    def deal(self, r: int) -> None:
+        """Replica r's next batch, or the end of its dealing (a stop, the deadline, the nonces exhausted or failed)."""
+        if self.ended[r]:
+            return
+        if self.stop.is_set():
+            return self.end_all("stopped", True)
+        if self.over_time():
+            return self.end_all("max_duration", True)
+        try:
+            nonces = self.dealer.next()
+        except Exception as e:  # noqa: BLE001 - raised once the batches already launched are emitted
+            self.failure = e
+            return self.end_all("error", True)
+        if not nonces:
+            return self.end_all("exhausted", False)
+        self.g.post(self.L.leader(r), ("batch", self.jid, next(self.seqs), nonces))
+        self.flight.dealt(r)
+
+    def end_all(self, why: str, drop: bool) -> None:
+        """End every replica's dealing (`drop`: the batches it has not launched are dropped)."""
+        self.reason = self.reason or why
+        for r in range(self.L.replicas):
+            if not self.ended[r]:
+                self.ended[r] = True
+                self.flight.ended(r)
+                self.g.post(self.L.leader(r), ("end", self.jid, drop))
+
+    def over_time(self) -> bool:
+        return (self.lim.max_duration is not None and self.t_start is not None
+                and time.perf_counter() - self.t_start >= self.lim.max_duration)
+
+    def finish_on_error(self) -> None:
+        """emit failed: end the job on the ranks so they stay in step (the results still arriving have no consumer
+        left); ranks that do not end it break the engine rather than meet the next job mid-job."""
+        self.end_all("error", True)
+        timeout = self.engine.timeout
+        wait_until = time.monotonic() + timeout
+        while not all(self.done) and time.monotonic() < wait_until:
+            msg = self.g.next(0.1)
+            if msg is not None and msg[0] == "done" and msg[1] == self.jid:
+                self.done[msg[2]] = True
+        if not all(self.done):
+            self.g.fail(f"replica(s) {[r for r in range(self.L.replicas) if not self.done[r]]} did not end job "
+                        f"{self.jid} within {timeout:.0f} s of an error")
+
+
+class DistEngine(EngineBase):
+    """The engine interface (EngineBase) over layout.world rank processes: it loads the checkpoint on them, deals each
+    job's batches (JobRun) and runs the one-shot helpers; its RankGroup runs the processes."""
+
+    def __init__(self, device: str | None = None, model_dir: "str | ModelSource | None" = None, dtype: str = "auto",
+                 tp: int = 1, pp: int = 1, world: int | None = None, timeout: float = 300.0,
+                 start_timeout: float = 180.0, log_level: str | None = None, compile: bool | str = False,
+                 options: ModelOptions | None = None, stage_delay: float = 0.0,
+                 diagnostics: RankDiagnostics | None = None):
         super().__init__(loading=bool(model_dir))
         self.device = resolve_device(device)
         if self.device.type == "cuda":
@@ -166,10 +255,10 @@ class DistEngine(EngineBase):
         self.compile_v1, self.compile_v2 = compile_flags(compile, self.device)
         self.compile = self.compile_v2
         self.options = options or ModelOptions()  # the ranks build and compute their models so (RankConfig)
-        self.stage_timing, self.profile_dir = stage_timing, profile_dir  # the ranks' diagnostics (RankConfig)
+        self.diagnostics = diagnostics or RankDiagnostics()  # the ranks' (RankConfig): stage timing, profiles
         self.stage_delay = stage_delay  # tests and CPU smoke runs: seconds a rank sleeps after each forward
         self.last_job_stats: dict | None = None  # the last job's pipeline figures (JobFlight.summary)
-        self._ranks: _Ranks | None = None
+        self._ranks: RankGroup | None = None
         self._job_ids = itertools.count(1)
 
     # ------------------------------------------------------------------------------------ processes
@@ -177,146 +266,32 @@ class DistEngine(EngineBase):
     @property
     def pids(self) -> list[int]:
         """The rank processes' pids, by rank."""
-        return [p.pid for p in self._ranks.procs] if self._ranks else []
+        return self._ranks.pids if self._ranks else []
+
+    def rank_config(self) -> RankConfig:
+        """What every rank is told: the layout, the backend, this engine's settings (store_port 0: rank 0's own)."""
+        cuda = self.device.type == "cuda"
+        return RankConfig(layout=self.layout, backend="nccl" if cuda else "gloo", device_type=self.device.type,
+                          store_port=0, timeout_s=self.timeout,
+                          threads=1 if cuda else max(1, (os.cpu_count() or 1) // self.layout.world),
+                          log_level=self.log_level, compile_v1=self.compile_v1, compile_v2=self.compile_v2,
+                          options=self.options, stage_delay_s=self.stage_delay, diagnostics=self.diagnostics)
+
+    def new_group(self) -> RankGroup:
+        """A group of rank processes for this engine, not yet started: its failure breaks the engine, its ranks'
+        free-memory reports are recorded (free_bytes)."""
+        return RankGroup(self.rank_config(), on_fail=self.mark_broken, on_memory=self._free_reported)
+
+    def _free_reported(self, rank: int, free: int) -> None:
+        self.rank_free[rank] = free
 
     def start(self) -> None:
         """Start the rank processes and wait until every one has joined the process group."""
         if self._ranks is not None:
             return
-        L = self.layout
-        g = _Ranks(L.world)
-        key = secrets.token_bytes(32)
-        listener = Listener(("127.0.0.1", 0), authkey=key)
-        cuda = self.device.type == "cuda"
-        threads = 1 if cuda else max(1, (os.cpu_count() or 1) // L.world)
-        env = dict(os.environ, POC_RANK_KEY=key.hex(), OMP_NUM_THREADS=str(threads),
-                   PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
-        addr = f"127.0.0.1:{listener.address[1]}"
-        log.info("starting %d rank processes: %d replica(s) x pp=%d x tp=%d on %s", L.world, L.replicas, L.pp,
-                 L.tp, "cuda" if cuda else "cpu")
-        try:
-            g.procs = [subprocess.Popen([sys.executable, "-m", "poc.engine.ranks", addr, str(r)], env=env,
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL) for r in range(L.world)]
-            deadline = time.monotonic() + self.start_timeout
-            conns = self._accept(listener, g, deadline)
-            for c in conns:
-                msg = self._recv(c, g, deadline)
-                g.conns[msg[1]] = c
-            cfg = RankConfig(layout=L, backend="nccl" if cuda else "gloo", device_type=self.device.type,
-                             store_port=0, timeout_s=self.timeout, threads=threads, log_level=self.log_level,
-                             compile_v1=self.compile_v1, compile_v2=self.compile_v2, options=self.options,
-                             stage_delay_s=self.stage_delay, stage_timing=self.stage_timing,
-                             profile_dir=self.profile_dir)
-            g.send(0, cfg)
-            msg = self._recv(g.conns[0], g, deadline)
-            if msg[0] != "store":
-                raise RankFailure(f"rank 0 did not start: {msg}")
-            for r in range(1, L.world):
-                g.send(r, dataclasses.replace(cfg, store_port=msg[1]))
-            for r in range(L.world):
-                msg = self._recv(g.conns[r], g, deadline)
-                if msg[0] != "ready":
-                    raise RankFailure(f"rank {r} did not start: {msg[2] if msg[0] == 'error' else msg}")
-        except BaseException:
-            g.closing = True
-            g.kill()
-            g.close_conns()
-            raise
-        finally:
-            listener.close()
-        g.reader = threading.Thread(target=self._read, args=(g,), name="poc-ranks-reader", daemon=True)
-        g.reader.start()
+        g = self.new_group()
+        g.start(self.start_timeout)
         self._ranks = g
-
-    def _accept(self, listener: Listener, g: _Ranks, deadline: float) -> list[Connection]:
-        conns: list[Connection] = []
-
-        def accept():
-            with contextlib.suppress(OSError, EOFError):
-                while len(conns) < len(g.procs):
-                    conns.append(listener.accept())
-
-        t = threading.Thread(target=accept, name="poc-ranks-accept", daemon=True)
-        t.start()
-        while len(conns) < len(g.procs):
-            self._check_procs(g, deadline, "connect")
-            time.sleep(0.02)
-        t.join()
-        return conns
-
-    def _check_procs(self, g: _Ranks, deadline: float, what: str) -> None:
-        for r, p in enumerate(g.procs):
-            if p.poll() is not None:
-                raise RankFailure(f"rank {r} exited with code {p.returncode} before it could {what}")
-        if time.monotonic() > deadline:
-            raise RankFailure(f"the rank processes did not {what} within {self.start_timeout:.0f} s")
-
-    def _recv(self, c: Connection, g: _Ranks, deadline: float):
-        while not c.poll(0.05):
-            self._check_procs(g, deadline, "start")
-        try:
-            return c.recv()
-        except (EOFError, OSError):
-            self._check_procs(g, time.monotonic() + 5, "start")
-            raise RankFailure("a rank closed its connection while starting") from None
-
-    def _read(self, g: _Ranks) -> None:
-        """Move every rank's messages into the inbox; a closed connection or an error report breaks the engine."""
-        live = {c: r for r, c in g.conns.items()}
-        while live and not g.closing:
-            for c in wait(list(live), timeout=0.5):
-                r = live[c]
-                try:
-                    msg = c.recv()
-                except (EOFError, OSError):
-                    del live[c]
-                    if not g.closing:
-                        code = None
-                        with contextlib.suppress(subprocess.TimeoutExpired):
-                            code = g.procs[r].wait(timeout=2)
-                        self._fail(g, f"rank {r} (pid {g.procs[r].pid}) exited"
-                                      + (f" with code {code}" if code is not None else ""), drain=list(live))
-                    continue
-                if msg[0] == "error":
-                    # a dead peer makes the survivors' collectives fail first ("connection reset"): name the
-                    # rank that actually died when there is one, not the one that noticed
-                    dead = self._dead_rank(g, wait_s=1.0, exclude=msg[1])
-                    self._fail(g, f"rank {dead[0]} (pid {dead[1]}) exited with code {dead[2]}; rank {msg[1]} then "
-                                  f"failed: {msg[2]}" if dead else f"rank {msg[1]} failed: {msg[2]}", drain=list(live))
-                else:
-                    g.inbox.put(msg)
-
-    @staticmethod
-    def _dead_rank(g: _Ranks, wait_s: float, exclude: int) -> tuple[int, int, int] | None:
-        """(rank, pid, exit code) of a rank other than `exclude` (the reporter, which may abort itself after
-        reporting) that has exited, waiting up to wait_s for one."""
-        end = time.monotonic() + wait_s
-        while True:
-            for r, p in enumerate(g.procs):
-                code = None if r == exclude else p.poll()
-                if code is not None:
-                    return r, p.pid, code
-            if time.monotonic() >= end:
-                return None
-            time.sleep(0.05)
-
-    def _fail(self, g: _Ranks, reason: str, drain: Sequence[Connection] = ()) -> None:
-        """Mark the engine broken, wake the running job, and stop every other rank (no hang on a dead peer).
-        The reader passes the ranks' connections as `drain`: what the ranks sent before they were stopped (results
-        of other replicas still in the sockets) goes to the job ahead of the failure."""
-        if g.closing or g is not self._ranks:
-            return
-        g.closing = True
-        log.error("engine broken: %s; stopping the other ranks", reason)
-        g.kill()  # first: when the job sees the failure, no rank is left running
-        for c in drain:  # the ranks have exited: each connection holds what was sent, then EOF
-            with contextlib.suppress(EOFError, OSError):
-                while c.poll(0):
-                    msg = c.recv()
-                    if msg[0] != "error":
-                        g.inbox.put(msg)
-        self.mark_broken(reason)
-        g.inbox.put(("failed", reason))
 
     def restart(self) -> None:
         """Kill every rank, start fresh ones and reload the checkpoint: a broken engine comes back clean."""
@@ -330,40 +305,27 @@ class DistEngine(EngineBase):
     def _shutdown(self, graceful: bool) -> None:
         g, self._ranks = self._ranks, None
         self.rank_free, self.last_v1 = {}, None  # what the gone ranks held and reported
-        if g is None:
-            return
-        g.closing = True
-        g.inbox.put(("failed", "the engine was closed"))  # a job still waiting ends now
-        if graceful:
-            for r in range(self.layout.replicas):
-                with contextlib.suppress(OSError, KeyError):
-                    g.send(self.layout.leader(r), ("exit",))
-            end = time.monotonic() + 10
-            for p in g.procs:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.wait(timeout=max(0.1, end - time.monotonic()))
-        g.kill()
-        g.close_conns()
-        if g.reader is not None:
-            g.reader.join(timeout=5)
+        if g is not None:
+            g.shutdown(graceful)
 
     # ------------------------------------------------------------------------------------ models
 
     def _load(self) -> None:
         """Start the ranks and load the checkpoint given at start (each rank reads its own slices)."""
         t0 = time.perf_counter()
-        if self.model_dir:  # refuse an uneven split here, before any process starts
-            self.layout.check_config(_model_config(self.model_dir), f"model {Path(self.model_dir).name}")
+        src = self.source
+        cfg = src.config() if src is not None else None
+        if src is not None:  # refuse an uneven split here, before any process starts
+            self.layout.check_config(cfg, f"model {src.name}")
         self.start()
-        if self.model_dir:
+        if src is not None:
             dtype = self.v2_dtype_arg()
             g = self._ranks
             for r in range(self.layout.replicas):
-                g.send(self.layout.leader(r), ("load", self.model_dir, dtype))
-            infos = self._wait_all(g, "loaded", self.layout.world, limit=3600.0)
+                g.send(self.layout.leader(r), ("load", src, dtype))
+            infos = g.wait_all("loaded", self.layout.world, limit=3600.0)
             self.rank_free = {i: info["free"] for i, info in enumerate(infos) if info.get("free") is not None}
-            cfg = _model_config(self.model_dir)
-            self.v2 = ModelInfo(cfg, Path(self.model_dir).name, DTYPES[infos[0]["dtype"]])
+            self.v2 = ModelInfo(cfg, src.name, DTYPES[infos[0]["dtype"]], infos[0]["computes"])
         self.load_seconds = time.perf_counter() - t0
 
     v2_dtype_arg = Engine.v2_dtype_arg
@@ -383,44 +345,7 @@ class DistEngine(EngineBase):
         """The ranks exit (their memory goes with them); `_load` starts fresh ones that hold no checkpoint."""
         self._shutdown(graceful=True)
 
-    def _wait_all(self, g: _Ranks, kind: str, n: int, limit: float) -> list:
-        out, last = [], time.monotonic()
-        while len(out) < n:
-            msg = self._next(g, 0.5)
-            if msg is None:
-                self._watchdog(g, last, limit)
-            elif msg[0] == kind:
-                out.append(msg[2])
-                last = time.monotonic()
-        return out
-
-    def _next(self, g: _Ranks, timeout: float):
-        """The next message from the ranks, None after `timeout` s; RankFailure if the engine broke. The messages
-        the ranks sent before the failure come first (results reported before it are still emitted); _fail queues
-        ("failed", reason) after them. A rank's ("memory", rank, free bytes) report is recorded here (free_bytes)
-        and not returned."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                msg = g.inbox.get(timeout=0 if self.broken_reason else max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                if self.broken_reason:
-                    raise RankFailure(self.broken_reason) from None
-                return None
-            if msg[0] != "memory":
-                break
-            self.rank_free[msg[1]] = msg[2]
-        if msg[0] == "failed":
-            raise RankFailure(msg[1])
-        return msg
-
-    def _watchdog(self, g: _Ranks, last: float, limit: float) -> None:
-        """Break the engine when the ranks have said nothing for `limit` s (a hang the ranks did not catch)."""
-        if time.monotonic() - last > limit:
-            self._fail(g, f"no word from the ranks for {limit:.0f} s")
-            raise RankFailure(self.broken_reason)
-
-    def _ready_ranks(self) -> _Ranks:
+    def _ready_ranks(self) -> RankGroup:
         if self.broken_reason:
             raise RankFailure(f"the engine is broken ({self.broken_reason}): restart it")
         if self._ranks is None:
@@ -469,9 +394,8 @@ class DistEngine(EngineBase):
             return self._run(job, lambda seq, b, payload: emit(b), stop)
 
     def _run(self, job, on_result, stop: threading.Event, opts: dict | None = None) -> JobSummary:
-        """Deal batches of the job's nonces to the replicas by the engines' rule (jobs.Dealer: batches_ahead() each,
-        a result's replacement dealt before the result goes to the consumer); stop/limits end the dealing, and every batch a replica launched
-        is still reported (the leaders drop batches not yet launched on a stop)."""
+        """Hand each replica's leader the job, then deal its batches (JobRun); on_result(seq, BatchResult, payload)
+        as each arrives."""
         t0 = time.perf_counter()
         if isinstance(job, V1Job):
             self.check_v1(job.params)
@@ -479,120 +403,15 @@ class DistEngine(EngineBase):
         else:  # refused here: a rank that raised on it would break the engine
             self._check_v2(job.seq_len, job.k_dim)
         g = self._ready_ranks()
-        L, jid, lim = self.layout, next(self._job_ids), job.limits
+        jid = next(self._job_ids)
         spec = dataclasses.replace(job, nonces=None)  # the iterator stays here: batches go out as lists
-        for r in range(L.replicas):
-            g.send(L.leader(r), ("job", jid, spec, opts or {}))
-        computed = batches = 0
-        dealer = Dealer(job, L.replicas, L.pp)
-        seqs = itertools.count(1)
-        ended, done = [False] * L.replicas, [False] * L.replicas
-        reason = None
-        failure: Exception | None = None  # the nonce iterator's error: the job ends as on a stop, then raises it
-        # the clock starts when a replica reports its model built ("started"): max_duration counts compute, not a
-        # v1 model's build, as on one device; the batches dealt ahead meanwhile wait in the ranks' queues
-        t_start, last = None, time.monotonic()
-        flight = JobFlight(L.replicas, dealer.ahead)
-
-        def post(r: int, msg) -> None:
-            if not g.closing:  # a broken engine's ranks are gone; the results they sent before are still emitted
-                g.send(L.leader(r), msg)
-
-        def end_all(why: str, drop: bool) -> None:
-            nonlocal reason
-            reason = reason or why
-            for r in range(L.replicas):
-                if not ended[r]:
-                    ended[r] = True
-                    flight.ended(r)
-                    post(r, ("end", jid, drop))
-
-        def over_time() -> bool:
-            return (lim.max_duration is not None and t_start is not None
-                    and time.perf_counter() - t_start >= lim.max_duration)
-
-        def deal(r: int) -> None:
-            nonlocal failure
-            if ended[r]:
-                return
-            if stop.is_set():
-                return end_all("stopped", True)
-            if over_time():
-                return end_all("max_duration", True)
-            try:
-                nonces = dealer.next()
-            except Exception as e:  # noqa: BLE001 - raised once the batches already launched are emitted
-                failure = e
-                return end_all("error", True)
-            if not nonces:
-                return end_all("exhausted", False)
-            post(r, ("batch", jid, next(seqs), nonces))
-            flight.dealt(r)
-
-        def finish_on_error() -> None:
-            """emit failed: end the job on the ranks so they stay in step (the results still arriving have no
-            consumer left); ranks that do not end it break the engine rather than meet the next job mid-job."""
-            end_all("error", True)
-            wait_until = time.monotonic() + self.timeout
-            while not all(done) and time.monotonic() < wait_until:
-                msg = self._next(g, 0.1)
-                if msg is not None and msg[0] == "done" and msg[1] == jid:
-                    done[msg[2]] = True
-            if not all(done):
-                self._fail(g, f"replica(s) {[r for r in range(L.replicas) if not done[r]]} did not end job {jid} "
-                              f"within {self.timeout:.0f} s of an error")
-
-        try:
-            for r in dealer.first():
-                deal(r)
-            while not all(done):
-                msg = self._next(g, 0.1)
-                if msg is None:  # no result yet: a stop or the deadline still drops what is not launched
-                    if stop.is_set() and not all(ended):
-                        end_all("stopped", True)
-                    elif over_time() and not all(ended):
-                        end_all("max_duration", True)
-                    self._watchdog(g, last, self.timeout + 60)
-                    continue
-                last = time.monotonic()
-                if msg[1] != jid:
-                    continue  # a late message of an earlier job
-                if msg[0] == "started":
-                    t_start = t_start or time.perf_counter()
-                elif msg[0] == "result":
-                    t_result = time.perf_counter()
-                    _, _, r, seq, payload, secs = msg
-                    payload["replica"] = r
-                    nonces = payload.pop("nonces")
-                    computed += len(nonces)
-                    batches += 1
-                    flight.reported(r)
-                    b = BatchResult(index=batches, nonces=nonces, elapsed=time.perf_counter() - t_start,
-                                    batch_seconds=secs, dist=payload.get("dist"),
-                                    artifacts=payload.get("artifacts"), dropped=payload.get("dropped", []))
-                    n = flight.out[r]
-                    deal(r)  # first: the consumer's time (a stream line, a callback's spooling) is not the devices'
-                    flight.redealt(r, t_result, flight.out[r] > n)
-                    t_emit = time.perf_counter()
-                    on_result(seq, b, payload)
-                    flight.emit_s += time.perf_counter() - t_emit
-                elif msg[0] == "stats":
-                    flight.ranks += [x for x in msg[3] or [] if x is not None]
-                elif msg[0] == "done":
-                    done[msg[2]] = True
-        except RankFailure:
-            raise
-        except BaseException:
-            with contextlib.suppress(Exception):
-                finish_on_error()
-            raise
-        if failure is not None:
-            raise failure
-        if reason == "exhausted" and lim.max_nonces is not None and computed >= lim.max_nonces:
-            reason = "max_nonces"
-        self.last_job_stats = flight.summary()
+        for r in range(self.layout.replicas):
+            g.send(self.layout.leader(r), ("job", jid, spec, opts or {}))
+        deal = JobRun(self, g, job, jid, on_result, stop)
+        reason = deal.run()
+        self.last_job_stats = deal.flight.summary()
         log.info("job %d pipeline: %s", jid, json.dumps(self.last_job_stats, separators=(",", ":")))
-        return JobSummary(reason=reason or "exhausted", batches=batches, computed=computed,
+        return JobSummary(reason=reason, batches=deal.batches, computed=deal.computed,
                           elapsed=time.perf_counter() - t0)
 
     # ------------------------------------------------------------------------------------ one-shot helpers
@@ -641,7 +460,3 @@ class DistEngine(EngineBase):
         return V2Job(block_hash, public_key, 0, seq_len, k_dim, iter(list(nonces)), batch_size, stronger_rng,
                      Limits(max_nonces=None, max_duration=None))
 
-
-def _model_config(model_dir: str) -> ModelConfig:
-    spec = random_spec(model_dir)
-    return spec[0] if spec else ModelConfig.from_hf(model_dir)

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
@@ -24,6 +24,7 @@ from poc.engine.base import EngineBase
 from poc.engine.compute import DTYPE_NAMES, DTYPES, V1Compute, V2Compute, compile_flags, resolve_device
 from poc.engine.jobs import BatchResult, Dealer, JobSummary, V1Job
 from poc.model.options import ModelOptions
+from poc.model.source import ModelSource
 from poc.model.random_init import BuildStopped
 from poc.protocol import v1
 
@@ -33,7 +34,7 @@ log = logging.getLogger("poc.engine")
 class Engine(EngineBase):
     """One device, in this process: the v1 model of the last job kept, the v2 checkpoint loaded at start."""
 
-    def __init__(self, device: str | None = None, model_dir: str | None = None, dtype: str = "auto",
+    def __init__(self, device: str | None = None, model_dir: "str | ModelSource | None" = None, dtype: str = "auto",
                  compile: bool | str = False, v1_input_workers: int | None = None, options: ModelOptions | None = None):
         super().__init__(loading=bool(model_dir))
         self.device = resolve_device(device)
@@ -61,17 +62,17 @@ class Engine(EngineBase):
         if self.v1_input_workers > 0 and self._executor is None:
             from poc.engine.v1inputs import make_executor
             self._executor = make_executor(self.v1_input_workers)
-        if not self.model_dir:
+        if self.source is None:
             return
         from poc.parallel.build import build
 
         t0 = time.perf_counter()
-        o = self.options
+        o = replace(self.options, compiled=self.compile_v2)  # built for the layers it runs: compiled on CUDA
         # a checkpoint directory, or random weights of a preset shape (random:<preset>[:fp8]): benchmarks and demos
         # no progress bar: its \r updates went into the server log (the load's time is logged when it ends)
-        model, cfg = build(self.model_dir, self.v2_dtype_arg(), self.device, options=o, progress=False)
-        name = Path(self.model_dir).name
-        self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, name, self.compile_v2)
+        model, cfg = build(self.source, self.v2_dtype_arg(), self.device, options=o, progress=False)
+        self.v2 = V2Compute(model, cfg, next(model.parameters()).dtype, self.device, self.source.name,
+                            self.compile_v2)
         self.load_seconds = time.perf_counter() - t0
 
     def _unload(self) -> None:

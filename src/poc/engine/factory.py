@@ -16,6 +16,8 @@ from poc.engine.compute import resolve_device
 from poc.engine.engine import Engine
 from poc.errors import InputError
 from poc.model.options import ModelOptions
+from poc.model.source import ModelSource
+from poc.model.source import parse as parse_source
 
 log = logging.getLogger("poc.engine")
 
@@ -39,26 +41,28 @@ def world_for(device: torch.device, tp: int, pp: int, replicas: int | None = Non
     return n - n % group
 
 
-def make_engine(device: str | None = None, model_dir: str | None = None, dtype: str = "auto", tp: int = 1,
-                pp: int = 1, replicas: int | None = None, devices: int | None = None, layout: str = "",
+def make_engine(device: str | None = None, model_dir: "str | ModelSource | None" = None, dtype: str = "auto",
+                tp: int = 1, pp: int = 1, replicas: int | None = None, devices: int | None = None, layout: str = "",
                 **kw) -> EngineBase:
     """An Engine in this process when one device does everything, else a DistEngine over world ranks (`kw`: the
-    engines' own: compile, options (ModelOptions: the server's ServerConfig.model_options()), and DistEngine's,
-    e.g. stage_timing and profile_dir). replicas None (or 0): on CUDA as many as the visible GPUs allow."""
+    engines' own: compile, options (ModelOptions: the server's ServerConfig.options), and DistEngine's, e.g.
+    diagnostics (RankDiagnostics)). replicas None (or 0): on CUDA as many as the visible GPUs allow. model_dir
+    (a checkpoint directory or random:<preset>[:fp8]) is parsed here, once (model/source.py)."""
+    source = parse_source(model_dir) if model_dir else None
     if layout == "auto":
         from poc.engine import auto
 
         o = kw.get("options") or ModelOptions()
         gpus = auto.detect_gpus() if device in (None, "", "auto") or device.startswith("cuda") else []
-        choice = auto.for_model(model_dir, dtype, o.fp8_experts, gpus, fp8=o.fp8)
+        choice = auto.for_model(source, dtype, gpus, o)
         log.info("--layout auto: %s", choice.why)
         tp, pp, replicas = choice.tp, choice.pp, choice.replicas
     elif layout:
         raise InputError(f"layout must be auto (or left out), got {layout!r}", "layout")
     world = world_for(resolve_device(device), tp, pp, replicas, devices)
     if world == 1:
-        return Engine(device=device, model_dir=model_dir, dtype=dtype, compile=kw.pop("compile", False),
+        return Engine(device=device, model_dir=source, dtype=dtype, compile=kw.pop("compile", False),
                       options=kw.pop("options", None))
     from poc.engine.dist import DistEngine
 
-    return DistEngine(device=device, model_dir=model_dir, dtype=dtype, tp=tp, pp=pp, world=world, **kw)
+    return DistEngine(device=device, model_dir=source, dtype=dtype, tp=tp, pp=pp, world=world, **kw)

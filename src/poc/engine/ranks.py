@@ -26,9 +26,9 @@ import queue
 import sys
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -39,7 +39,8 @@ from poc.engine.jobs import V1Job, V2Job
 from poc.logs import OneLineFormatter, stacks_on_sigusr1
 from poc.parallel import pp
 from poc.parallel.build import Part, build
-from poc.parallel.layout import RankConfig
+from poc.engine.rankgroup import RankConfig
+from poc.model.source import ModelSource
 from poc.protocol.pool import pool_workers
 
 log = logging.getLogger("poc.ranks")
@@ -230,8 +231,8 @@ class Rank:
         self.io = Stage(first=self.is_first, last=self.is_last, reporter=self.is_reporter,
                         recv=lambda shape, dtype: pp.recv(shape, dtype, self.device, self.prev),
                         send=lambda out: pp.send(out, self.next), mark=self._mark)
-        self._profile_dir, self._profiled = cfg.profile_dir, False
-        timing = cfg.stage_timing and self.device.type == "cuda"
+        self._profile_dir, self._profiled = cfg.diagnostics.profile_dir, False
+        timing = cfg.diagnostics.stage_timing and self.device.type == "cuda"
         self._timing, self._prev_end, self._host_s = (collections.deque() if timing else None), None, {}
         self.clock: JobClock | None = None  # the running job's (run_job)
         self._starve_t0: float | None = None  # the leader found nothing queued: since when (a job's batch ends it)
@@ -335,22 +336,23 @@ class Rank:
 
     # ------------------------------------------------------------------------------------ models
 
-    def load(self, model_dir: str, dtype) -> None:
+    def load(self, source: ModelSource, dtype) -> None:
         t0 = time.perf_counter()
         self.v2 = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        L, o = self.layout, self.cfg.options
+        L, o = self.layout, replace(self.cfg.options, compiled=self.cfg.compile_v2)  # built for compiled layers or not
         # a checkpoint's slices read from its files, or a preset's random weights made on this device: only this part
-        model, mcfg = build(model_dir, dtype, self.device, self.part, o)
+        model, mcfg = build(source, dtype, self.device, self.part, o)
         mdtype = next(model.parameters()).dtype
         # compiled at fixed shapes like the single-device engine (a short last batch compiles its own shape)
-        self.v2 = V2Compute(model, mcfg, mdtype, self.device, Path(model_dir).name, self.cfg.compile_v2, stage=self.io)
+        self.v2 = V2Compute(model, mcfg, mdtype, self.device, source.name, self.cfg.compile_v2, stage=self.io)
         n_bytes = sum(t.numel() * t.element_size() for t in self.v2.model.state_dict().values())
-        log.info("loaded %s: stage %d/%d tp %d/%d, %.1f MB on this rank in %.1f s", model_dir, self.stage, L.pp,
+        log.info("loaded %s: stage %d/%d tp %d/%d, %.1f MB on this rank in %.1f s", source, self.stage, L.pp,
                  self.tp_rank, L.tp, n_bytes / 1e6, time.perf_counter() - t0)
         self.send(("loaded", self.rank, {"bytes": n_bytes, "seconds": time.perf_counter() - t0,
-                                         "dtype": str(mdtype).removeprefix("torch."), "free": free_bytes(self.device)}))
+                                         "dtype": str(mdtype).removeprefix("torch."), "free": free_bytes(self.device),
+                                         "computes": self.v2.computes}))
 
     def v1_model(self, job: V1Job):
         key = (job.params, job.block_hash, job.dtype)
@@ -448,13 +450,13 @@ class Rank:
         prep = self.v2.prepare(job.block_hash, job.public_key, nonces, job.seq_len, job.k_dim, job.stronger_rng)
         self._host("prepare", t0)
         t0 = time.perf_counter()
-        handle = self.v2.launch(prep)
+        handle = self.v2.launch(prep, pad_to=job.batch_size)  # a short last batch padded, as on one device
         self._host("launch", t0)
         return handle
 
     def launch_v1(self, job: V1Job, nonces: list[int]):
         comp = self.v1_model(job)
-        return comp.launch(comp.prepare(job.public_key, nonces))
+        return comp.launch(comp.prepare(job.public_key, nonces), pad_to=job.batch_size)
 
     def _host(self, name: str, t0: float) -> None:
         """POC_STAGE_TIMING: add the host seconds since t0 to this batch's host time under `name`."""

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from poc.errors import InputError
 from poc.model.options import ATTENTIONS
 
 RECIPES = tuple(a for a in ATTENTIONS if a != "auto")  # the recipes' names, written once (ModelOptions.attention)
@@ -31,13 +30,6 @@ TILE = 128  # the fp8 recipe's query and key tile (rows and keys)
 
 # enable_gqa arrived in torch 2.5; before that the kv heads are repeated by hand
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
-def check_recipe(recipe: str) -> str:
-    """recipe, when it is one of RECIPES; else an InputError naming the setting (ModelOptions.attention)."""
-    if recipe not in RECIPES:
-        raise InputError(f"attention recipe must be one of {', '.join(RECIPES)}, got {recipe!r}", "attention")
-    return recipe
 
 
 @torch.compiler.disable

@@ -121,7 +121,7 @@ def dispatch_stacked(x: Tensor, weights: Tensor, index: Tensor, w13: Tensor, w2:
     act = _fast(swiglu, partial) if fast else swiglu
     n_valid = ends[-1]
     row_weight = weights.reshape(-1)[rows].float() if weighted else None  # the routed rows', in expert order
-    if w8a8 and w13_scale is not None and fp8.current_recipe() != "dequant":  # the validators' recipe
+    if w8a8 and w13_scale is not None and fp8.emulation() != "dequantised":  # the validators' recipe
         y, dest = grouped_w8a8(x, rows, k, ends, w13, w13_scale, w2, w2_scale, act, xq, ue8m0=ue8m0,
                                gluon=gluon, row_weight=row_weight)
         # outputs in a padded layout: route each (token, choice) slot through dest; another rank's slots stay out
@@ -250,7 +250,7 @@ def grouped_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
     if row_weight is not None:  # one weight per padded row (padding rows: 0)
         rw = torch.zeros(a_rows.numel(), dtype=torch.float32, device=x.device)
         rw[dest] = row_weight
-    kern = fp8.kernels() if x.is_cuda and fp8.current_recipe() == "fast" else None
+    kern = fp8.kernels() if x.is_cuda and fp8.emulation() == "off" else None
     glu = gluon_kernels(x.device) if kern is not None and gluon else None
     if glu is not None and glu.fits(w13, w2):
         # Hopper: the warp-specialised kernels (the Triton kernels' bits). A 16-bit model's w13 gathers each token's

@@ -2,11 +2,11 @@
 
 A Qwen FP8 checkpoint holds float8_e4m3fn weights with one float32 `weight_scale_inv` per 128x128 block. The gonka
 vLLM fork does not dequantise them: every FP8 linear (q/k/v/o, dense MLPs) and both expert GEMMs quantise their input
-per token per 128 columns and multiply FP8 by FP8 with float32 accumulation. Two scale formats (`scale_format`,
-POC_FP8_SCALES): `ue8m0`, the default, what vLLM computes on Hopper and Blackwell with DeepGEMM (power-of-two
-activation scales everywhere, the dense linears' weights re-quantised once at load to power-of-two block scales:
-`use_ue8m0`); `float32`, the spec's float32-scale recipe (scale = amax * (1/448), the checkpoint's weights). This
-module is that recipe:
+per token per 128 columns and multiply FP8 by FP8 with float32 accumulation. Two scale formats
+(ModelOptions.fp8_scales, POC_FP8_SCALES): `ue8m0`, the default, what vLLM computes on Hopper and Blackwell with
+DeepGEMM (power-of-two activation scales everywhere, the dense linears' weights re-quantised once at load to
+power-of-two block scales: `use_scales`); `float32`, the spec's float32-scale recipe (scale = amax * (1/448), the
+checkpoint's weights). This module is that recipe:
 
 - `quantize_act`: the per-token-group activation quantiser, bit for bit the spec's formula in either scale format (a
   Triton kernel on CUDA, `kernels/fp8_triton.py`, plain torch ops elsewhere);
@@ -20,8 +20,10 @@ module is that recipe:
 - `kernels()`: the CUDA kernels of `kernels/fp8_triton.py`. The MoE experts' W8A8 GEMMs, which use these pieces, are
   `experts.grouped_w8a8`.
 
-The router, norms and embeddings are not quantised. `fp8="dequant"` (POC_FP8=dequant) keeps the older forward:
-weights dequantised to the model dtype, bf16 activations; it is a different arithmetic, kept for diagnosis.
+The router, norms and embeddings are not quantised. ModelOptions.fp8 "dequant" (POC_FP8=dequant) keeps the older
+forward: weights dequantised to the model dtype, bf16 activations; it is a different arithmetic, kept for diagnosis.
+`diagnostic_emulation` is a process-wide switch of these kernels for diagnostics alone (the float32 emulation on CUDA,
+or the dequantised forward on a W8A8 model's weights); the served path never sets it.
 """
 
 from __future__ import annotations
@@ -35,62 +37,44 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from poc.errors import InputError
+from poc.model.options import Fp8Scales
 
 GROUP = 128  # activation group (columns) and weight block (rows and columns) of Qwen's FP8 checkpoints
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 EPS = 1e-10  # floor of a group's amax (an all-zero group gets scale eps/448, its values quantise to 0)
 FP8 = torch.float8_e4m3fn
-FP8_MODES = ("w8a8", "dequant")
-SCALE_FORMATS = ("ue8m0", "float32")
 WEIGHT_EPS = 1e-4  # floor of a weight block's amax in the UE8M0 re-quantisation
 
 log = logging.getLogger(__name__)
-
-
-def fp8_mode(value: str | None = None) -> str:
-    """`w8a8` (default): FP8 checkpoints compute the validators' W8A8 recipe; `dequant`: weights dequantised to the
-    model dtype at load (experts per layer), activations unquantised. The value (ModelOptions.fp8), else w8a8."""
-    v = value or "w8a8"
-    if v not in FP8_MODES:
-        raise InputError(f"fp8 forward must be w8a8 or dequant, got {v!r}", "fp8")
-    return v
-
-
-def scale_format(value: str | None = None) -> str:
-    """`ue8m0` (default): power-of-two scales, what the network's Hopper validators compute (vLLM with DeepGEMM's
-    E8M0, on by default there); `float32`: the float32-scale recipe (vLLM without DeepGEMM: other GPUs, or a
-    validator image whose MoE runs FlashInfer). The value (ModelOptions.fp8_scales), else ue8m0."""
-    v = value or "ue8m0"
-    if v not in SCALE_FORMATS:
-        raise InputError(f"fp8 scales must be ue8m0 or float32, got {v!r}", "fp8_scales")
-    return v
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-RECIPES = ("fast", "emulate", "dequant")
-_RECIPE = ["fast"]
+EMULATIONS = ("off", "float32", "dequantised")
+_EMULATION = ["off"]  # process-wide: a diagnosis runs one model at a time
 
 
 @contextmanager
-def recipe(name: str) -> Iterator[None]:
-    """For diagnostics and the GPU accuracy benchmark, on a W8A8 model: `emulate` computes every FP8 GEMM by the
-    float32 emulation and quantises with plain torch ops, even on CUDA; `dequant` computes the dequantise forward
-    on the same weights (no activation quantisation); `fast` (the default) is the served path."""
-    if name not in RECIPES:
-        raise ValueError(f"recipe must be one of {RECIPES}, got {name!r}")
-    prev, _RECIPE[0] = _RECIPE[0], name
+def diagnostic_emulation(mode: str) -> Iterator[None]:
+    """A diagnostic switch of the kernels, process-wide, for diagnostics and the GPU accuracy tests only (the served
+    path never sets it): on a W8A8 model, `float32` computes every FP8 GEMM by the float32 emulation and quantises with
+    plain torch ops, even on CUDA; `dequantised` computes the dequantise forward on the same weights (no activation
+    quantisation; not ModelOptions.fp8, which chooses how a checkpoint is loaded); `off` (the default) is the served
+    path."""
+    if mode not in EMULATIONS:
+        raise ValueError(f"diagnostic emulation must be one of {EMULATIONS}, got {mode!r}")
+    prev, _EMULATION[0] = _EMULATION[0], mode
     try:
         yield
     finally:
-        _RECIPE[0] = prev
+        _EMULATION[0] = prev
 
 
-def current_recipe() -> str:
-    return _RECIPE[0]
+def emulation() -> str:
+    """The diagnostic emulation in force (diagnostic_emulation): off, float32 or dequantised."""
+    return _EMULATION[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -106,7 +90,7 @@ def quantize_act(x: Tensor, width: int | None = None, ue8m0: bool = False) -> tu
     groups add nothing to a GEMM: an operand padded for the tensor cores' alignment)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_act takes (M, K), got {tuple(x.shape)}")
-    if x.is_cuda and _RECIPE[0] == "fast" and kernels() is not None and x.shape[0] > 0:
+    if x.is_cuda and _EMULATION[0] == "off" and kernels() is not None and x.shape[0] > 0:
         return kernels().quantize(x, width or x.shape[1], ld_align=LD_ALIGN, ue8m0=ue8m0)
     if width and width > x.shape[1]:
         x = F.pad(x, (0, width - x.shape[1]))
@@ -250,7 +234,7 @@ def norm_quant(norm: nn.Module, x: Tensor, residual: Tensor | None = None, keep:
 
 
 def _fused_norm_ok(x: Tensor, residual: Tensor | None) -> bool:
-    if _RECIPE[0] != "fast" or x.dtype not in (torch.bfloat16, torch.float16):
+    if _EMULATION[0] != "off" or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if x.shape[-1] % GROUP or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape)):
         return False
@@ -289,7 +273,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _scaled_mm_ok(q: Tensor, w: Tensor, out_dtype: torch.dtype) -> bool:
-    if not (q.is_cuda and SCALED_MM and _RECIPE[0] == "fast" and hasattr(torch, "_scaled_mm")):
+    if not (q.is_cuda and SCALED_MM and _EMULATION[0] == "off" and hasattr(torch, "_scaled_mm")):
         return False
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
@@ -353,7 +337,7 @@ def linear(x: Tensor | Quantized, weight: Tensor, scale_inv: Tensor, bias: Tenso
     lead = x.shape[:-1]
     if isinstance(x, Quantized):  # quantised by norm_quant already
         q, s = x.q, x.s
-    elif _RECIPE[0] == "dequant":
+    elif _EMULATION[0] == "dequantised":
         y = F.linear(x, dequantize_blocks(weight, scale_inv, x.dtype), bias)
         return y if y.dtype == out_dtype else y.to(out_dtype)
     else:
@@ -450,20 +434,18 @@ def use_fp8_linears(model: nn.Module, is_fp8: Callable[[str], bool]) -> list[str
     return done
 
 
-def use_scales(model: nn.Module, fmt: str | None = None) -> str:
-    """Put a loaded (and sharded) W8A8 model in scale format `fmt` (scale_format: the value, or ue8m0) and return
-    it. ue8m0, as vLLM with DeepGEMM on Hopper: every Fp8Linear's weight re-quantised to
-    power-of-two block scales and its input quantised with power-of-two scales; the W8A8 experts quantise both
+def use_scales(model: nn.Module, fmt: Fp8Scales) -> None:
+    """Put a loaded (and sharded) W8A8 model in scale format `fmt` (ModelOptions.fp8_scales). ue8m0, as vLLM with
+    DeepGEMM on Hopper: every Fp8Linear's weight re-quantised to power-of-two block scales and its input quantised
+    with power-of-two scales; the W8A8 experts quantise both
     GEMMs' inputs with power-of-two scales and keep the checkpoint's weights and float32 block scales. float32: as
     loaded. Blocks are independent, so this may run on a rank's shard."""
-    fmt = scale_format(fmt)
     if fmt == "ue8m0":
         for m in model.modules():
             if isinstance(m, Fp8Linear):
                 m.to_ue8m0()
             elif getattr(m, "w8a8", False):  # transformer.MoE with W8A8 experts
                 m.ue8m0 = True
-    return fmt
 
 
 def scales_of(model: nn.Module) -> str | None:

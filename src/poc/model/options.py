@@ -1,19 +1,25 @@
-"""ModelOptions: how a model is built and computed, chosen once at start-up and passed down.
+"""ModelOptions: how a model is built and computed, the one typed door for its numerics settings.
 
-The server reads them in ServerConfig (flags and POC_* environment variables, server/config.py), the CLI and the
-bench in their argument parsing; the engines hand them to the loaders, the tensor-parallel rewrite and the compute
-(a rank process gets them in its RankConfig), and nothing below reads the environment. The defaults are what the
-network's validators compute. Plain data, no torch: the server's config imports it before any model code.
+Made once at start-up and checked where it is made: each setting's allowed values are its `Literal` type, written
+once below, and `__post_init__` checks every field against its type (nothing downstream checks a value again). The
+server makes it in ServerConfig, the CLI and the bench with `ModelOptions.from_env(os.environ, **flags)` (each field
+names its POC_* variable and flag here); the engines hand it whole to the builder (parallel/build.py), which hands it
+to the loaders and the model, and a rank process gets it in its RankConfig. The model reads it when it is built
+(transformer.Transformer): no code outside the model room sets a setting on a built model (tests/test_layers.py).
+The defaults are what the network's validators compute. Plain data, no torch: the server's config imports it before
+any model code.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, get_args
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Mapping, get_args, get_origin, get_type_hints
 
 from poc.errors import InputError
+from poc.switches import env_flag
 
-# each setting's values, written once: the type, and the tuple the checks and the flags' help read
+# each setting's values, written once: the type, and the tuple the flags' help and the tests read
 Attention = Literal["auto", "fp8", "fp8kv", "bf16"]  # model/attention.py's recipes, or auto (attention_for)
 Fp8Forward = Literal["w8a8", "dequant"]
 Fp8Scales = Literal["ue8m0", "float32"]
@@ -23,27 +29,58 @@ ATTENTIONS, FP8_FORWARDS, FP8_SCALES, FP8_EXPERTS, TP_REDUCES = (
     get_args(t) for t in (Attention, Fp8Forward, Fp8Scales, Fp8Experts, TpReduce))
 
 
+def _switch(default, env: str, flag: str | None = None):
+    """A field set by the POC_* variable `env` (and the server's flag `flag`, which wins over it)."""
+    return field(default=default, metadata={"env": env, "flag": flag})
+
+
 @dataclass(frozen=True)
 class ModelOptions:
-    fp8: Fp8Forward = "w8a8"  # an FP8 checkpoint's forward: w8a8 (the validators' recipe) or dequant (POC_FP8)
-    fp8_scales: Fp8Scales = "ue8m0"  # W8A8's scale format: ue8m0 (Hopper validators) or float32 (POC_FP8_SCALES)
-    fp8_experts: Fp8Experts = "keep"  # with fp8=dequant, a Qwen3-MoE's FP8 experts: keep or dequant at load
-    fused_norm: bool = True  # W8A8 on CUDA: a norm and its readers' quantiser in one kernel (POC_FP8_FUSED_NORM)
-    gluon: bool = True  # W8A8 experts on Hopper: the Gluon kernels, else the Triton ones, same bits (POC_FP8_GLUON)
-    tp_reduce: TpReduce = "fp32"  # tp/ep partial sums all-reduced in fp32 or in the model dtype (POC_TP_REDUCE)
-    pool_workers: int | None = None  # threads drawing v1's pool; None: the CPUs, a rank its share (POC_POOL_WORKERS)
-    attention: Attention = "auto"  # the attention recipe (model/attention.py; POC_ATTENTION, --attention)
+    fp8: Fp8Forward = _switch("w8a8", "POC_FP8")  # an FP8 checkpoint's forward: w8a8 (the validators') or dequant
+    fp8_scales: Fp8Scales = _switch("ue8m0", "POC_FP8_SCALES", "--fp8-scales")  # W8A8's scale format (Hopper: ue8m0)
+    fp8_experts: Fp8Experts = _switch("keep", "POC_FP8_EXPERTS", "--fp8-experts")  # fp8=dequant: MoE experts
+    fused_norm: bool = _switch(True, "POC_FP8_FUSED_NORM")  # W8A8 on CUDA: a norm + its readers' quantiser, one kernel
+    gluon: bool = _switch(True, "POC_FP8_GLUON")  # W8A8 experts on Hopper: the Gluon kernels, else Triton's (same bits)
+    tp_reduce: TpReduce = _switch("fp32", "POC_TP_REDUCE")  # tp/ep partial sums all-reduced in fp32 or the model dtype
+    pool_workers: int | None = _switch(None, "POC_POOL_WORKERS")  # threads drawing v1's pool; None: the CPUs
+    attention: Attention = _switch("auto", "POC_ATTENTION", "--attention")  # the attention recipe (model/attention.py)
+    # not a switch: the engine compiles the decoder layers (CUDA, --compile), and the MoE dispatch's elementwise steps
+    # are then compiled kernels too (experts.dispatch_stacked's `fast`); the engines set it when they build
+    compiled: bool = False
 
     def __post_init__(self):
-        for name, value, allowed in (("POC_ATTENTION", self.attention, ATTENTIONS),
-                                     ("POC_FP8", self.fp8, FP8_FORWARDS),
-                                     ("POC_FP8_SCALES", self.fp8_scales, FP8_SCALES),
-                                     ("POC_FP8_EXPERTS", self.fp8_experts, FP8_EXPERTS),
-                                     ("POC_TP_REDUCE", self.tp_reduce, TP_REDUCES)):
-            if value not in allowed:
-                raise InputError(f"{name} must be {' or '.join(allowed)}, got {value!r}", name.lower()[4:])
+        hints = get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value, allowed = getattr(self, f.name), values(hints[f.name])
+            if allowed is not None and value not in allowed:
+                raise InputError(f"{_names(f)} must be {' or '.join(allowed)}, got {value!r}", f.name)
+            if hints[f.name] is bool and not isinstance(value, bool):
+                raise InputError(f"{_names(f)} must be 0 or 1, got {value!r}", f.name)
         if self.pool_workers is not None and (not isinstance(self.pool_workers, int) or self.pool_workers < 1):
             raise InputError(f"POC_POOL_WORKERS must be an integer >= 1, got {self.pool_workers!r}", "pool_workers")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], **flags) -> "ModelOptions":
+        """The options the POC_* variables of `env` set (an on/off switch takes 0 or 1), `flags` (the server's
+        --fp8-scales, --fp8-experts, --attention; None: not given) winning over them, the defaults for the rest. A bad
+        value is an InputError naming the variable."""
+        hints, kw = get_type_hints(cls), {}
+        for f in dataclasses.fields(cls):
+            var = f.metadata.get("env")
+            raw = env.get(var, "").strip() if var else ""
+            if not raw:
+                continue
+            if hints[f.name] is bool:
+                kw[f.name] = env_flag(env, var, f.default, f.name)
+            elif f.name == "pool_workers":
+                try:
+                    kw[f.name] = int(raw)
+                except ValueError:
+                    raise InputError(f"{var} must be an integer >= 1, got {raw!r}", f.name) from None
+            else:
+                kw[f.name] = raw
+        kw.update({k: str(v).strip() for k, v in flags.items() if v is not None})
+        return cls(**kw)
 
     def attention_for(self, cfg) -> str:
         """The attention recipe a model of `cfg` (a ModelConfig) computes: the one asked for, or with auto the
@@ -53,3 +90,14 @@ class ModelOptions:
             return self.attention
         fp8 = cfg.fp8_block is not None and self.fp8 == "w8a8"
         return "fp8" if cfg.family == "minimax_m2" and fp8 else "bf16"
+
+
+def values(hint) -> tuple[str, ...] | None:
+    """The allowed values of a Literal-typed setting (its type's arguments); None for another type."""
+    return get_args(hint) if get_origin(hint) is Literal else None
+
+
+def _names(f: dataclasses.Field) -> str:
+    """How a setting is named to a person: its flag and its variable, or the field."""
+    names = [n for n in (f.metadata.get("flag"), f.metadata.get("env")) if n]
+    return " / ".join(names) or f.name

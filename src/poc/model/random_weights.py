@@ -1,14 +1,16 @@
-"""Random weights of a real model shape, made on the device: for benchmarks and GPU tests (nothing is downloaded).
+"""Random weights of a real model shape, made on the device: for benchmarks and GPU tests (nothing is downloaded);
+what a `random:<preset>[:fp8]` model source (source.RandomPreset) is built from.
 
 N(0, 0.02) matrices and norms near 1, as transformers initialises a fresh model. The model is built on the meta
 device and filled in place, so a 30B-parameter bf16 model needs its own size on the GPU and room for its largest
 tensor. Each tensor comes from its own stream and is drawn whole before a rank keeps its slice, so a model is the
 same on one device and split in any tensor/pipeline-parallel layout.
 MoE experts are made stacked (the layout `fuse()` produces). With `fp8_experts` (random:<preset>:fp8) the model is an
-FP8 checkpoint's, computed W8A8 (fp8.fp8_mode, the default): attention, dense-MLP and expert weights float8_e4m3fn
+FP8 checkpoint's, computed W8A8 (ModelOptions.fp8, the default): attention, dense-MLP and expert weights float8_e4m3fn
 with per-128x128-block scales. With fp8="dequant" the experts are FP8 dequantised per layer and the other linears
 plain model-dtype weights (what the dequantise forward computes with; a tensor-parallel split need not fall on
-128-blocks). To compare the two arithmetics on the same weights, build the W8A8 model and switch fp8.recipe.
+128-blocks). To compare the two arithmetics on the same weights, build the W8A8 model and switch
+fp8.diagnostic_emulation.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ import torch
 from torch import nn
 
 from poc.model.config import ModelConfig
-from poc.model.fp8 import FP8, fp8_mode, use_fp8_linears, use_scales
+from poc.model.fp8 import FP8, use_fp8_linears, use_scales
 from poc.model.options import ModelOptions
+from poc.model.source import FP8_BLOCK
 from poc.model.transformer import MoE, Transformer
 
-RANDOM_PREFIX = "random:"  # a model "directory" of the form random:<preset>[:fp8] (benchmarks, demos)
 FP8_SPREAD = 64.0  # the fp8 payload is N(0, 64) (max 448), its scale 0.02 / 64: dequantised N(0, 0.02)
 
 
@@ -35,7 +37,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_ckpt: bool = 
     """A fused, eval-mode headless model of `cfg`'s shape. `shard(model)` runs on the meta model first (e.g. keep a
     pipeline stage, apply tensor/expert parallel) so only this rank's part is ever allocated; it returns the slices
     it cut (parallel.tp.apply_tp's plan: name -> (dim, start, stop) of the full tensor), or None. fp8_ckpt: an FP8
-    checkpoint's model, run as options.fp8 says (fp8.fp8_mode: w8a8 or dequant), W8A8 in scale format
+    checkpoint's model, run as options.fp8 says (w8a8 or dequant), W8A8 in scale format
     options.fp8_scales (ue8m0 or float32; the checkpoint-like weights drawn here are then re-quantised,
     fp8.use_scales); the rest of the options as the loader reads them (the attention recipe, the kernels).
 
@@ -44,14 +46,14 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device, fp8_ckpt: bool = 
     device = torch.device(device)
     options = options or ModelOptions()
     if fp8_ckpt and cfg.fp8_block is None:  # an FP8 checkpoint's config says so (the attention recipe reads it)
-        cfg = replace(cfg, fp8_block=(128, 128))
+        cfg = replace(cfg, fp8_block=FP8_BLOCK)
     with torch.device("meta"):
         model = Transformer(cfg, options=options)
     keep = set(model.float32_params())
     for name, p in model.named_parameters():  # the model dtype, but for a float32 router
         if name not in keep:
             p.data = p.data.to(dtype)
-    w8a8 = fp8_ckpt and fp8_mode(options.fp8) == "w8a8"
+    w8a8 = fp8_ckpt and options.fp8 == "w8a8"
     if w8a8:
         use_fp8_linears(model, lambda name: True)
     whole = {name: p.shape for name, p in model.named_parameters()}
@@ -94,7 +96,7 @@ def checkpoint_layer(cfg: ModelConfig, layer: int, dtype: torch.dtype, device, f
     time)."""
     device = torch.device(device)
     if fp8_ckpt and cfg.fp8_block is None:
-        cfg = replace(cfg, fp8_block=(128, 128))
+        cfg = replace(cfg, fp8_block=FP8_BLOCK)
     with torch.device("meta"):
         block = Transformer(replace(cfg, n_layers=layer + 1)).layers[str(layer)]
     if fp8_ckpt:
@@ -176,20 +178,3 @@ def _fp8_experts(name: str, experts: range, rows: int, cols: int, device,
         w[i] = fp8_payload((rows, cols), device, g)
         s[i].uniform_(0.9, 1.1, generator=g)
     return w, s * (0.02 / FP8_SPREAD)
-
-
-def random_spec(model: str | None) -> tuple[ModelConfig, bool] | None:
-    """(config, fp8 experts) for "random:<preset>[:fp8]" (a preset of poc.model.config.PRESETS), else None."""
-    if not model or not str(model).startswith(RANDOM_PREFIX):
-        return None
-    from poc.errors import InputError
-    from poc.model.config import PRESETS
-
-    name, _, opt = str(model)[len(RANDOM_PREFIX):].partition(":")
-    if name not in PRESETS or opt not in ("", "fp8"):
-        raise InputError(f"--model {model!r}: expected random:<preset>[:fp8] with a preset of "
-                         f"{', '.join(sorted(PRESETS))}", "model")
-    cfg = PRESETS[name]
-    if opt == "fp8":  # an FP8 checkpoint's config: its quantization_config's blocks
-        cfg = replace(cfg, fp8_block=(128, 128))
-    return cfg, opt == "fp8"

@@ -100,7 +100,7 @@ def apply_partial_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, recipe: str = "bf16"):
+    def __init__(self, cfg: ModelConfig, options: ModelOptions = ModelOptions()):
         super().__init__()
         # local head counts: tensor parallel slices the projections and lowers these, never the config
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -119,7 +119,7 @@ class Attention(nn.Module):
         else:
             self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps), RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.partial_rope = cfg.family == "minimax_m2"  # rotary_dim of each head, rounded as MiniMax's validators
-        self.recipe = attention.check_recipe(recipe)  # how softmax(q k^T) v is computed (ModelOptions.attention)
+        self.recipe = options.attention_for(cfg)  # how softmax(q k^T) v is computed (model/attention.py)
 
     def fuse(self) -> None:
         """Replace q/k/v by one projection (one GEMM instead of three); same numbers per output element."""
@@ -262,7 +262,7 @@ class MoE(nn.Module):
     dispatches the routed tokens, computes the experts and combines their outputs.
     """
 
-    def __init__(self, cfg: ModelConfig, gluon: bool = True):
+    def __init__(self, cfg: ModelConfig, options: ModelOptions = ModelOptions()):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.n_experts_per_tok, cfg.norm_topk_prob
         self.first, self.stop = 0, cfg.n_experts
@@ -277,11 +277,11 @@ class MoE(nn.Module):
         self.w2: Tensor | None = None  # (E_local, D, F)
         self.w13_scale: Tensor | None = None  # FP8 kept in memory: per-128x128-block scales of w13 / w2
         self.w2_scale: Tensor | None = None
-        self.w8a8 = False  # FP8 experts: W8A8 GEMMs (quantised activations) instead of dequantised weights
+        self.w8a8 = False  # FP8 experts: W8A8 GEMMs (quantised activations) instead of dequantised weights (set_fp8)
         self.ue8m0 = False  # W8A8 experts: power-of-two activation scales (fp8.use_scales)
-        self.fast = False  # compiled elementwise steps in the dispatch (set by the engine when it compiles)
+        self.fast = options.compiled  # the layers run compiled: so do the dispatch's elementwise steps (CUDA)
         self.sum_dtype: torch.dtype | None = None  # the output's dtype; None: the input's (parallel.tp: float32)
-        self.gluon = gluon  # W8A8 on Hopper: the Gluon expert kernels, else Triton's (ModelOptions.gluon)
+        self.gluon = options.gluon  # W8A8 on Hopper: the Gluon expert kernels, else Triton's (same bits)
 
     def keep_experts(self, first: int, stop: int) -> None:
         """Hold only experts first..stop-1 (before loading or fuse)."""
@@ -354,9 +354,9 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0, options: ModelOptions = ModelOptions()):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = Attention(cfg, options.attention_for(cfg))
+        self.self_attn = Attention(cfg, options)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MoE(cfg, options.gluon) if cfg.is_moe_layer(layer) else MLP(cfg.dim, cfg.ffn_dim)
+        self.mlp = MoE(cfg, options) if cfg.is_moe_layer(layer) else MLP(cfg.dim, cfg.ffn_dim)
         self.fused_norm = options.fused_norm  # W8A8: norm + quantiser in one pass (fp8.norm_quant)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, last_only: bool = False) -> tuple[Tensor, Tensor]:
@@ -381,7 +381,8 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, with_head: bool = False, options: ModelOptions | None = None):
-        """options: the numerics settings the blocks read now (the attention recipe, the W8A8 kernels)."""
+        """options: the numerics settings the model reads now, each module its own (the attention recipe, the W8A8
+        kernels, the fused norm, a compiled dispatch); nothing sets them on a built model from outside."""
         super().__init__()
         self.cfg = cfg
         self.options = options = options or ModelOptions()
@@ -414,6 +415,16 @@ class Transformer(nn.Module):
                 if block.mlp.e_score_correction_bias is not None:
                     names.append(f"layers.{key}.mlp.e_score_correction_bias")
         return names
+
+    def computes(self) -> dict:
+        """What this built model computes (/health says it): {"attention": its recipe (model/attention.py), "fp8":
+        None, or for an FP8 checkpoint {"forward": "w8a8" (FP8 GEMMs on quantised activations) or "dequant",
+        "scales": W8A8's scale format, "ue8m0" or "float32" (None under dequant)}}, read off its modules."""
+        numerics = None
+        if self.cfg.fp8_block is not None:
+            scales = fp8.scales_of(self)
+            numerics = {"forward": "w8a8" if scales else "dequant", "scales": scales}
+        return {"attention": self.attention, "fp8": numerics}
 
     def tie_weights(self) -> None:
         """Point lm_head at embed_tokens' matrix (needed again after load_state_dict(assign=True))."""

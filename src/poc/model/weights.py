@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from poc.errors import InputError
 from poc.model.config import ModelConfig
-from poc.model.fp8 import fp8_mode, use_fp8_linears, use_scales
+from poc.model.fp8 import use_fp8_linears, use_scales
 from poc.model.options import ModelOptions
 from poc.model.transformer import Transformer
 
@@ -370,28 +370,18 @@ def _check_fp8(refs: dict[str, TensorRef], model: Transformer, name: str) -> Non
                          f"{list(FP8_BLOCK)} blocks needs float scales of shape {list(want)}", "model")
 
 
-FP8_EXPERTS = ("keep", "dequant")
-
-
-def fp8_experts_mode(value: str | None = None) -> str:
-    """`keep` (default): a Qwen3-MoE FP8 checkpoint's experts stay FP8 in memory, dequantised per layer in the
-    forward (same numbers; half the memory); `dequant`: everything dequantised at load. The value (ModelOptions)."""
-    v = value or "keep"
-    if v not in FP8_EXPERTS:
-        raise InputError(f"fp8 experts must be keep or dequant, got {v!r}", "fp8_experts")
-    return v
-
-
-def use_fp8(model: Transformer, refs: dict[str, TensorRef], fp8: str | None = None,
-            fp8_experts: str | None = None) -> tuple[dict[str, torch.dtype], bool]:
-    """Prepare a meta-built model (before tensor parallel) for an FP8 checkpoint's forward: with W8A8 (the default,
-    fp8.fp8_mode) every FP8 attention / dense-MLP linear that has its scales becomes an fp8.Fp8Linear. Returns the
+def use_fp8(model: Transformer, refs: dict[str, TensorRef],
+            options: ModelOptions) -> tuple[dict[str, torch.dtype], bool]:
+    """Prepare a meta-built model (before tensor parallel) for an FP8 checkpoint's forward: with W8A8 (options.fp8,
+    the default) every FP8 attention / dense-MLP linear that has its scales becomes an fp8.Fp8Linear. Returns the
     loader's dtype overrides (those weights read as float8, their scales as float32) and whether a sparse layer's
-    FP8 experts are loaded stacked as float8 (keep_fp8_experts: always for W8A8, else per fp8_experts_mode)."""
+    FP8 experts are loaded stacked as float8 (keep_fp8_experts: always for W8A8; under dequant when
+    options.fp8_experts is `keep`, dequantised per layer in the forward: the same numbers in half the memory, where
+    `dequant` dequantises everything at load)."""
     if model.cfg.fp8_block is None:
         return {}, False
-    if fp8_mode(fp8) != "w8a8":
-        return {}, fp8_experts_mode(fp8_experts) == "keep"
+    if options.fp8 != "w8a8":
+        return {}, options.fp8_experts == "keep"
     names = use_fp8_linears(model, lambda n: n in refs and refs[n].dtype == FP8 and scale_name(n) in refs)
     dtypes = {n: torch.float8_e4m3fn for n in names}
     dtypes.update({scale_name(n): torch.float32 for n in names})
@@ -458,14 +448,14 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: torc
         model = Transformer(cfg, with_head=with_head, options=options)
     # unused tensors (lm_head without a head, rotary inv_freq, ...) are never read
     refs = drop_extra_layers(index_checkpoint(path, cfg.family), cfg.n_layers)
-    dtypes, stack_experts = use_fp8(model, refs, options.fp8, options.fp8_experts)
+    dtypes, stack_experts = use_fp8(model, refs, options)
     dtypes.update({n: torch.float32 for n in model.float32_params()})  # a float32 router stays float32
     check_checkpoint(refs, model, expected_keys(model))  # the whole model against the file headers: reads nothing
     check_unexpected(refs, model)
     plan = (shard(model) or {}) if shard is not None else {}
     names = expected_keys(model)
     if stack_experts:
-        kept = keep_fp8_experts(model, refs, device, w8a8=fp8_mode(options.fp8) == "w8a8")
+        kept = keep_fp8_experts(model, refs, device, w8a8=options.fp8 == "w8a8")
         names = [n for n in names if n not in kept]
 
     sd = {}
@@ -483,11 +473,11 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: torc
         raise InputError(f"checkpoint did not fill {', '.join(left)}", "model")
     model.init_rope(device)
     model.requires_grad_(False)
-    finish_fp8(model, options.fp8, options.fp8_scales)
+    finish_fp8(model, options)
     return model.eval(), cfg
 
 
-def finish_fp8(model: Transformer, fp8: str | None = None, fp8_scales: str | None = None) -> None:
+def finish_fp8(model: Transformer, options: ModelOptions) -> None:
     """A loaded (and sharded) model of an FP8 checkpoint computed W8A8 takes its scale format (fp8.use_scales)."""
-    if model.cfg.fp8_block is not None and fp8_mode(fp8) == "w8a8":
-        use_scales(model, fp8_scales)
+    if model.cfg.fp8_block is not None and options.fp8 == "w8a8":
+        use_scales(model, options.fp8_scales)

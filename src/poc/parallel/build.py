@@ -1,10 +1,11 @@
 """build(): the one way to get a model, whole or a rank's part of it, from any source.
 
-A source is a checkpoint directory (safetensors; model/weights.py), a random preset `random:<preset>[:fp8]` (random
-weights of a real shape: model/random_weights.py) or PoC v1's random model of (params, block hash) (V1Weights:
-model/random_init.py). A `Part` (pipeline stage, tensor-parallel rank and group) is applied to the model built on
-meta before anything is allocated (pp.keep_stage, tp.apply_tp), so a rank reads or draws only its own layers,
-slices and experts, and holds the same values as the whole model in that place. The single-device Engine and the
+A source (model/source.py, parsed once) is a checkpoint directory (Checkpoint: safetensors, model/weights.py), a
+random preset `random:<preset>[:fp8]` (RandomPreset: random weights of a real shape, model/random_weights.py) or PoC
+v1's random model of (params, block hash) (V1Weights: model/random_init.py). A `Part` (pipeline stage,
+tensor-parallel rank and group) is applied to the model built on meta before anything is allocated (pp.keep_stage,
+tp.apply_tp), so a rank reads or draws only its own layers, slices and experts, and holds the same values as the
+whole model in that place. The single-device Engine and the
 rank processes (poc.engine) both build through here.
 """
 
@@ -17,22 +18,14 @@ from typing import Any
 import torch
 
 from poc.model.config import ModelConfig
-from poc.model.options import ModelOptions
+from poc.model.options import ModelOptions, TpReduce
 from poc.model.random_init import build_v1_model
-from poc.model.random_weights import random_model, random_spec
+from poc.model.random_weights import random_model
+from poc.model.source import ModelSource, RandomPreset, V1Weights, parse
 from poc.model.transformer import Transformer
 from poc.model.weights import load_model, resolve_dtype
 from poc.parallel.pp import keep_stage
 from poc.parallel.tp import Plan, apply_tp
-from poc.protocol import v1
-
-
-@dataclass(frozen=True)
-class V1Weights:
-    """PoC v1's random model: its weights drawn from the block hash for these params."""
-
-    params: v1.V1Params
-    block_hash: str
 
 
 @dataclass(frozen=True)
@@ -46,7 +39,7 @@ class Part:
     tp_rank: int = 0
     tp_size: int = 1
     group: Any = None
-    tp_reduce: str = "fp32"
+    tp_reduce: TpReduce = "fp32"
 
     def shard(self, model: Transformer) -> Plan:
         """Cut a meta-built (or built) model down to this part; the slices cut, for the loader."""
@@ -54,7 +47,7 @@ class Part:
         return apply_tp(model, self.tp_rank, self.tp_size, self.group, self.tp_reduce)
 
 
-def build(source: str | Path | V1Weights, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
+def build(source: str | Path | ModelSource, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
           part: Part | None = None, options: ModelOptions | None = None, *, with_head: bool = False,
           progress: bool = False, stop=None) -> tuple[Transformer, ModelConfig]:
     """(model, config) in eval mode: the whole model, or only `part` of it, built and computed as `options` say
@@ -68,13 +61,14 @@ def build(source: str | Path | V1Weights, dtype: str | torch.dtype = "auto", dev
     set, ends the build with random_init.BuildStopped."""
     options = options or ModelOptions()
     shard = part.shard if part is not None else None
+    source = parse(source)
     if isinstance(source, V1Weights):
         model = build_v1_model(source.params, source.block_hash, dtype, device, stop=stop, shard=shard,
                                workers=options.pool_workers)
         return model, model.cfg
-    spec = random_spec(str(source))
-    if spec is not None:
-        cfg, fp8_ckpt = spec
-        model = random_model(cfg, resolve_dtype(dtype, cfg), device, fp8_ckpt=fp8_ckpt, shard=shard, options=options)
+    if isinstance(source, RandomPreset):
+        cfg = source.config()
+        model = random_model(cfg, resolve_dtype(dtype, cfg), device, fp8_ckpt=source.fp8, shard=shard, options=options)
         return model, model.cfg
-    return load_model(source, dtype, device, with_head=with_head, progress=progress, options=options, shard=shard)
+    return load_model(source.path, dtype, device, with_head=with_head, progress=progress, options=options,
+                      shard=shard)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from poc.errors import InputError
-from poc.model.options import ModelOptions
 
 
 @dataclass(frozen=True)
@@ -96,23 +95,3 @@ def stage_layers(n_layers: int, n_stages: int) -> list[range]:
         out.append(range(start, start + n))
         start += n
     return out
-
-
-@dataclass(frozen=True)
-class RankConfig:
-    """What the engine tells every rank process after it connects (plain data: the server process builds it)."""
-
-    layout: Layout
-    backend: str  # "nccl" or "gloo"
-    device_type: str  # "cuda" or "cpu"
-    store_port: int  # rank 0's TCPStore (0 for rank 0 itself: it binds a free port and reports it)
-    timeout_s: float = 300.0  # collectives; a timed-out collective raises and breaks the engine
-    threads: int = 1  # torch CPU threads per rank
-    log_level: str = "INFO"
-    store_host: str = "127.0.0.1"
-    compile_v1: bool = False  # torch.compile of the decoder layer (and v2's input generator) in the ranks
-    compile_v2: bool = False
-    options: ModelOptions = ModelOptions()  # FP8 forward, scales and experts, kernels, tp reduce, v1 pool threads
-    stage_timing: bool = False  # POC_STAGE_TIMING: log each batch's forward and idle time (CUDA events)
-    profile_dir: str | None = None  # POC_RANK_PROFILE: profile batches 4-7 of the first job into DIR/rank<N>.json
-    stage_delay_s: float = 0.0  # tests: seconds slept after each forward, standing in for device time

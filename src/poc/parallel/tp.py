@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from poc.model.fp8 import Fp8Linear, Quantized, scale_slice
+from poc.model.options import TpReduce
 from poc.model.transformer import AllHeadsRMSNorm, MoE, Transformer
 
 Plan = dict[str, tuple[int, int, int]]  # parameter name -> (dim, start, stop) of the full tensor
@@ -67,7 +68,7 @@ def tp_plan(model: Transformer, tp_rank: int, tp_size: int) -> Plan:
 
 
 def apply_tp(model: Transformer, tp_rank: int, tp_size: int, group: "dist.ProcessGroup | None",
-             reduce: str = "fp32") -> Plan:
+             reduce: TpReduce = "fp32") -> Plan:
     """Shard `model` in place for rank `tp_rank` of `tp_size` and return the plan (name -> (dim, start, stop)).
 
     Works on meta parameters (shapes only; load the slices afterwards) and on real ones (sliced copies).
@@ -152,12 +153,10 @@ def _narrow(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
 _MM_OUT_DTYPE = [True]  # torch.mm(..., out_dtype=) (CUDA, torch >= 2.8); off after the first failure
 
 
-def reduce_in_model_dtype(reduce: str = "fp32") -> bool:
-    """reduce="model" (POC_TP_REDUCE): all-reduce half-precision partial sums (half the bytes; each partial is
-    rounded before the sum, so results move within the dtype's rounding). Default fp32: partials summed in fp32,
-    rounded once."""
-    if reduce not in ("fp32", "model"):
-        raise ValueError(f"tp reduce must be fp32 or model, got {reduce!r}")
+def reduce_in_model_dtype(reduce: TpReduce = "fp32") -> bool:
+    """reduce="model" (ModelOptions.tp_reduce, POC_TP_REDUCE): all-reduce half-precision partial sums (half the
+    bytes; each partial is rounded before the sum, so results move within the dtype's rounding). Default fp32:
+    partials summed in fp32, rounded once."""
     return reduce == "model"
 
 

@@ -303,6 +303,12 @@ def target(block_hash: str, vocab_size: int) -> np.ndarray:
     return y[0]
 
 
+def valid(dist: np.ndarray, r_target: float) -> np.ndarray:
+    """The v1 rule, written once (spec-v1 §4.1): a nonce is valid when its distance is under r_target (strictly;
+    NaN never is). Boolean, one a distance."""
+    return dist < r_target
+
+
 def distances(logits: np.ndarray, perms: np.ndarray, tgt: np.ndarray) -> np.ndarray:
     """dist = ‖ normalise_f32(logits[perm]) − target ‖₂ in float64, per row."""
     p = np.take_along_axis(np.asarray(logits, dtype=np.float32), perms, axis=1)
@@ -324,7 +330,7 @@ class ProofBatch:
     node_id: int
 
     def sub_batch(self, r_target: float) -> "ProofBatch":
-        keep = [i for i, d in enumerate(self.dist) if float(d) < r_target]
+        keep = np.flatnonzero(valid(np.asarray(self.dist, dtype=np.float64), r_target))
         return dataclasses.replace(self, nonces=[self.nonces[i] for i in keep], dist=[float(self.dist[i]) for i in keep])
 
     def to_json(self) -> dict:

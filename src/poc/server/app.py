@@ -32,8 +32,7 @@ def create_app(config: ServerConfig) -> web.Application:
     """The only way to get an app. Raises InputError for an unusable config (e.g. --device cuda without CUDA)."""
     engine = factory.make_engine(config.device, config.model, config.dtype, tp=config.tp, pp=config.pp,
                                  replicas=config.replicas, layout=config.layout, compile=config.compile,
-                                 options=config.model_options(), stage_timing=config.stage_timing,
-                                 profile_dir=config.rank_profile)
+                                 options=config.options, diagnostics=config.diagnostics)
     metrics = Metrics()
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware],
                           handler_args=security.handler_args(config))

@@ -9,29 +9,34 @@
 
 Flag > environment variable (POC_HOST, POC_PORT, POC_MODEL, POC_SERVED_MODEL_NAME (comma-separated), POC_DTYPE,
 POC_DEVICE, POC_LOG_LEVEL, POC_SPOOL_DIR, POC_TP, POC_PP, POC_REPLICAS, POC_LAYOUT, POC_COMPILE, POC_FP8_EXPERTS,
-POC_FP8_SCALES, POC_ATTENTION) > default. Environment only: POC_API_TOKEN, SIGNER_PUBKEY, POC_ALLOWED_ORIGINS, POC_OUTBOUND_ALLOW,
-POC_ALLOWED_CLIENTS (comma-separated), POC_V1_CACHE_IDLE (seconds), and the model's and the ranks' switches POC_FP8,
-POC_FP8_FUSED_NORM, POC_FP8_GLUON, POC_TP_REDUCE, POC_POOL_WORKERS, POC_STAGE_TIMING, POC_RANK_PROFILE (read here
-only: the engines get them as ModelOptions and arguments). The other fields are limits and timings; tests override
-them directly.
+POC_FP8_SCALES, POC_ATTENTION) > default. Environment only: POC_API_TOKEN, SIGNER_PUBKEY, POC_ALLOWED_ORIGINS,
+POC_OUTBOUND_ALLOW, POC_ALLOWED_CLIENTS (comma-separated), POC_V1_CACHE_IDLE (seconds), and the model's and the ranks'
+switches POC_FP8, POC_FP8_FUSED_NORM, POC_FP8_GLUON, POC_TP_REDUCE, POC_POOL_WORKERS (ModelOptions.from_env: `options`,
+which the engines get whole), POC_STAGE_TIMING, POC_RANK_PROFILE (RankDiagnostics.from_env: `diagnostics`). The other
+fields are limits and timings; tests override them directly.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from aiohttp import web
+
 from poc import dtypes
 from poc.errors import InputError
-from poc.model.options import ATTENTIONS, ModelOptions
+from poc.model.options import ModelOptions
+from poc.engine.rankgroup import RankDiagnostics
+from poc.switches import env_flag
 
 DTYPE_CHOICES = ("auto", *dtypes.NAMES)
 ENV = {"host": "POC_HOST", "port": "POC_PORT", "model": "POC_MODEL", "dtype": "POC_DTYPE", "device": "POC_DEVICE",
        "log_level": "POC_LOG_LEVEL", "spool_dir": "POC_SPOOL_DIR", "tp": "POC_TP", "pp": "POC_PP",
        "replicas": "POC_REPLICAS", "layout": "POC_LAYOUT", "compile": "POC_COMPILE",
-       "fp8_experts": "POC_FP8_EXPERTS", "fp8_scales": "POC_FP8_SCALES", "served_model_name": "POC_SERVED_MODEL_NAME",
-       "compile_at_start": "POC_COMPILE_AT_START", "attention": "POC_ATTENTION"}
+       "served_model_name": "POC_SERVED_MODEL_NAME", "compile_at_start": "POC_COMPILE_AT_START"}
+MODEL_FLAGS = {f.name: f.metadata for f in dataclasses.fields(ModelOptions) if f.metadata.get("flag")}  # --fp8-scales
 DEFAULT_SPOOL_DIR = "spool"  # relative to the working directory (start_server.sh: the checkout, beside ./logs)
 
 
@@ -50,17 +55,9 @@ class ServerConfig:
     replicas: int = 1  # on CUDA: 0 = as many as the visible GPUs allow
     layout: str = ""  # "auto": tp, pp and replicas picked from the model and the GPUs (poc.engine.auto)
     compile: str = "auto"  # torch.compile on CUDA: auto = on (both protocols; compute.compile_flags), off
-    fp8_experts: str = "keep"  # a Qwen3-MoE FP8 checkpoint's experts: keep (FP8 in memory) or dequant (at load)
-    fp8_scales: str = "ue8m0"  # an FP8 checkpoint's W8A8 scale format: ue8m0 (Hopper validators) or float32
-    attention: str = "auto"  # the attention recipe: auto (the validators': fp8 for an FP8 MiniMax), fp8, fp8kv, bf16
-    # env only (README's Configuration table): the rest of ModelOptions, and the ranks' diagnostics
-    fp8: str = "w8a8"  # POC_FP8: an FP8 checkpoint's forward, w8a8 (the validators' recipe) or dequant
-    fp8_fused_norm: bool = True  # POC_FP8_FUSED_NORM: W8A8 on CUDA, a norm and its readers' quantiser in one kernel
-    fp8_gluon: bool = True  # POC_FP8_GLUON: W8A8 experts on Hopper run the Gluon kernels (0: Triton's, same bits)
-    tp_reduce: str = "fp32"  # POC_TP_REDUCE: tp/ep partial sums all-reduced in fp32, or in the model dtype ("model")
-    pool_workers: int | None = None  # POC_POOL_WORKERS: threads drawing v1's pool (None: the CPUs; a rank its share)
-    stage_timing: bool = False  # POC_STAGE_TIMING: each rank logs its forward and idle time per batch (CUDA)
-    rank_profile: str | None = None  # POC_RANK_PROFILE: a folder where each rank writes a profile of its first job
+    # how models are built and computed (--fp8-scales, --fp8-experts, --attention, POC_FP8, ...: model/options.py)
+    options: ModelOptions = ModelOptions()
+    diagnostics: RankDiagnostics = RankDiagnostics()  # the rank processes' (POC_STAGE_TIMING, POC_RANK_PROFILE)
     # limits: answered with 400/413/422/429 before any GPU work
     max_body_bytes: int = 16 << 20  # the routes that carry nonce lists (security.BULK_PATHS)
     max_small_body_bytes: int = 64 << 10  # every other route (their real bodies are a few KiB)
@@ -132,12 +129,6 @@ class ServerConfig:
         if self.layout == "auto" and (self.tp, self.pp, self.replicas) != (1, 1, 1):
             raise InputError(f"--layout auto picks tp, pp and replicas itself: leave out --tp {self.tp}, --pp "
                              f"{self.pp}, --replicas {self.replicas}", "layout")
-        if self.fp8_experts not in ("keep", "dequant"):
-            raise InputError(f"--fp8-experts must be keep or dequant, got {self.fp8_experts!r}", "fp8_experts")
-        if self.fp8_scales not in ("ue8m0", "float32"):
-            raise InputError(f"--fp8-scales must be ue8m0 or float32, got {self.fp8_scales!r}", "fp8_scales")
-        if self.attention not in ATTENTIONS:
-            raise InputError(f"--attention must be {', '.join(ATTENTIONS)}, got {self.attention!r}", "attention")
         if self.compile not in ("auto", "on", "off"):
             raise InputError(f"--compile must be auto, on or off, got {self.compile!r}", "compile")
         for k in ("header_timeout", "body_idle_timeout", "body_timeout", "stall_timeout"):
@@ -149,13 +140,9 @@ class ServerConfig:
             raise InputError("max_connections and stream_max_waiting must be >= 1", "max_connections")
         if self.dtype not in DTYPE_CHOICES:
             raise InputError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}", "dtype")
-        self.model_options()  # its own checks: the env-only switches
 
-    def model_options(self) -> ModelOptions:
-        """How the engines build and compute models (fp8, scales, experts, kernels, tp reduce, v1 pool threads)."""
-        return ModelOptions(fp8=self.fp8, fp8_scales=self.fp8_scales, fp8_experts=self.fp8_experts,
-                            fused_norm=self.fp8_fused_norm, gluon=self.fp8_gluon, tp_reduce=self.tp_reduce,
-                            pool_workers=self.pool_workers, attention=self.attention)
+
+config_key = web.AppKey("config", ServerConfig)  # the app's settings: every module of the server reads them here
 
 
 def check_spool_dir(path: str | None) -> None:
@@ -171,35 +158,6 @@ def check_spool_dir(path: str | None) -> None:
         raise InputError(f"--spool-dir {path} cannot be created: {e.strerror or e}", "spool_dir") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise InputError(f"--spool-dir {path} is not writable", "spool_dir")
-
-
-def _env_flag(env: Mapping[str, str], name: str, default: bool, field: str) -> bool:
-    v = env.get(name, "").strip().lower()
-    if v not in ("", "0", "1", "false", "true"):
-        raise InputError(f"{name} must be 0 or 1, got {v!r}", field)
-    return default if v == "" else v in ("1", "true")
-
-
-def env_switches(env: Mapping[str, str]) -> dict:
-    """The model's and the ranks' environment switches, as ServerConfig fields (ServerConfig checks their values;
-    a number that does not parse is an InputError naming it here): POC_FP8, POC_FP8_SCALES, POC_FP8_EXPERTS (the
-    server's flags override these three, with POC_ATTENTION), POC_FP8_FUSED_NORM, POC_FP8_GLUON, POC_TP_REDUCE, POC_POOL_WORKERS,
-    POC_STAGE_TIMING, POC_RANK_PROFILE. The CLI and the bench read them here too: ServerConfig(**env_switches(env))."""
-    d = ServerConfig()
-    workers = env.get("POC_POOL_WORKERS", "").strip()
-    try:
-        pool_workers = int(workers) if workers else None
-    except ValueError:
-        raise InputError(f"POC_POOL_WORKERS must be an integer >= 1, got {workers!r}", "pool_workers") from None
-    return dict(fp8=env.get("POC_FP8", "").strip() or d.fp8,
-                fp8_scales=env.get(ENV["fp8_scales"], "").strip() or d.fp8_scales,
-                fp8_experts=env.get(ENV["fp8_experts"], "").strip() or d.fp8_experts,
-                attention=env.get(ENV["attention"], "").strip() or d.attention,
-                fp8_fused_norm=_env_flag(env, "POC_FP8_FUSED_NORM", d.fp8_fused_norm, "fp8_fused_norm"),
-                fp8_gluon=_env_flag(env, "POC_FP8_GLUON", d.fp8_gluon, "fp8_gluon"),
-                tp_reduce=env.get("POC_TP_REDUCE", "").strip() or d.tp_reduce, pool_workers=pool_workers,
-                stage_timing=_env_flag(env, "POC_STAGE_TIMING", d.stage_timing, "stage_timing"),
-                rank_profile=env.get("POC_RANK_PROFILE") or None)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -238,15 +196,14 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
                          f"instead of --tp/--pp/--replicas (env {ENV['layout']})")
     ap.add_argument("--compile", default=env.get(ENV["compile"], d.compile),
                     help=f"torch.compile on CUDA (same bits as eager, ~2.7x faster v2): auto = on, off (env {ENV['compile']})")
-    ap.add_argument("--fp8-experts", default=env.get(ENV["fp8_experts"], d.fp8_experts),
-                    help=f"FP8 MoE experts: keep (FP8 in memory) or dequant (at load) (env {ENV['fp8_experts']})")
-    ap.add_argument("--fp8-scales", default=env.get(ENV["fp8_scales"]) or d.fp8_scales,
-                    help="an FP8 checkpoint's W8A8 scales: ue8m0 (power-of-two, what vLLM computes on Hopper: the "
-                         f"network's validators) or float32 (vLLM without DeepGEMM) (env {ENV['fp8_scales']})")
-    ap.add_argument("--attention", default=env.get(ENV["attention"]) or d.attention,
-                    help="the attention recipe: auto (what the validators compute: fp8 for an FP8 MiniMax-M2, bf16 "
-                         "otherwise), fp8 (Q, K, V and P in e4m3: vLLM 0.25 with an fp8 KV cache on Hopper), fp8kv (K "
-                         f"and V in e4m3: vLLM 0.20), bf16 (env {ENV['attention']})")
+    helps = {"fp8_experts": "with POC_FP8=dequant, FP8 MoE experts: keep (FP8 in memory) or dequant (at load)",
+             "fp8_scales": "an FP8 checkpoint's W8A8 scales: ue8m0 (power-of-two, what vLLM computes on Hopper: the "
+                           "network's validators) or float32 (vLLM without DeepGEMM)",
+             "attention": "the attention recipe: auto (what the validators compute: fp8 for an FP8 MiniMax-M2, bf16 "
+                          "otherwise), fp8 (Q, K, V and P in e4m3: vLLM 0.25 with an fp8 KV cache on Hopper), fp8kv "
+                          "(K and V in e4m3: vLLM 0.20), bf16"}
+    for name, meta in MODEL_FLAGS.items():  # their environment variables are read by ModelOptions.from_env
+        ap.add_argument(meta["flag"], dest=name, default=None, help=f"{helps[name]} (env {meta['env']})")
     ap.add_argument("--compile-at-start", default=env.get(ENV["compile_at_start"], ""), metavar="SPEC",
                     help="shapes to compile before the readiness line: v2:BATCH:SEQ_LEN, v1:BATCH (MainNet params) or "
                          f"a JSON list of {{batch_size, params}} (env {ENV['compile_at_start']}; warm_start.py)")
@@ -264,7 +221,8 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     level = str(a.log_level).upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise InputError(f"--log-level must be debug, info, warning or error, got {a.log_level!r}", "log_level")
-    keepalive = _env_flag(env, "POC_FATAL_KEEPALIVE", d.fatal_keepalive, "fatal_keepalive")
+    keepalive = env_flag(env, "POC_FATAL_KEEPALIVE", d.fatal_keepalive, "fatal_keepalive")
+    options = ModelOptions.from_env(env, **{name: getattr(a, name) for name in MODEL_FLAGS})
     from poc.server import warm_start
 
     shapes = warm_start.parse(a.compile_at_start, a.model)
@@ -283,7 +241,5 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
                         host=a.host, port=port, model=a.model, served_model_name=tuple(a.served_model_name),
                         dtype=a.dtype, device=a.device, log_level=level,
                         spool_dir=a.spool_dir, compile=str(a.compile), layout=str(a.layout).strip().lower(),
-                        fatal_keepalive=keepalive,
-                        **{**env_switches(env), "fp8_experts": str(a.fp8_experts), "fp8_scales": str(a.fp8_scales),
-                           "attention": str(a.attention)},
+                        fatal_keepalive=keepalive, options=options, diagnostics=RankDiagnostics.from_env(env),
                         compile_at_start=shapes, **par)

@@ -20,12 +20,11 @@ from poc.engine.base import Claim, EngineBase
 from poc.hub import hide_cache
 from poc.errors import InputError
 from poc.protocol import v1
-from poc.server.config import ServerConfig
+from poc.server.config import config_key
 from poc.server.metrics import Metrics
 from poc.server.schemas import ServedModel
 from poc.server.stream import JobRunner
 
-config_key = web.AppKey("config", ServerConfig)
 engine_key = web.AppKey("engine", EngineBase)
 metrics_key = web.AppKey("metrics", Metrics)
 runners_key = web.AppKey("runners", set)  # the JobRunners in flight (for /health and shutdown)
@@ -92,14 +91,20 @@ def claim_device(app: web.Application, owner: str) -> Claim:
     return c
 
 
-def admit(app: web.Application, owner: str, *, v1: tuple | None = None, v2: tuple | None = None) -> Claim:
-    """Readiness, the memory estimate of the job (v1=(params, batch_size, dtype) or v2=(batch_size, seq_len)),
-    then the device claim: 503, 422 or 409 before anything starts."""
+def admission(app: web.Application, *, v1: tuple | None = None, v2: tuple | None = None) -> None:
+    """Whether a job may start, short of the device: readiness, then the memory estimate of the job (v1=(params,
+    batch_size, dtype) or v2=(batch_size, seq_len)): 503 or 422 before anything starts. The routes that claim the
+    device at once call admit(); the PoC service claims it its own way (a queued job steps aside)."""
     require_ready(app)
     if v1 is not None:
         check_v1_memory(app, *v1)
     if v2 is not None:
         check_v2_memory(app, *v2)
+
+
+def admit(app: web.Application, owner: str, *, v1: tuple | None = None, v2: tuple | None = None) -> Claim:
+    """admission(), then the device claim: 503, 422 or 409 before anything starts."""
+    admission(app, v1=v1, v2=v2)
     return claim_device(app, owner)
 
 

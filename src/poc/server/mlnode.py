@@ -38,7 +38,7 @@ from aiohttp import web
 
 import poc
 from poc.errors import InputError
-from poc.server import schemas
+from poc.server import fields
 from poc.server.context import config_key, engine_key, served_model
 from poc.server.pow_service import pow_key, stop_every_job
 from poc.server.stream import json_text
@@ -145,7 +145,7 @@ def _v2_body(body: dict) -> dict:
 @routes.post(f"{V2}/init/generate")
 async def init_generate(request: web.Request) -> web.Response:
     app = request.app
-    body = await schemas.read_json(request, app[config_key].max_body_bytes)
+    body = await fields.read_json(request, app[config_key].max_body_bytes)
     b = _v2_body(body)
     for k in ("group_id", "n_groups"):
         if k in b:
@@ -165,7 +165,7 @@ async def generate(request: web.Request) -> web.Response:
     Every deployed validator so decides at 0.01; applying the node's p_value_threshold (0.05 by default) would give
     verdicts the network does not."""
     app = request.app
-    body = await schemas.read_json(request, app[config_key].max_body_bytes)
+    body = await fields.read_json(request, app[config_key].max_body_bytes)
     b = _v2_body(body)
     st = b.get("stat_test")
     if isinstance(st, dict) and "p_value_threshold" in st:

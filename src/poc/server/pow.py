@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from poc.server import schemas
+from poc.server import fields
 from poc.server.context import config_key
 from poc.server.pow_service import PowService, pow_key
 from poc.server.stream import json_text
@@ -39,7 +39,7 @@ def _svc(request: web.Request) -> PowService:
 
 
 async def _body(request: web.Request) -> dict:
-    return await schemas.read_json(request, request.config_dict[config_key].max_body_bytes)
+    return await fields.read_json(request, request.config_dict[config_key].max_body_bytes)
 
 
 @routes.post("/init")

@@ -31,10 +31,10 @@ from poc.engine.jobs import BatchResult
 from poc.errors import InputError
 from poc.logs import describe
 from poc.protocol import v1, v2
-from poc.server import schemas
-from poc.server.context import (check_v1_memory, check_v2_memory, claim_device, config_key, default_v2_batch,
-                                end_sessions, engine_key, new_runner, require_ready, runners_key, sender_key,
-                                served_model, tasks_key, wait_claim)
+from poc.server import fields, schemas
+from poc.server.context import (admission, check_v1_memory, claim_device, config_key,
+                                default_v2_batch, end_sessions, engine_key, new_runner, require_ready, runners_key,
+                                sender_key, served_model, tasks_key, wait_claim)
 from poc.server.jobs import validate_v1
 from poc.server.results import v1_hits, v2_body
 from poc.server.stream import JobRunner, collect
@@ -276,6 +276,10 @@ class PowService:
         self.gen = Generation(self.app, protocol, init, new_runner(self.app, job, claim, label))
         self.gen.start()
 
+    def _default_batch(self, seq_len: int) -> int:
+        """A v2 request's batch when it gives none: the engine's for the served model (context.default_v2_batch)."""
+        return default_v2_batch(self.app, seq_len)
+
     def need_v1(self) -> schemas.PowV1Init:
         """The PoC v1 init in place; 409 without one."""
         if self.v1_init is None:
@@ -297,7 +301,7 @@ class PowService:
         require_ready(self.app)
         if proto == "v1":
             init = schemas.parse_pow_v1_init(body, self.cfg, need_node=True)
-            check_v1_memory(self.app, init.params, init.batch_size, "float16")
+            admission(self.app, v1=(init.params, init.batch_size, "float16"))
             if self._v1_generating() and init == self.v1_init:
                 return "GENERATING"  # the reference starts nothing anew for the same init
             await self._stop_v1_generation()
@@ -306,10 +310,8 @@ class PowService:
                                          f"v1 pow generation node {init.node_id}/{init.node_count}")
             self.v1_init, self.v1_phase = init, "GENERATING"
             return "GENERATING"
-        init = schemas.parse_pow_v2_init(body, self.cfg, served_model(self.app))
-        if init.batch_size is None:
-            init.batch_size = default_v2_batch(self.app, init.seq_len)
-        check_v2_memory(self.app, init.batch_size, init.seq_len)
+        init = schemas.parse_pow_v2_init(body, self.cfg, served_model(self.app), self._default_batch)
+        admission(self.app, v2=(init.batch_size, init.seq_len))
         self._refuse_if_generating()
         await self._start_generation("v2", init, init.job(), f"v2 pow generation node {init.node_id}/{init.node_count} "
                                                              f"group {init.group_id}/{init.n_groups}")
@@ -322,7 +324,7 @@ class PowService:
             raise InputError("PoC v2 has no /init or /init/validate: use /init/generate or /generate", "params")
         require_ready(self.app)
         init = schemas.parse_pow_v1_init(body, self.cfg, need_node=need_node)
-        check_v1_memory(self.app, init.params, init.batch_size, "float16")
+        admission(self.app, v1=(init.params, init.batch_size, "float16"))
         await self._stop_v1_generation()
         self._refuse_if_generating()
         return init
@@ -374,8 +376,9 @@ class PowService:
         init = self.need_v1()
         batch = schemas.parse_proof_batch(body, self.cfg, as_reference=True)
         if batch.block_hash != init.block_hash:
-            raise InputError(f"block_hash {schemas._short(batch.block_hash)} is not the initialized {init.block_hash!r}",
+            raise InputError(f"block_hash {fields.short(batch.block_hash)} is not the initialized {init.block_hash!r}",
                              "block_hash")
+        # queued, not admitted: it waits for the device (and a load) in the queue; only its memory is checked now
         check_v1_memory(self.app, init.params, max(1, min(len(set(batch.nonces)), 100)), "float16")
         job = self._enqueue("validate_v1", (batch, init), len(batch.nonces))
         return {"status": "OK", "pow_status": {"status": self.v1_phase}, "request_id": job.id,
@@ -385,10 +388,8 @@ class PowService:
         """v2 artifacts (or a verdict) for explicit nonces: queued ({"status": "queued", "request_id", ...}), or with
         `wait: true` computed now ({"status": "completed", ...}; 409 at once while generation holds the device)."""
         require_ready(self.app)
-        req = schemas.parse_pow_v2_generate(body, self.cfg, served_model(self.app))
-        if req.batch_size is None:
-            req.batch_size = default_v2_batch(self.app, req.seq_len)
-        check_v2_memory(self.app, req.batch_size, req.seq_len)
+        req = schemas.parse_pow_v2_generate(body, self.cfg, served_model(self.app), self._default_batch)
+        admission(self.app, v2=(req.batch_size, req.seq_len))
         if req.wait:
             # 409 at once while generation runs, never a blocking wait (§f 11); a queued job steps aside
             claim = await self._claim_before_queue("pow /generate wait")

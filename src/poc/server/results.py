@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 
 from poc.engine.jobs import BatchResult, V1Job, V2Job
-from poc.protocol import v2
+from poc.protocol import v1, v2
 from poc.server.stream import JobRunner
 
 
 def v1_hits(b: BatchResult, r_target: float) -> tuple[list[int], list[float]]:
     """The batch's nonces under r_target and their distances, in the batch's order."""
-    keep = np.flatnonzero(b.dist < r_target)
+    keep = np.flatnonzero(v1.valid(b.dist, r_target))
     return [b.nonces[i] for i in keep], [float(b.dist[i]) for i in keep]
 
 

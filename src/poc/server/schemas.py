@@ -1,34 +1,33 @@
-"""Request validation: JSON bodies -> job dataclasses, or InputError (400 with {"error", "field"}) before any work.
+"""The request types of the APIs: JSON bodies -> job dataclasses, or InputError (400 with {"error", "field"}) before
+any work. The root routes' (/generate, /validate), /api/v1/pow's (v2: spec-v2 §e; v1: spec-v1 §4.5) and the params
+/pooled reads; the model a request may name (ServedModel, ParamsMismatch).
 
-Every field is typed and range-checked; params have no silent defaults (spec-v1 §6 F10). The root routes are
-strict about unknown fields. The /api/v1/pow routes ignore unknown top-level fields, as the reference does
-(the MLNode's client struct is the contract there), but their params are strict.
+Every field is typed and range-checked by the toolkit in fields.py; params have no silent defaults (spec-v1 §6 F10).
+The root routes are strict about unknown fields. The /api/v1/pow routes ignore unknown top-level fields, as the
+reference does (the MLNode's client struct is the contract there), but their params are strict.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from aiohttp import web
+from typing import Callable
 
 from poc import dtypes
 from poc.engine.jobs import Limits, V1Job, V2Job
 from poc.errors import InputError
 from poc.protocol import v1, v2
 from poc.protocol.nonces import MAX_INT32, MAX_NONCE, stride_nonces, upto_max_nonce, worker_nonces
-from poc.server import bigjson
 from poc.server.config import ServerConfig
+from poc.server.fields import (MAX_INT64, check_keys, finite, get_any_int64_nonces, get_batch_size, get_bool,
+                               get_header, get_int, get_limits, get_node, get_nonces, get_number, get_str, get_url,
+                               short, url_policy_of)
+# read through this module by the route modules not yet moved onto fields.py (pooled.py, warmup.py, models.py)
+from poc.server.fields import read_json, read_url_body, unwrap  # noqa: F401
 
-MISSING = object()
-MAX_INT64 = MAX_NONCE  # heights, node numbers: int64 on the chain
+_short = short  # warmup.py's name for it
+
 V1_DTYPES = dtypes.NAMES
-V2_PARAM_KEYS = {"model", "seq_len", "k_dim"}
-OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are parsed on a thread, in steps (bigjson.py)
-json_limits_key = web.AppKey("json_limits", tuple)  # (values, containers) a large body may hold (security.setup)
 
 
 class ParamsMismatch(InputError):
@@ -36,7 +35,7 @@ class ParamsMismatch(InputError):
 
     def __init__(self, requested: dict, served: "ServedModel | None"):
         names = served.names if served else []
-        why = (f"params.model {_short(requested.get('model'))} is not served here (serving {', '.join(names)})" if names
+        why = (f"params.model {short(requested.get('model'))} is not served here (serving {', '.join(names)})" if names
                else "no PoC v2 model is loaded: start the server with --model, or POST /api/v1/inference/up")
         super().__init__(why, "params.model", status=409)
         self.requested, self.deployed = requested, {"model": names, "seq_len": None, "k_dim": None}
@@ -74,249 +73,6 @@ def hub_repo_id(path: Path) -> str | None:
         if part.name.startswith("models--"):
             return part.name.removeprefix("models--").replace("--", "/")
     return None
-
-
-# --------------------------------------------------------------------------------------------------
-# bodies
-
-
-async def read_json(request: web.Request, max_bytes: int) -> dict:
-    """The JSON object of the body; 413 over `max_bytes`, 400 for anything that is not a JSON object."""
-    if request.content_length is not None and request.content_length > max_bytes:
-        raise InputError(f"request body of {request.content_length} bytes is over the {max_bytes}-byte limit",
-                         None, status=413)
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise InputError(f"request body is over the {max_bytes}-byte limit", None, status=413) from None
-    try:
-        if len(raw) > OFF_LOOP_BYTES:  # json's C parser would hold the GIL, and so the loop, for the whole body
-            obj = await bigjson.parse_off_loop(raw, _no_constant, *request.config_dict.get(json_limits_key, ()))
-        else:  # at most 64 KiB: under 10 ms on the loop, whatever it holds
-            obj = json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InputError(f"Invalid JSON: {e}", None) from None
-    except RecursionError:
-        raise InputError("Invalid JSON: nested too deeply", None) from None
-    if not isinstance(obj, dict):
-        raise InputError("the body must be a JSON object", None)
-    return obj
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def unwrap(body: dict) -> dict:
-    """The PyWorker envelope: {"auth_data": ..., "payload": {...}} carries the request in payload. As the reference,
-    any body with a `payload` key is an envelope, whatever else it holds (no request has a field of that name)."""
-    if "payload" in body:
-        p = body["payload"]
-        if not isinstance(p, dict):
-            raise InputError("payload must be a JSON object", "payload")
-        return p
-    return body
-
-
-# --------------------------------------------------------------------------------------------------
-# fields
-
-
-def _path(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def check_keys(obj: dict, required, optional: set[str] = frozenset(), prefix: str = "",
-               strict: bool = True) -> None:
-    """Missing fields first (the reference's message, in the order `required` lists them), then unknown ones."""
-    missing = [_path(prefix, m) for m in (required if isinstance(required, (list, tuple)) else sorted(required))
-               if m not in obj]
-    if missing:
-        raise InputError(f"Missing required fields: {missing}", missing[0])
-    required = set(required)
-    extra = sorted(set(obj) - required - optional)
-    if strict and extra:
-        raise InputError(f"unknown field(s): {', '.join(_path(prefix, e) for e in extra)} (allowed: "
-                         f"{', '.join(sorted(required | optional))})", _path(prefix, extra[0]))
-
-
-def _get(obj: dict, name: str, default):
-    v = obj.get(name, MISSING)
-    if v is None and default is not MISSING:
-        v = MISSING  # an explicit null on an optional field means "the default"
-    if v is MISSING:
-        if default is MISSING:
-            raise InputError(f"missing required field: {name}", name)
-        return MISSING
-    return v
-
-
-def get_int(obj: dict, name: str, *, prefix: str = "", default=MISSING, lo: int | None = None,
-            hi: int | None = None, what: str = "") -> int:
-    f = _path(prefix, name)
-    v = _get(obj, name, default)
-    if v is MISSING:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise InputError(f"{f} must be an integer, got {_short(v)}", f)
-    if lo is not None and v < lo:
-        raise InputError(f"{f} must be >= {lo}{what}, got {_short(v)}", f)
-    if hi is not None and v > hi:
-        raise InputError(f"{f} must be <= {hi}{what}, got {_short(v)}", f)
-    return v
-
-
-def get_number(obj: dict, name: str, *, prefix: str = "", default=MISSING, lo: float | None = None,
-               hi: float | None = None, lo_open: bool = False) -> float:
-    f = _path(prefix, name)
-    v = _get(obj, name, default)
-    if v is MISSING:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
-        raise InputError(f"{f} must be a finite number, got {_short(v)}", f)
-    v = float(v)
-    if lo is not None and (v <= lo if lo_open else v < lo):
-        raise InputError(f"{f} must be {'>' if lo_open else '>='} {lo}, got {v}", f)
-    if hi is not None and v > hi:
-        raise InputError(f"{f} must be <= {hi}, got {v}", f)
-    return v
-
-
-def _finite(v: int | float) -> bool:
-    """math.isfinite, False for an int too large for a float (10**400 is valid JSON)."""
-    try:
-        return math.isfinite(v)
-    except OverflowError:
-        return False
-
-
-def _short(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 40 else f"{r[:20]}...({len(r)} characters)"
-
-
-def _get_typed(obj: dict, name: str, prefix: str, default, kind: type, what: str):
-    """(field path, value): the value is MISSING when absent (or null) and optional, else an instance of kind."""
-    f = _path(prefix, name)
-    v = _get(obj, name, default)
-    if v is not MISSING and not isinstance(v, kind):
-        raise InputError(f"{f} must be {what}, got {_short(v)}", f)
-    return f, v
-
-
-def get_str(obj: dict, name: str, *, prefix: str = "", default=MISSING, nonempty: bool = True) -> str:
-    f, v = _get_typed(obj, name, prefix, default, str, "a string")
-    if v is MISSING:
-        return default
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate ("\ud800"): valid JSON, but no UTF-8 string can carry it
-        raise InputError(f"{f} holds a character that cannot be encoded (a lone UTF-16 surrogate)", f) from None
-    if nonempty and not v:
-        raise InputError(f"{f} must not be empty", f)
-    return v
-
-
-def get_bool(obj: dict, name: str, *, prefix: str = "", default=MISSING) -> bool:
-    _f, v = _get_typed(obj, name, prefix, default, bool, "true or false")
-    return default if v is MISSING else v
-
-
-async def read_url_body(request, max_bytes: int, url_field: str, optional: set[str],
-                        policy=None) -> tuple[dict, str]:
-    """A JSON body that names an outbound URL (required, checked against the outbound-URL policy) and some optional
-    keys: (body, the URL without a trailing slash)."""
-    body = unwrap(await read_json(request, max_bytes))
-    if not body.get(url_field):
-        raise InputError(f"{url_field} is required", url_field)
-    check_keys(body, {url_field}, optional)
-    return body, get_url(body, url_field, policy).rstrip("/")
-
-
-def get_url(obj: dict, name: str = "url", policy=None) -> str | None:
-    """A URL the server may call (clients/urlpolicy.py: http(s) with a host, no credentials, no query or fragment, no
-    refused address): anything else fails here, not later in a background sender or a stream already answered 200."""
-    from poc.clients.urlpolicy import UrlPolicy
-
-    u = get_str(obj, name, default=None)
-    if u is None:
-        return None
-    return (policy or UrlPolicy()).check(u, name)
-
-
-def url_policy_of(cfg: ServerConfig):
-    """The outbound-URL policy of a config: its allowlist, and its own listening address refused."""
-    from poc.clients.urlpolicy import UrlPolicy
-
-    return UrlPolicy(cfg.outbound_allow, [(cfg.host, cfg.port)])
-
-
-def get_nonces(obj: dict, name: str, max_len: int, *, prefix: str = "") -> list[int]:
-    """A non-empty list of distinct non-negative integers."""
-    f = _path(prefix, name)
-    v = _get(obj, name, MISSING)
-    if not isinstance(v, list):
-        raise InputError(f"{f} must be a list of integers", f)
-    if not v:
-        raise InputError(f"{f} must not be empty", f)
-    if len(v) > max_len:
-        raise InputError(f"{f} has {len(v)} nonces, more than the limit of {max_len}", f, status=413)
-    for n in v:
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise InputError(f"{f} must hold integers only, got {_short(n)}", f)
-        if n < 0:
-            raise InputError(f"{f} must hold non-negative integers, got {n}", f)
-        if n > MAX_NONCE:
-            raise InputError(f"{f}: {n} is over the int64 range", f)
-    seen: set[int] = set()
-    for n in v:
-        if n in seen:
-            raise InputError(f"{f} holds {n} more than once", f)
-        seen.add(n)
-    return v
-
-
-def _any_int64_nonces(obj: dict, max_len: int) -> list[int]:
-    v = _get(obj, "nonces", MISSING)
-    if not isinstance(v, list):
-        raise InputError("nonces must be a list of integers", "nonces")
-    if len(v) > max_len:
-        raise InputError(f"nonces has {len(v)} nonces, more than the limit of {max_len}", "nonces", status=413)
-    for n in v:
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise InputError(f"nonces must hold integers only, got {_short(n)}", "nonces")
-        if not -MAX_NONCE - 1 <= n <= MAX_NONCE:
-            raise InputError(f"nonces: {n} is outside the int64 range", "nonces")
-    return v
-
-
-def get_batch_size(obj: dict, cfg: ServerConfig, default=MISSING) -> int:
-    return get_int(obj, "batch_size", default=default, lo=1, hi=cfg.max_batch_size)
-
-
-def get_limits(obj: dict, cfg: ServerConfig) -> Limits:
-    return Limits(max_nonces=get_int(obj, "max_nonces", default=None, lo=1, hi=MAX_NONCE),
-                  max_duration=get_number(obj, "max_duration", default=cfg.default_max_duration, lo=0,
-                                          lo_open=True, hi=cfg.max_duration_limit))
-
-
-def get_header(obj: dict) -> tuple[str, int, str]:
-    """(block_hash, block_height, public_key)"""
-    return get_str(obj, "block_hash"), get_int(obj, "block_height", lo=0, hi=MAX_INT64), get_str(obj, "public_key")
-
-
-def get_node(obj: dict, *, groups: bool = True, bounded: bool = True) -> tuple[int, int, int, int]:
-    """(node_id, node_count, group_id, n_groups), with node_id < node_count and group_id < n_groups when `bounded`.
-
-    /api/v1/pow/init/generate is not bounded: the reference takes any node_id >= 0 (an MLNode's node numbers may
-    have gaps) and the lattice formula is defined for it."""
-    node_count = get_int(obj, "node_count", lo=1, hi=MAX_INT64)
-    node_id = get_int(obj, "node_id", lo=0, hi=node_count - 1 if bounded else MAX_INT64,
-                      what=" (node_count - 1)" if bounded else "")
-    n_groups = get_int(obj, "n_groups", default=1, lo=1, hi=MAX_INT64) if groups else 1
-    group_id = get_int(obj, "group_id", default=0, lo=0, hi=n_groups - 1 if bounded else MAX_INT64,
-                       what=" (n_groups - 1)" if bounded else "") if groups else 0
-    return node_id, node_count, group_id, n_groups
 
 
 # --------------------------------------------------------------------------------------------------
@@ -361,7 +117,7 @@ def parse_v1_params(params) -> v1.V1Params:
 def get_dtype(obj: dict) -> str:
     d = get_str(obj, "dtype", default="float16")
     if d not in V1_DTYPES:
-        raise InputError(f"dtype must be one of {', '.join(V1_DTYPES)}, got {_short(d)}", "dtype")
+        raise InputError(f"dtype must be one of {', '.join(V1_DTYPES)}, got {short(d)}", "dtype")
     return d
 
 
@@ -417,14 +173,14 @@ def parse_proof_batch(body: dict, cfg: ServerConfig, as_reference: bool = False)
     negative, as the reference's pydantic model takes them and scores them: the validator still gets a verdict on a
     node's odd on-chain batch instead of a 400."""
     bh, height, pk = get_header(body)
-    nonces = _any_int64_nonces(body, cfg.max_request_nonces) if as_reference else \
+    nonces = get_any_int64_nonces(body, cfg.max_request_nonces) if as_reference else \
         get_nonces(body, "nonces", cfg.max_request_nonces)
     dist = body.get("dist")
     if not isinstance(dist, list) or len(dist) != len(nonces):
         raise InputError(f"dist must be a list of {len(nonces)} numbers (one per nonce)", "dist")
     for d in dist:
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not _finite(d):
-            raise InputError(f"dist must hold finite numbers, got {_short(d)}", "dist")
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not finite(d):
+            raise InputError(f"dist must hold finite numbers, got {short(d)}", "dist")
     node_id = get_int(body, "node_id", lo=-MAX_INT64 - 1, hi=MAX_INT64)
     return v1.ProofBatch(public_key=pk, block_hash=bh, block_height=height, nonces=nonces,
                          dist=[float(d) for d in dist], node_id=node_id)
@@ -452,7 +208,7 @@ class PowV2Init:
     node_count: int
     group_id: int
     n_groups: int
-    batch_size: int | None  # None: not in the request (the server's default_v2_batch, filled before job())
+    batch_size: int  # the request's, else the served model's default (default_batch)
     seq_len: int
     k_dim: int
     url: str | None
@@ -473,7 +229,15 @@ class PowV2Init:
                 "n_groups": self.n_groups, "seq_len": self.seq_len, "k_dim": self.k_dim}
 
 
-def parse_pow_v2_init(body: dict, cfg: ServerConfig, served: ServedModel | None) -> PowV2Init:
+def _protocol_default(seq_len: int) -> int:
+    """The batch a v2 request without one gets where no engine says otherwise (the server passes the engine's rule
+    for the served model, context.default_v2_batch: a Gonka node sends none)."""
+    return v2.DEFAULT_BATCH_SIZE
+
+
+def parse_pow_v2_init(body: dict, cfg: ServerConfig, served: ServedModel | None,
+                      default_batch: Callable[[int], int] = _protocol_default) -> PowV2Init:
+    """/init/generate's v2 body; a batch_size it does not give is default_batch(seq_len)."""
     check_keys(body, {"block_hash", "block_height", "public_key", "node_id", "node_count", "params"}, strict=False)
     seq_len, k_dim = parse_v2_params(body["params"], served)
     bh, height, pk = get_header(body)
@@ -482,9 +246,12 @@ def parse_pow_v2_init(body: dict, cfg: ServerConfig, served: ServedModel | None)
     if first > MAX_INT32:  # the node would store every nonce of this lattice wrapped (int32): refuse it now
         raise InputError(f"the first nonce of this node, node_id + group_id*node_count = {first}, is past the int32 "
                          f"range (max {MAX_INT32}) the Gonka node stores PoC v2 nonces in", "node_id")
-    return PowV2Init(bh, height, pk, node_id, node_count, group_id, n_groups,
-                     get_batch_size(body, cfg, default=None), seq_len, k_dim, get_url(body, policy=url_policy_of(cfg)),
-                     get_bool(body, "poc_stronger_rng", default=False))
+    batch_size = get_batch_size(body, cfg, default=None)
+    url, stronger = get_url(body, policy=url_policy_of(cfg)), get_bool(body, "poc_stronger_rng", default=False)
+    if batch_size is None:  # asked last: the body is valid, so the default is for a request that runs
+        batch_size = default_batch(seq_len)
+    return PowV2Init(bh, height, pk, node_id, node_count, group_id, n_groups, batch_size, seq_len, k_dim, url,
+                     stronger)
 
 
 @dataclass
@@ -497,7 +264,7 @@ class PowV2Generate:
     nonces: list[int]
     seq_len: int
     k_dim: int
-    batch_size: int | None  # None: not in the request (the server's default_v2_batch, filled before job())
+    batch_size: int  # the request's, else the served model's default (default_batch)
     wait: bool
     url: str | None
     stronger_rng: bool
@@ -510,7 +277,9 @@ class PowV2Generate:
                      stronger_rng=self.stronger_rng, limits=Limits(max_nonces=None, max_duration=None))
 
 
-def parse_pow_v2_generate(body: dict, cfg: ServerConfig, served: ServedModel | None) -> PowV2Generate:
+def parse_pow_v2_generate(body: dict, cfg: ServerConfig, served: ServedModel | None,
+                          default_batch: Callable[[int], int] = _protocol_default) -> PowV2Generate:
+    """/api/v1/pow/generate's body; a batch_size it does not give is default_batch(seq_len)."""
     check_keys(body, {"block_hash", "block_height", "public_key", "node_id", "node_count", "nonces", "params"},
                strict=False)
     seq_len, k_dim = parse_v2_params(body["params"], served)
@@ -518,9 +287,10 @@ def parse_pow_v2_generate(body: dict, cfg: ServerConfig, served: ServedModel | N
     node_id = get_int(body, "node_id", lo=0, hi=MAX_INT64)
     node_count = get_int(body, "node_count", lo=1, hi=MAX_INT64)
     nonces = get_nonces(body, "nonces", cfg.max_request_nonces)
-    req = PowV2Generate(bh, height, pk, node_id, node_count, nonces, seq_len, k_dim,
-                        get_batch_size(body, cfg, default=None), get_bool(body, "wait", default=False),
-                        get_url(body, policy=url_policy_of(cfg)), get_bool(body, "poc_stronger_rng", default=False))
+    batch_size = get_batch_size(body, cfg, default=None)
+    wait, url = get_bool(body, "wait", default=False), get_url(body, policy=url_policy_of(cfg))
+    req = PowV2Generate(bh, height, pk, node_id, node_count, nonces, seq_len, k_dim, batch_size, wait, url,
+                        get_bool(body, "poc_stronger_rng", default=False))
     val = body.get("validation")
     if val is not None:
         req.received = _parse_validation(val, nonces)
@@ -536,6 +306,8 @@ def parse_pow_v2_generate(body: dict, cfg: ServerConfig, served: ServedModel | N
             p_mismatch=get_number(st, "p_mismatch", prefix="stat_test", default=d.p_mismatch, lo=0, hi=1.0),
             fraud_threshold=get_number(st, "fraud_threshold", prefix="stat_test", default=d.fraud_threshold, lo=0,
                                        hi=1.0))
+    if req.batch_size is None:  # asked last: the body is valid, so the default is for a request that runs
+        req.batch_size = default_batch(seq_len)
     return req
 
 
@@ -551,9 +323,9 @@ def _parse_validation(val, nonces: list[int]) -> dict[int, str]:
             raise InputError(f"{f} items must be objects with nonce and vector_b64", f)
         n, b = a["nonce"], a.get("vector_b64", "")
         if isinstance(n, bool) or not isinstance(n, int):
-            raise InputError(f"{f}: nonce must be an integer, got {_short(n)}", f)
+            raise InputError(f"{f}: nonce must be an integer, got {short(n)}", f)
         if b is not None and not isinstance(b, str):
-            raise InputError(f"{f}: vector_b64 must be a string, got {_short(b)}", f)
+            raise InputError(f"{f}: vector_b64 must be a string, got {short(b)}", f)
         if n in received:
             raise InputError(f"{f} holds nonce {n} more than once", f)
         received[n] = b or ""

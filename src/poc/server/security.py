@@ -38,7 +38,6 @@ from aiohttp import web
 
 from poc.clients.urlpolicy import UrlPolicy  # noqa: F401 (the type of Security.policy)
 from poc.errors import InputError
-from poc.server.stream import stall_key
 
 log = logging.getLogger("poc.server")
 
@@ -188,7 +187,7 @@ def client_networks(entries, resolve=socket.getaddrinfo) -> tuple[Network, ...]:
 
 def setup(app: web.Application, config) -> Security:
     """The guard for `config` (ServerConfig); InputError for an unusable SIGNER_PUBKEY or POC_ALLOWED_CLIENTS."""
-    from poc.server.schemas import json_limits_key, url_policy_of
+    from poc.server.fields import url_policy_of
 
     sec = Security(policy=url_policy_of(config), api_token=config.api_token or None,
                    signer=SignatureKey(config.signer_pubkey) if config.signer_pubkey else None,
@@ -201,13 +200,9 @@ def setup(app: web.Application, config) -> Security:
         log.info("only these clients may call (POC_ALLOWED_CLIENTS): %s",
                  ", ".join(str(n) for n in sec.allowed_clients))
     app[security_key] = sec
-    # a large body is parsed in steps (bigjson.py): at most what the largest real one holds, v2 /generate's nonces
-    # and their validation artifacts ({nonce, vector_b64} each: 4 values and 1 object a nonce), plus the other fields
-    app[json_limits_key] = (4 * config.max_request_nonces + 4096, config.max_request_nonces + 1024)
     warning = bind_warning(config)
     if warning:
         log.warning(warning)
-    app[stall_key] = config.stall_timeout
     app.middlewares.append(guard)
     return sec
 

@@ -35,6 +35,8 @@ from poc.engine.base import Claim, EngineBase
 from poc.engine.jobs import BatchResult, JobSummary, V1Job
 from poc.errors import InputError
 from poc.logs import describe_parts
+from poc.protocol import v1
+from poc.server.config import ServerConfig, config_key
 
 if TYPE_CHECKING:
     from poc.server.metrics import Metrics
@@ -43,7 +45,6 @@ log = logging.getLogger("poc.server")
 
 _DONE = object()
 STALLED_BUFFER = 1 << 20  # bytes a stalled client may have queued before further lines are dropped
-stall_key = web.AppKey("stall_timeout", float)  # NdjsonWriter's default (security.setup sets it from the config)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,7 +257,7 @@ class JobRunner:
 
     def _valid(self, b: BatchResult) -> int:
         if isinstance(self.job, V1Job):
-            return int((b.dist < self.job.r_target).sum()) if b.dist is not None else 0
+            return int(v1.valid(b.dist, self.job.r_target).sum()) if b.dist is not None else 0
         return len(b.artifacts or [])
 
     def _arrive(self, q: asyncio.Queue, b: BatchResult) -> None:
@@ -510,7 +511,9 @@ class NdjsonWriter:
         self.request = request
         # a client that takes no bytes for this long is stalled: the line in hand stays buffered for it, the job is
         # stopped (reason "stalled") and only the final line is still queued behind it
-        self.stall_timeout = stall_timeout if stall_timeout is not None else request.app.get(stall_key, 60.0)
+        cfg = request.config_dict.get(config_key)
+        self.stall_timeout = stall_timeout if stall_timeout is not None else \
+            (cfg.stall_timeout if cfg is not None else ServerConfig.stall_timeout)
         self.stalled = False
         self.resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache",
                                                 "X-Accel-Buffering": "no"})

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from poc.hub import hide_cache
 from poc.logs import describe
-from poc.server import schemas
+from poc.server import fields, schemas
 from poc.server.context import (admit, config_key, engine_key, metrics_key, model_label, new_runner, runners_key,
                                 sender_key)
 from poc.server.jobs import VALIDATE_BATCH_SIZE, admit_job, parse_generate, validate_v1
@@ -82,7 +82,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def generate(request: web.Request) -> web.StreamResponse:
     app = request.app
     cfg = app[config_key]
-    body = schemas.unwrap(await schemas.read_json(request, cfg.max_body_bytes))
+    body = fields.unwrap(await fields.read_json(request, cfg.max_body_bytes))
     job, lines, label = parse_generate(app, body, "/generate")
     claim = admit_job(app, job, "/generate")  # 422 or 409 here, before the 200 goes out
     runner = new_runner(app, job, claim, label)
@@ -114,7 +114,7 @@ async def validate(request: web.Request) -> web.Response:
     """Recompute a submitted v1 ProofBatch and answer the ValidatedBatch fields."""
     app = request.app
     cfg = app[config_key]
-    body = schemas.unwrap(await schemas.read_json(request, cfg.max_body_bytes))
+    body = fields.unwrap(await fields.read_json(request, cfg.max_body_bytes))
     req = schemas.parse_v1_validate(body, cfg)
     bs = min(len(req.batch.nonces), VALIDATE_BATCH_SIZE)
     claim = admit(app, "/validate", v1=(req.params, bs, req.dtype))
