@@ -306,16 +306,16 @@ def test_the_dead_letter_cli_lists_the_records(tmp_path, capsys):
 
 async def test_stored_returns_when_every_store_is_done_even_before_its_callback_ran():
     """CallbackSender.stored() (what a pow generation awaits after its last batch, before the final release) with a
-    finished store still in _stores, its done-callback not yet run: it returns at once. It waited for _stores to
-    empty, which that callback does: on Python 3.12, where gather() of finished tasks is finished without yielding,
-    the loop never got the turn to run it and the server froze after a stop (seen once on four H200s); on 3.11 it
-    spun until the callback ran. Here the callback never comes, so the old loop never returns."""
+    finished store still in its outbox's stores, its done-callback not yet run: it returns at once. It waited for
+    them to empty, which that callback does: on Python 3.12, where gather() of finished tasks is finished without
+    yielding, the loop never got the turn to run it and the server froze after a stop (seen once on four H200s); on
+    3.11 it spun until the callback ran. Here the callback never comes, so the old loop never returns."""
     s = CallbackSender(timeout=5, backoff_base=0.05)
     finished = asyncio.get_running_loop().create_future()
     finished.set_result(None)
-    s._stores.add(finished)  # done, and no discard callback will take it out
+    s.outbox.stores.add(finished)  # done, and no discard callback will take it out
     slow = asyncio.create_task(asyncio.sleep(0.2))
-    s._stores.add(slow)
-    slow.add_done_callback(s._stores.discard)
+    s.outbox.stores.add(slow)
+    slow.add_done_callback(s.outbox.stores.discard)
     await asyncio.wait_for(s.stored(), 2)
     assert slow.done()  # a store still running was waited for

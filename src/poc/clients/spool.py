@@ -27,7 +27,7 @@ and left in place, untouched; a directory where no segment can be created at sta
 reading, and every later append tries again. Pending records stay readable from descriptors held open, also
 after their file was deleted.
 
-Not thread-safe by design: the CallbackSender calls it from one I/O thread only.
+Not thread-safe by design: the CallbackSender's outbox (outbox.py) calls it from one I/O thread only.
 
     python -m poc.clients.spool dead-letter [--spool-dir DIR] [--payload]
 
