@@ -712,30 +712,6 @@ async def test_pooled_with_replicas_out_of_order_covers_the_range_once(aiohttp_c
     assert sum(d["batch_computed"] for d in results) == 5000
 
 
-def test_computed_spans_gaps_and_a_batch_straddling_them():
-    import numpy as np
-
-    from poc.engine.jobs import BatchResult
-    from poc.server.pooled import add_spans, split_runs, uncomputed
-
-    spans = []
-    for batch in ([20, 21, 22], [0, 1, 2], [5, 6], [3, 4], [30, 31]):  # out of order, some adjacent
-        add_spans(spans, batch)
-    assert spans == [[0, 6], [20, 22], [30, 31]]
-    it = uncomputed(spans, 0, 33)
-    add_spans(spans, [7, 8])  # a later batch of the running job: the iterator keeps its snapshot
-    assert list(it) == [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 23, 24, 25, 26, 27, 28, 29, 32, 33]
-    assert list(uncomputed([[0, 9]], 0, 9)) == [] and list(uncomputed([], 5, 7)) == [5, 6, 7]
-    b = BatchResult(index=3, nonces=[18, 19, 23, 24], elapsed=1.0, batch_seconds=0.1, dist=np.arange(4.0))
-    parts = split_runs(b)
-    assert [p.nonces for p in parts] == [[18, 19], [23, 24]]
-    assert [list(p.dist) for p in parts] == [[0.0, 1.0], [2.0, 3.0]]
-    v2b = BatchResult(index=1, nonces=[1, 2, 9], elapsed=0, batch_seconds=0,
-                      artifacts=[{"nonce": 1}, {"nonce": 9}], dropped=[2])
-    assert [(p.artifacts, p.dropped) for p in split_runs(v2b)] == [([{"nonce": 1}], [2]), ([{"nonce": 9}], [])]
-    assert split_runs(b)[0] is not b and split_runs(parts[0]) == [parts[0]]
-
-
 async def test_a_plain_config_still_serving_the_first_key_does_not_undo_a_switch_job(aiohttp_client, tmp_path, orch):
     """The reference moves the key only on "switch_job"/"compute": an orchestrator whose plain config keeps the first
     key after a one-shot switch_job must not switch the worker back."""

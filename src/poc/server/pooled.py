@@ -30,43 +30,37 @@ the reference (spec-v1 §6):
 - F15: every ending calls /shutdown, including "shutdown" while waiting and a failed registration.
 Result bodies keep the reference's keys and order (v1: nonces/dist under r_target; v2: artifacts) and add
 first_nonce/last_nonce (the batch's computed span) and idempotency_id. One GPU group: worker_id = node_id = 0.
+
+This module is the session: the orchestrator calls, the device claim, the jobs, the stream and the stops. What it
+computes next (the config merged, the checked Assignment, the ranges done and left, the result bodies) is
+pooled_plan.py's PooledPlan, pure bookkeeping the session owns and feeds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Iterator
 
 from aiohttp import web
 
 from poc.clients.orchestrator import OrchestratorClient
 from poc.engine.base import Claim
-from poc.engine.jobs import BatchResult, Limits, V1Job, V2Job
+from poc.engine.jobs import BatchResult
 from poc.errors import InputError
 from poc.logs import describe
-from poc.protocol import v1, v2
 from poc.server import schemas
 from poc.server.context import (admit, check_v1_memory, check_v2_memory, config_key, engine_key, new_runner,
                                 require_ready, sender_key, served_model, track_streams)
-from poc.server.results import v1_hits
+from poc.server.fields import get_batch_size, get_number, read_url_body
+from poc.server.pooled_plan import Assignment, PooledPlan, split_runs
 from poc.server.security import url_policy
-from poc.server.stream import JobRunner, NdjsonWriter, add_spans
+from poc.server.stream import JobRunner, NdjsonWriter
 
 log = logging.getLogger("poc.pooled")
 
-MERGE_KEYS = ("block_hash", "block_height", "r_target", "params", "public_key", "nonce_range_start",
-              "nonce_range_end", "batch_size", "poc_stronger_rng")
-DEFAULTS = {"block_hash": "", "block_height": 0, "r_target": 0.0, "params": {}, "public_key": "",
-            "nonce_range_start": 0, "nonce_range_end": 0}
-INT_KEYS = ("block_height", "nonce_range_start", "nonce_range_end", "batch_size")  # 7.0 is taken as 7
-KEY_COMMANDS = ("switch_job", "compute")  # the config commands that move the public key once computing
 GPU_COUNT = 1  # one engine: the server's device (replicas are the parallel engine's business)
 
 
@@ -82,11 +76,11 @@ def setup(app: web.Application) -> None:
 async def pooled(request: web.Request) -> web.StreamResponse:
     app = request.app
     cfg = app[config_key]
-    body, url = await schemas.read_url_body(request, cfg.max_body_bytes, "orchestrator_url",
-                                            {"batch_size", "max_duration", "dtype"}, url_policy(app))
-    batch_size = schemas.get_batch_size(body, cfg, default=None)
-    max_duration = schemas.get_number(body, "max_duration", default=cfg.pooled_max_duration, lo=0, lo_open=True,
-                                      hi=cfg.max_duration_limit)
+    body, url = await read_url_body(request, cfg.max_body_bytes, "orchestrator_url",
+                                    {"batch_size", "max_duration", "dtype"}, url_policy(app))
+    batch_size = get_batch_size(body, cfg, default=None)
+    max_duration = get_number(body, "max_duration", default=cfg.pooled_max_duration, lo=0, lo_open=True,
+                              hi=cfg.max_duration_limit)
     dtype = schemas.get_dtype(body)
     require_ready(app)  # 503 or 409 here, before the 200; the device itself is claimed when work arrives
     if app[engine_key].busy:
@@ -104,59 +98,27 @@ async def pooled(request: web.Request) -> web.StreamResponse:
     return w.resp
 
 
-@dataclass(frozen=True)
-class Assignment:
-    """What the orchestrator asks for now, checked."""
-
-    protocol: str
-    block_hash: str
-    block_height: int
-    public_key: str
-    r_target: float
-    params: object  # V1Params, or (seq_len, k_dim)
-    params_key: str  # canonical JSON, for comparisons and ids
-    range_start: int
-    range_end: int
-    batch_size: int
-    stronger_rng: bool
-
-    @property
-    def work(self) -> tuple:
-        """The computation without the key: a key change alone continues the same work."""
-        return (self.protocol, self.block_hash, self.block_height, self.params_key, self.r_target, self.range_start,
-                self.range_end, self.stronger_rng)
-
-
 class PooledSession:
     def __init__(self, app: web.Application, url: str, batch_size: int | None, max_duration: float, dtype: str):
-        self.app, self.url, self.req_batch_size, self.max_duration, self.dtype = app, url, batch_size, max_duration, dtype
+        self.app, self.url, self.max_duration, self.dtype = app, url, max_duration, dtype
         # the device, held while there is work (a block hash, then a range to compute): its jobs borrow it; a
         # session waiting for its orchestrator holds nothing, so /health stays ready and other jobs may run
         self.claim: Claim | None = None
         self.cfg = app[config_key]
         self.sender = app[sender_key]
         self.worker_id = str(uuid.uuid4())
-        self.conf = dict(DEFAULTS)
-        self.range_given = False
-        self.assignment: Assignment | None = None
-        self.bad_config: InputError | None = None
-        self.announce: list[dict] = []  # status lines of applied changes, written before the next job starts
-        self.computed: dict[tuple, list[list[int]]] = {}  # work -> the nonces computed, as sorted [lo, hi] spans
-        self.epoch = 0  # bumped by switch_job: a batch of the job it stopped must not count as computed any more
-        self.finished: set[tuple] = set()  # works whose range is exhausted
-        self.counters_for: tuple | None = None
-        self.batch_number = self.total_computed = self.total_valid = 0
+        # the orchestrator's config, the assignment it makes and what of it is done (pure: pooled_plan.py)
+        self.plan = PooledPlan(self.cfg, batch_size, dtype, model=lambda: served_model(app),
+                               check_memory=memory_check(app, dtype))
         self.batches_sent = 0
         self.runner: JobRunner | None = None
         self._last_runner: JobRunner | None = None
         self._bg: set[asyncio.Task] = set()
         self._tasks: list[asyncio.Task] = []  # the heartbeat and the config polls
-        self._conf_seen = ""
         self.end_reason: str | None = None
         self.changed = asyncio.Event()
         self.got_block_hash = asyncio.Event()
         self.ended = asyncio.Event()  # request_end was called: retried calls stop waiting
-        self.r_target_warned = False
         self.started = time.monotonic()
         self.deadline: float | None = None  # max_duration counts from "computing", as the reference's compute loop
         self._lock = asyncio.Lock()
@@ -236,10 +198,6 @@ class PooledSession:
         await self._stop_background()
         await self.client.shutdown(stats, retry=retry)
 
-    @property
-    def elapsed(self) -> float:
-        return time.monotonic() - self.started
-
     # ------------------------------------------------------------------------------------- session
 
     async def run(self, w: NdjsonWriter) -> None:
@@ -278,8 +236,9 @@ class PooledSession:
 
     async def _main(self) -> None:
         c = self.cfg
+        plan = self.plan
         await self.emit({"status": "waiting_block_hash"})
-        if not self.conf["block_hash"]:
+        if not plan.conf["block_hash"]:
             try:
                 await asyncio.wait_for(self.got_block_hash.wait(), c.pooled_wait_timeout)
             except asyncio.TimeoutError:
@@ -290,7 +249,7 @@ class PooledSession:
             await self._end_early()
             return
         self.take_device()  # work arrived: the device from here (a 409 line if another job took it meanwhile)
-        await self.emit({"status": "received_block_hash", "block_hash": self.conf["block_hash"][:16]})
+        await self.emit({"status": "received_block_hash", "block_hash": plan.conf["block_hash"][:16]})
         await self.emit({"status": "loading_model"})
         t0 = time.monotonic()
         await self._build_model()
@@ -303,10 +262,11 @@ class PooledSession:
             await self._fail("Failed to notify ready", "ConnectionError", detail=r.error)
             return
         self._merge(r.data)
-        self._reassign(None)
-        if self.bad_config is not None:
-            raise self.bad_config
-        pk = self.conf["public_key"]
+        if plan.reassign(None):
+            self._changed()
+        if plan.bad_config is not None:
+            raise plan.bad_config
+        pk = plan.conf["public_key"]
         await self.emit({"status": "ready", "public_key": pk[:16] if pk else None})
         self.deadline = time.monotonic() + self.max_duration  # the wait for a block hash had its own limit
         await self.emit({"status": "computing"})
@@ -316,13 +276,13 @@ class PooledSession:
 
     async def _build_model(self) -> None:
         """The v1 model for the block hash and params (v2's checkpoint was loaded at start)."""
-        params = self.conf["params"]
+        params = self.plan.conf["params"]
         proto = schemas.protocol_of(params)
         if proto == "v1":
             p = schemas.parse_v1_params(params)
-            bs = self._batch_size()
+            bs = self.plan.batch_size()
             check_v1_memory(self.app, p, bs, self.dtype)
-            await asyncio.to_thread(self.app[engine_key].build_v1, p, self.conf["block_hash"], self.dtype)
+            await asyncio.to_thread(self.app[engine_key].build_v1, p, self.plan.conf["block_hash"], self.dtype)
         else:
             schemas.parse_v2_params(params, served_model(self.app))
 
@@ -338,19 +298,19 @@ class PooledSession:
     # ------------------------------------------------------------------------------------- compute
 
     async def _compute(self) -> None:
-        deadline = self.deadline
+        deadline, plan = self.deadline, self.plan
         while self.end_reason is None:
-            for line in self.announce:
+            for line in plan.announce:
                 await self.emit(line)
-            self.announce.clear()
-            if self.bad_config is not None:
-                raise self.bad_config
-            a = self.assignment
-            if a is None or a.work in self.finished:
+            plan.announce.clear()
+            if plan.bad_config is not None:
+                raise plan.bad_config
+            a = plan.assignment
+            if plan.idle(a):
                 self.changed.clear()
                 self.give_device()  # nothing to compute until the orchestrator says more
                 if a is None:
-                    await self.emit({"status": "waiting_range" if self.conf["public_key"] else "waiting_public_key"})
+                    await self.emit({"status": "waiting_range" if plan.conf["public_key"] else "waiting_public_key"})
                 try:
                     await asyncio.wait_for(self.changed.wait(), max(0.0, deadline - time.monotonic()))
                 except asyncio.TimeoutError:
@@ -364,43 +324,29 @@ class PooledSession:
                 return
             if summary.reason == "shutdown":
                 self.request_end("server_shutdown")
-            elif summary.reason == "exhausted" and self.assignment == a:
-                self.finished.add(a.work)
+            elif summary.reason == "exhausted" and plan.assignment == a:
+                plan.complete(a)
                 await self.emit({"status": "range_complete", "range_start": a.range_start, "range_end": a.range_end,
-                                 "total_batches": self.batch_number, "total_computed": self.total_computed})
+                                 "total_batches": plan.batch_number, "total_computed": plan.total_computed})
                 t = asyncio.create_task(self.client.heartbeat(self.sender.pending_for(self.client.worker_url),
                                                               range_complete=[a.range_start, a.range_end]))
                 self._bg.add(t)
                 t.add_done_callback(self._bg.discard)
 
     async def _run_job(self, a: Assignment):
-        if self.counters_for != a.work:
-            self.counters_for = a.work
-            self.batch_number = self.total_computed = self.total_valid = 0
-        spans = self.computed.get(a.work, [])
-        start = next(uncomputed(spans, a.range_start, a.range_end), a.range_end + 1)
-        nonces = uncomputed(spans, a.range_start, a.range_end)
-        lim = Limits(max_nonces=None, max_duration=None)  # the session keeps time
-        if a.protocol == "v1":
-            job = V1Job(block_hash=a.block_hash, public_key=a.public_key, block_height=a.block_height, params=a.params,
-                        r_target=a.r_target, nonces=nonces, batch_size=a.batch_size, dtype=self.dtype, limits=lim)
-        else:
-            seq_len, k_dim = a.params
-            job = V2Job(block_hash=a.block_hash, public_key=a.public_key, block_height=a.block_height,
-                        seq_len=seq_len, k_dim=k_dim, nonces=nonces, batch_size=a.batch_size,
-                        stronger_rng=a.stronger_rng, limits=lim)
+        start, job = self.plan.begin(a)
         label = (f"pooled {self.worker_id[:8]} {a.protocol} range {start}..{a.range_end} key {a.public_key[:8]} "
                  f"batch {a.batch_size}")
         runner = self.runner = self._last_runner = new_runner(self.app, job, self.claim, label, borrowed=True)
-        if self.end_reason is not None or self.assignment != a:  # changed while we got here
+        if self.end_reason is not None or self.plan.assignment != a:  # changed while we got here
             runner.stop("stopped")
         summary = None
-        epoch = self.epoch
+        epoch = self.plan.epoch
         try:
             async with contextlib.aclosing(runner.events()) as events:
                 async for kind, item in events:
                     if kind == "batch":
-                        await self._result(a, item, epoch == self.epoch)
+                        await self._result(a, item, epoch == self.plan.epoch)
                     elif kind == "progress":
                         await self.emit({"status": "progress", **item})
                     else:
@@ -416,31 +362,14 @@ class PooledSession:
         if not batch.nonces:
             return
         if current:
-            add_spans(self.computed.setdefault(a.work, []), batch.nonces)
+            self.plan.record(a, batch.nonces)
         for b in split_runs(batch):
             if self.end_reason == "error":
                 return
             await self._one_result(a, b)
 
     async def _one_result(self, a: Assignment, b: BatchResult) -> None:
-        self.batch_number += 1
-        self.total_computed += len(b.nonces)
-        head = {"worker_id": 0, "public_key": a.public_key, "block_hash": a.block_hash, "block_height": a.block_height}
-        if a.protocol == "v1":
-            nonces, dist = v1_hits(b, a.r_target)
-            self.total_valid += len(nonces)
-            body = {**head, "nonces": nonces, "dist": dist, "node_id": 0, "batch_number": self.batch_number,
-                    "batch_computed": len(b.nonces), "batch_valid": len(nonces)}
-        else:
-            arts = b.artifacts or []
-            self.total_valid += len(arts)
-            body = {**head, "artifacts": arts, "encoding": v2.encoding(a.params[1]), "node_id": 0,
-                    "batch_number": self.batch_number, "batch_computed": len(b.nonces), "batch_valid": len(arts)}
-            if b.dropped:
-                body["dropped_nonces"] = b.dropped
-        body.update(total_computed=self.total_computed, total_valid=self.total_valid,
-                    elapsed_seconds=int(b.elapsed), first_nonce=b.nonces[0], last_nonce=b.nonces[-1])
-        body["idempotency_id"] = result_id(a, b.nonces[0], b.nonces[-1], len(b.nonces))
+        body = self.plan.result_body(a, b)
         url = self.client.worker_url
         if not self.sender.room(url) and self.runner is not None and not self.runner.ending:
             await self._wait_room(url)
@@ -482,7 +411,7 @@ class PooledSession:
         await self.emit(line)
 
     def _stats(self) -> dict:
-        return {"total_batches_sent": self.batches_sent, "session_duration": round(self.elapsed, 3),
+        return {"total_batches_sent": self.batches_sent, "session_duration": round(time.monotonic() - self.started, 3),
                 "pending_results": self.sender.pending_for(self.client.worker_url), "reason": self.end_reason}
 
     # ------------------------------------------------------------------------- commands and config
@@ -514,154 +443,36 @@ class PooledSession:
             await self.client.heartbeat(self.sender.pending_for(self.client.worker_url))
 
     def _merge(self, data) -> None:
-        if not data or not isinstance(data, dict):
-            return  # {} or null: nothing to merge (as the reference)
-        for k in MERGE_KEYS:
-            if k in data and data[k] is not None:
-                v = data[k]
-                if k in INT_KEYS and isinstance(v, float) and v.is_integer():
-                    v = int(v)  # a Python orchestrator's division (as params' integer fields already are)
-                self.conf[k] = v
-        if "nonce_range_start" in data or "nonce_range_end" in data:
-            self.range_given = True
-        if self.conf["block_hash"]:
+        self.plan.merge(data)
+        if self.plan.conf["block_hash"]:
             self.got_block_hash.set()
 
     def _apply(self, data) -> None:
-        """One config poll: merge it, then act on its command or on what changed."""
-        if not data or not isinstance(data, dict):
-            return
-        typ = data.get("type")
-        if self.assignment is not None and typ not in KEY_COMMANDS and "public_key" in data:
-            # as the reference: a key in a plain config is merged but never applied while computing (only the
-            # commands move the key), so an orchestrator that keeps serving the first key after a switch_job
-            # does not switch the worker back
-            data = {k: v for k, v in data.items() if k != "public_key"}
-        self._merge(data)
-        if typ == "shutdown":
+        """One config poll: merged, then its command or what changed acted on."""
+        what = self.plan.apply(data)
+        if self.plan.conf["block_hash"]:
+            self.got_block_hash.set()
+        if what == "shutdown":
             self.request_end("shutdown_command")
-            return
-        self._reassign(typ)
+        elif what == "changed":
+            self._changed()
 
-    def _reassign(self, typ) -> None:
-        seen = json.dumps([self.conf, self.range_given], sort_keys=True, default=str)
-        if seen == self._conf_seen:
-            return  # nothing changed since the last poll (a repeated command is a no-op)
-        self._conf_seen = seen
-        try:
-            new = self._assignment()
-        except InputError as e:
-            self.bad_config = e
-            if self.runner is not None:
-                self.runner.stop("stopped")
-            self.changed.set()
-            return
-        cur = self.assignment
-        if new is None or new == cur:
-            return
-        if cur is None:
-            pass
-        elif new.work == cur.work:  # only the key changed
-            if typ == "switch_job":  # restart the range under the new key, counters reset (§4.3)
-                self.computed.pop(new.work, None)
-                self.epoch += 1
-                self.finished.discard(new.work)
-                self.counters_for = None
-                self.announce.append({"status": "switched_public_key", "public_key": new.public_key[:16]})
-            else:  # "compute": go on with the range under the new key
-                self.announce.append({"status": "public_key_set", "public_key": new.public_key[:16]})
-        elif (new.block_hash, new.params_key) == (cur.block_hash, cur.params_key) and new.r_target == cur.r_target:
-            self.announce.append({"status": "new_range", "range_start": new.range_start, "range_end": new.range_end})
-        else:
-            self.announce.append({"status": "new_job", "block_hash": new.block_hash[:16], "block_height":
-                                  new.block_height, "range_start": new.range_start, "range_end": new.range_end})
-        self.assignment = new
+    def _changed(self) -> None:
+        """A new assignment, or a config the worker cannot compute: the job in flight ends after its batch in
+        flight (that batch is still a result) and the compute loop looks again."""
         if self.runner is not None:
-            self.runner.stop("stopped")  # ends after the batch in flight; that batch is still a result
+            self.runner.stop("stopped")
         self.changed.set()
 
-    def _batch_size(self) -> int:
-        if self.req_batch_size is not None:
-            return self.req_batch_size
-        bs = self.conf.get("batch_size")
-        if bs is not None:
-            return schemas.get_batch_size({"batch_size": bs}, self.cfg)
-        return self.cfg.pooled_batch_size
 
-    def _assignment(self) -> Assignment | None:
-        """The checked assignment, None while something is missing; InputError for a value that is wrong."""
-        c = self.conf
-        if not c["block_hash"] or not c["public_key"] or not self.range_given:
-            return None
-        bh, height, pk = schemas.get_header(c)
-        params = c["params"]
-        proto = schemas.protocol_of(params)
-        if proto == "v1":
-            p = schemas.parse_v1_params(params)
-            r = c["r_target"]
-            if r in (None, 0, 0.0):  # never given: the chain default, not 0 (which keeps every result empty: F7)
-                r = v1.DEFAULT_R_TARGET
-                if not self.r_target_warned:
-                    self.r_target_warned = True
-                    self.announce.append({"status": "r_target_default", "r_target": r})
-            r_target = schemas.get_number({"r_target": r}, "r_target", lo=0, lo_open=True)
+def memory_check(app: web.Application, dtype: str):
+    """The plan's check of an assignment against the device: InputError when its batches cannot fit."""
+    def check(protocol: str, params, batch_size: int) -> None:
+        if protocol == "v1":
+            check_v1_memory(app, params, batch_size, dtype)
         else:
-            p = schemas.parse_v2_params(params, served_model(self.app))
-            r_target = 0.0
-        start = schemas.get_int(c, "nonce_range_start", lo=0, hi=schemas.MAX_NONCE)
-        # both ends are inclusive; an end below the start is an empty range (the reference's iterator yields
-        # nothing and the session goes on): reported as complete at once, and the session waits for another
-        end = schemas.get_int(c, "nonce_range_end", hi=schemas.MAX_NONCE)
-        bs = self._batch_size()
-        if proto == "v1":
-            check_v1_memory(self.app, p, bs, self.dtype)
-        else:
-            check_v2_memory(self.app, bs, p[0])
-        stronger = schemas.get_bool(c, "poc_stronger_rng", default=False)
-        return Assignment(proto, bh, height, pk, r_target, p, json.dumps(params, sort_keys=True), start, end, bs,
-                          stronger)
-
-
-def uncomputed(spans: list[list[int]], start: int, end: int) -> Iterator[int]:
-    """The nonces of [start, end] outside `spans`, in order. The spans are copied here, on the loop: the engine
-    thread iterates while the loop adds this job's batches to them."""
-    snapshot = [(lo, hi) for lo, hi in spans]
-
-    def gen():
-        n = start
-        for lo, hi in snapshot:
-            if lo > n:
-                yield from range(n, min(lo, end + 1))
-            n = max(n, hi + 1)
-            if n > end:
-                return
-        yield from range(n, end + 1)
-
-    return gen()
-
-
-def split_runs(b: BatchResult) -> list[BatchResult]:
-    """The batch as one BatchResult per run of consecutive nonces (itself when it is one run)."""
-    cuts = [i for i in range(1, len(b.nonces)) if b.nonces[i] != b.nonces[i - 1] + 1]
-    if not cuts:
-        return [b]
-    out = []
-    for i, j in zip([0, *cuts], [*cuts, len(b.nonces)]):
-        ns = b.nonces[i:j]
-        lo, hi = ns[0], ns[-1]
-        arts = None if b.artifacts is None else [x for x in b.artifacts if lo <= x["nonce"] <= hi]
-        out.append(BatchResult(index=b.index, nonces=ns, elapsed=b.elapsed, batch_seconds=b.batch_seconds,
-                               dist=None if b.dist is None else b.dist[i:j], artifacts=arts,
-                               dropped=[n for n in b.dropped if lo <= n <= hi]))
-    return out
-
-
-def result_id(a: Assignment, first: int, last: int, count: int) -> str:
-    """Deterministic: the same batch computed again (a switch back, a replay) has the same id, so the
-    orchestrator keeps it once."""
-    ident = f"results|{a.protocol}|{a.block_hash}|{a.public_key}|{a.params_key}|{a.r_target!r}|{a.stronger_rng}|" \
-            f"{first}|{last}|{count}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:32]
+            check_v2_memory(app, batch_size, params[0])
+    return check
 
 
 sessions_key = web.AppKey("pooled_sessions", set)
