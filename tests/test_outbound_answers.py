@@ -3,8 +3,8 @@ a callback receiver that answer tens of megabytes cost the server nothing. Whoev
 init chooses that URL, so the answer is an attacker's.
 
 A model_server.py process on 127.0.0.1 (v1 only, on the CPU) and a hostile peer on a thread of the test process.
-Each case: /health answers within 100 ms all along (polled on a kept-alive connection; p95 under 100 ms and every
-poll under 300 ms, for a CPU shared with other work), the server's peak RSS
+Each case: every /health poll answers within 100 ms all along (polled on a kept-alive connection; 3-19 ms measured
+here with the suite running alone, as CI runs it), the server's peak RSS
 (VmHWM, reset through /proc/<pid>/clear_refs just before) stays within 10% of its RSS before the case, and the call
 is counted as failed (a stream line, or poc_callbacks_total{outcome="retried"}). Before the cap every answer was read
 whole and parsed on the event loop: measured on this 2-core box, a 32 MB `[0,0,...]` from the controller held
@@ -154,10 +154,9 @@ def check(name: str, before: float, peak: float, lat: list[float], capsys) -> No
         print(f"\n[answers] {name}: RSS {before:.0f} MB before, peak {peak:.0f} MB during; /health max "
               f"{max(lat) * 1000:.1f} ms over {len(lat)} polls")
     assert len(lat) >= 20
-    # every poll answered within 100 ms on a quiet box (17-93 ms measured at load 6 on 2 shared cores); the max bound
-    # leaves room for a CPU another process holds, and still catches the loop stall the answers made (0.7-0.9 s)
-    p95 = sorted(lat)[int(0.95 * (len(lat) - 1))]
-    assert p95 < 0.1 and max(lat) < 0.3, sorted(lat)[-5:]
+    # every poll within 100 ms (the worst was 19 ms over three runs of this file alone); the uncapped reads stalled
+    # the loop 0.7-0.9 s
+    assert max(lat) < 0.1, sorted(lat)[-5:]
     assert peak <= 1.1 * before, (before, peak)
 
 
