@@ -338,21 +338,27 @@ def report(a, rx: Receiver, segments: list, samples: list, t0: float, final: str
 
 def stability(segments: list, samples: list) -> dict:
     """Whether the run slowed down or grew: each segment's rate (computed over its init-to-stop span) against the
-    first's; each sample's computed nonces (where recorded) against the first steady sample's (the second: the first
-    holds the start); the server's and its processes' RSS and the server's open fds from the first steady sample to
-    the last; the spool's largest size and its size at the end."""
+    first's; the computing rate of each sample whose whole span lies inside one segment (a span across a stop and the
+    next init measures the switch, which the segments' first-callback times show, not the rate) against the first
+    such sample's; the server's and its processes' RSS and the server's open fds from the first steady sample (the
+    second: the first holds the start) to the last; the spool's largest size and its size at the end."""
     out = {}
     rates = [s["computed"] / max(1e-9, s["stop_at_s"] - s["init_at_s"]) for s in segments]
     if rates:
         out["segment_nonces_per_s"] = [round(r, 1) for r in rates]
         out["segment_rate_vs_first"] = {"min": round(min(rates) / rates[0], 4), "max": round(max(rates) / rates[0], 4)}
+    inside, prev = [], 0.0
+    for x in samples:
+        lo, hi = prev, x["t_s"]
+        prev = hi
+        if x.get("nonces_computed") is not None and hi > lo and any(
+                s["init_at_s"] <= lo and hi <= s["stop_at_s"] for s in segments):
+            inside.append(x["nonces_computed"] / (hi - lo))
+    if len(inside) > 1 and inside[0]:
+        out["sample_rate_vs_first_steady"] = {"min": round(min(inside[1:]) / inside[0], 4),
+                                              "max": round(max(inside[1:]) / inside[0], 4),
+                                              "first_nonces_per_s": round(inside[0], 1), "n": len(inside)}
     steady = samples[1:]
-    computed = [x.get("nonces_computed") for x in steady]
-    computed = [c for c in computed if c is not None]
-    if len(computed) > 1 and computed[0]:
-        out["sample_rate_vs_first_steady"] = {"min": round(min(computed[1:]) / computed[0], 4),
-                                              "max": round(max(computed[1:]) / computed[0], 4),
-                                              "first": computed[0], "n": len(computed)}
 
     def rss(x):
         return (x["server"] or {}).get("rss_mb", 0.0) + sum(c["rss_mb"] for c in x["children"])
