@@ -340,24 +340,34 @@ def stability(segments: list, samples: list) -> dict:
     """Whether the run slowed down or grew: each segment's rate (computed over its init-to-stop span) against the
     first's; the computing rate of each sample whose whole span lies inside one segment (a span across a stop and the
     next init measures the switch, which the segments' first-callback times show, not the rate) against the first
-    such sample's; the server's and its processes' RSS and the server's open fds from the first steady sample (the
+    such sample's, and the same over whole minutes of such samples; the server's and its processes' RSS and the server's open fds from the first steady sample (the
     second: the first holds the start) to the last; the spool's largest size and its size at the end."""
     out = {}
     rates = [s["computed"] / max(1e-9, s["stop_at_s"] - s["init_at_s"]) for s in segments]
     if rates:
         out["segment_nonces_per_s"] = [round(r, 1) for r in rates]
         out["segment_rate_vs_first"] = {"min": round(min(rates) / rates[0], 4), "max": round(max(rates) / rates[0], 4)}
-    inside, prev = [], 0.0
+    inside, minutes, prev = [], [], 0.0
+    acc = None  # (segment, nonces, seconds) of the minute being summed
     for x in samples:
         lo, hi = prev, x["t_s"]
         prev = hi
-        if x.get("nonces_computed") is not None and hi > lo and any(
-                s["init_at_s"] <= lo and hi <= s["stop_at_s"] for s in segments):
-            inside.append(x["nonces_computed"] / (hi - lo))
-    if len(inside) > 1 and inside[0]:
-        out["sample_rate_vs_first_steady"] = {"min": round(min(inside[1:]) / inside[0], 4),
-                                              "max": round(max(inside[1:]) / inside[0], 4),
-                                              "first_nonces_per_s": round(inside[0], 1), "n": len(inside)}
+        seg = next((i for i, s in enumerate(segments) if s["init_at_s"] <= lo and hi <= s["stop_at_s"]), None)
+        if x.get("nonces_computed") is None or hi <= lo or seg is None:
+            acc = None
+            continue
+        inside.append(x["nonces_computed"] / (hi - lo))
+        # whole minutes of consecutive in-segment samples (a sample holds a few batches: one batch more or less moves
+        # a short sample's rate by several percent, a minute's by less)
+        acc = (seg, x["nonces_computed"], hi - lo) if acc is None or acc[0] != seg else \
+            (seg, acc[1] + x["nonces_computed"], acc[2] + hi - lo)
+        if acc[2] >= 59.0:
+            minutes.append(acc[1] / acc[2])
+            acc = None
+    for key, rates in (("sample_rate_vs_first_steady", inside), ("minute_rate_vs_first_steady", minutes)):
+        if len(rates) > 1 and rates[0]:
+            out[key] = {"min": round(min(rates[1:]) / rates[0], 4), "max": round(max(rates[1:]) / rates[0], 4),
+                        "first_nonces_per_s": round(rates[0], 1), "n": len(rates)}
     steady = samples[1:]
 
     def rss(x):

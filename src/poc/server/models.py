@@ -44,7 +44,7 @@ from poc import dtypes, hub
 from poc.engine.base import Claim
 from poc.errors import InputError
 from poc.logs import describe
-from poc.server import schemas
+from poc.server import fields
 from poc.server.config import DTYPE_CHOICES
 from poc.server.context import config_key, engine_key, metrics_key, served_model, tasks_key, wait_claim
 from poc.server.pow_service import stop_every_job
@@ -105,7 +105,7 @@ async def _begin_up(request: web.Request, refused: int = 409) -> web.Response | 
     its task), or the answer of a no-op (the model is served)."""
     app = request.app
     engine = app[engine_key]
-    body = await schemas.read_json(request, app[config_key].max_body_bytes)
+    body = await fields.read_json(request, app[config_key].max_body_bytes)
     model = hub.check_repo_id(body.get("model"))
     dtype = body.get("dtype") or "auto"
     if dtype not in DTYPE_CHOICES:
@@ -352,7 +352,7 @@ def _model_arg(body: dict) -> dict:
 async def _model_body(request: web.Request) -> dict:
     if request.method == "GET":
         return _model_arg(dict(request.query))
-    return _model_arg(await schemas.read_json(request, request.app[config_key].max_body_bytes))
+    return _model_arg(await fields.read_json(request, request.app[config_key].max_body_bytes))
 
 
 @routes.post("/api/v1/models/status")

@@ -22,7 +22,8 @@ from typing import Callable, Iterator
 from poc.engine.jobs import BatchResult, Limits, V1Job, V2Job
 from poc.errors import InputError
 from poc.protocol import v1, v2
-from poc.server import schemas
+from poc.protocol.nonces import MAX_NONCE
+from poc.server import fields, schemas
 from poc.server.config import ServerConfig
 from poc.server.results import v1_hits
 from poc.server.stream import add_spans
@@ -149,7 +150,7 @@ class PooledPlan:
             return self.req_batch_size
         bs = self.conf.get("batch_size")
         if bs is not None:
-            return schemas.get_batch_size({"batch_size": bs}, self.cfg)
+            return fields.get_batch_size({"batch_size": bs}, self.cfg)
         return self.cfg.pooled_batch_size
 
     def check(self) -> Assignment | None:
@@ -157,7 +158,7 @@ class PooledPlan:
         c = self.conf
         if not c["block_hash"] or not c["public_key"] or not self.range_given:
             return None
-        bh, height, pk = schemas.get_header(c)
+        bh, height, pk = fields.get_header(c)
         params = c["params"]
         proto = schemas.protocol_of(params)
         if proto == "v1":
@@ -168,18 +169,18 @@ class PooledPlan:
                 if not self.r_target_warned:
                     self.r_target_warned = True
                     self.announce.append({"status": "r_target_default", "r_target": r})
-            r_target = schemas.get_number({"r_target": r}, "r_target", lo=0, lo_open=True)
+            r_target = fields.get_number({"r_target": r}, "r_target", lo=0, lo_open=True)
         else:
             p = schemas.parse_v2_params(params, self.model())
             r_target = 0.0
-        start = schemas.get_int(c, "nonce_range_start", lo=0, hi=schemas.MAX_NONCE)
+        start = fields.get_int(c, "nonce_range_start", lo=0, hi=MAX_NONCE)
         # both ends are inclusive; an end below the start is an empty range (the reference's iterator yields
         # nothing and the session goes on): reported as complete at once, and the session waits for another
-        end = schemas.get_int(c, "nonce_range_end", hi=schemas.MAX_NONCE)
+        end = fields.get_int(c, "nonce_range_end", hi=MAX_NONCE)
         bs = self.batch_size()
         if self.check_memory is not None:
             self.check_memory(proto, p, bs)
-        stronger = schemas.get_bool(c, "poc_stronger_rng", default=False)
+        stronger = fields.get_bool(c, "poc_stronger_rng", default=False)
         return Assignment(proto, bh, height, pk, r_target, p, json.dumps(params, sort_keys=True), start, end, bs,
                           stronger)
 

@@ -22,10 +22,6 @@ from poc.server.config import ServerConfig
 from poc.server.fields import (MAX_INT64, check_keys, finite, get_any_int64_nonces, get_batch_size, get_bool,
                                get_header, get_int, get_limits, get_node, get_nonces, get_number, get_str, get_url,
                                short, url_policy_of)
-# read through this module by the route modules not yet moved onto fields.py (warmup.py, models.py)
-from poc.server.fields import read_json, read_url_body, unwrap  # noqa: F401
-
-_short = short  # warmup.py's name for it
 
 V1_DTYPES = dtypes.NAMES
 

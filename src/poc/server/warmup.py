@@ -28,7 +28,7 @@ from aiohttp import web
 from poc.clients import answers
 from poc.errors import InputError
 from poc.logs import describe
-from poc.server import schemas
+from poc.server import fields
 from poc.server.context import config_key, engine_key, new_runner, sender_key, track_streams
 from poc.server.security import url_policy
 from poc.server.stream import NdjsonWriter, pump
@@ -62,12 +62,12 @@ class WarmupStop(asyncio.Event):
 async def warmup(request: web.Request) -> web.StreamResponse:
     app = request.app
     cfg = app[config_key]
-    body, cb = await schemas.read_url_body(request, cfg.max_body_bytes, "callback_url", {"job_id"}, url_policy(app))
+    body, cb = await fields.read_url_body(request, cfg.max_body_bytes, "callback_url", {"job_id"}, url_policy(app))
     job_id = body.get("job_id")
     if job_id is None:
         job_id = "unknown"
     elif isinstance(job_id, bool) or not isinstance(job_id, (str, int)):  # as the reference: echoed as given
-        raise InputError(f"job_id must be a string or an integer, got {schemas._short(job_id)}", "job_id")
+        raise InputError(f"job_id must be a string or an integer, got {fields.short(job_id)}", "job_id")
     stop = WarmupStop()
     app[warmups_key].add(stop)
     w = NdjsonWriter(request)
@@ -149,7 +149,7 @@ async def _generate(app: web.Application, w: NdjsonWriter, cb: str, job_id: str 
     """The /generate logic on the stream that is already open: failures are lines."""
     cfg = app[config_key]
     try:
-        body = schemas.unwrap(body)
+        body = fields.unwrap(body)
         job, lines, label = parse_generate(app, body, f"/warmup {job_id}")
         claim = admit_job(app, job, "/warmup")
     except InputError as e:
