@@ -11,9 +11,11 @@ block_height and block_hash (no batch_size, a callback url on a receiver in this
         --minutes 60 --segment-minutes 5 --server-arg=--compile-at-start --server-arg=v2:64:1024 \\
         --out benchmarks/h100/soak.json                                                               # an hour
 
-Every --sample-seconds: nonces received since the last sample, RSS and open fds of the server and of each process
-it started (the rank processes), the spool's size on disk, the callbacks pending (/metrics), and per GPU (nvidia-smi,
-where there is one) memory used, SM clock and temperature. Per segment: time from the init to the first callback
+Every --sample-seconds: nonces computed (/metrics) and received since the last sample, RSS, open fds and CPU time of
+the server and of each process it started (the rank processes), the spool's size on disk, the callbacks pending
+(/metrics), the machine's CPU seconds (busy, idle, stolen), on the CPU the time of a fixed single-thread probe (how
+fast the cores are at that moment: on a shared machine they move), and per GPU (nvidia-smi, where there is one)
+memory used, SM clock, temperature and power. Per segment: time from the init to the first callback
 POST and to the first one taken, nonces computed (/metrics poc_nonces_computed_total) against delivered, every
 callback's block_height against its segment's (the block_hash says which segment computed it), duplicates, and gaps
 (the node's lattice positions below the highest delivered that were not delivered: with one engine there are none;
@@ -37,6 +39,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from array import array
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -84,7 +87,7 @@ class Receiver:
                 with rx.lock:
                     rx.attempts.append((t, b["block_height"], "taken"))
                     rx.taken.append({"t": t, "height": b["block_height"], "hash": b["block_hash"],
-                                     "nonces": [a["nonce"] for a in b.get("artifacts") or []]})
+                                     "nonces": array("q", [a["nonce"] for a in b.get("artifacts") or []])})
                 return self.answer(200)
 
             def answer(self, code: int):
@@ -145,13 +148,30 @@ def server_pid() -> int:
     raise RuntimeError("model_server.py is not a child of this process")
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
 def proc_stats(pid: int) -> dict | None:
+    """RSS, open fds and the CPU time (user + system, all threads) of one process."""
     try:
         rss = next(int(x.split()[1]) for x in Path(f"/proc/{pid}/status").read_text().splitlines()
                    if x.startswith("VmRSS:"))
-        return {"pid": pid, "rss_mb": round(rss / 1024, 1), "fds": len(os.listdir(f"/proc/{pid}/fd"))}
-    except (OSError, StopIteration):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return {"pid": pid, "rss_mb": round(rss / 1024, 1), "fds": len(os.listdir(f"/proc/{pid}/fd")),
+                "cpu_s": round((int(fields[11]) + int(fields[12])) / TICK, 2)}
+    except (OSError, StopIteration, IndexError, ValueError):
         return None
+
+
+def machine_cpu() -> dict | None:
+    """The whole machine's CPU seconds since boot (all cores): busy, idle (with iowait) and stolen by the host."""
+    try:
+        v = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    except (OSError, ValueError, IndexError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = v
+    return {"busy_s": round((user + nice + system + irq + softirq) / TICK, 2), "idle_s": round((idle + iowait) / TICK, 2),
+            "steal_s": round(steal / TICK, 2)}
 
 
 def dir_bytes(path: Path) -> int:
@@ -205,12 +225,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fault-seconds", type=float, default=60.0, help="how long each fault lasts")
     ap.add_argument("--slow-seconds", type=float, default=3.0, help="a slow answer's delay")
     ap.add_argument("--drain-seconds", type=float, default=300.0, help="after the last stop, for the spool to empty")
+    ap.add_argument("--probe-reps", type=int, default=None,
+                    help="256x256 matmuls in the core-speed probe at each sample (default: 600 on the CPU, none on CUDA)")
     ap.add_argument("--server-arg", action="append", default=[], help="one more model_server.py argument")
     ap.add_argument("--timeout", type=float, default=1800.0, help="the server's start")
     ap.add_argument("--out", default="benchmarks/soak.json")
     ap.add_argument("--summarize", default=None, metavar="JSON",
                     help="no run: recompute the stability summary and the plot of a soak JSON (rewritten in place)")
     a = ap.parse_args(argv)
+    if a.probe_reps is None:
+        a.probe_reps = 0 if a.device.startswith("cuda") else 600
     if a.summarize:
         path = Path(a.summarize)
         res = json.loads(path.read_text())
@@ -282,7 +306,50 @@ def segment(a, port: int, rx: Receiver, t0: float, i: int, until: float) -> dict
             "fault_at_init": rx.fault(t_init)}
 
 
+# A fixed piece of work (one thread, float32 matmuls) timed at every sample in a process of its own: the speed of the
+# machine's cores at that moment. On a shared virtual machine it moves by several percent from minute to minute, and
+# the server's rate with it; the rate times this time is the rate on a core of constant speed.
+PROBE = """
+import sys, time, torch
+torch.set_num_threads(1)
+a, b = torch.randn(256, 256), torch.randn(256, 256)
+for line in sys.stdin:
+    t = time.perf_counter()
+    for _ in range(int(line)):
+        a @ b
+    print(time.perf_counter() - t, flush=True)
+"""
+
+
+class Probe:
+    def __init__(self, reps: int):
+        self.reps = reps
+        self.proc = subprocess.Popen([sys.executable, "-c", PROBE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def time(self) -> float | None:
+        try:
+            self.proc.stdin.write(f"{self.reps}\n")
+            self.proc.stdin.flush()
+            return round(float(self.proc.stdout.readline()), 5)
+        except (OSError, ValueError):
+            return None
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def sample(a, port: int, pid: int, spool: Path, rx: Receiver, t0: float, out: list, done: threading.Event) -> None:
+    probe = Probe(a.probe_reps) if a.probe_reps else None
+    try:
+        sample_loop(a, port, pid, spool, rx, t0, out, done, probe)
+    finally:
+        if probe:
+            probe.close()
+
+
+def sample_loop(a, port, pid, spool, rx, t0, out, done, probe) -> None:
     last, last_computed = 0, None
     while not done.wait(a.sample_seconds):
         got = rx.received()
@@ -296,7 +363,8 @@ def sample(a, port: int, pid: int, spool: Path, rx: Receiver, t0: float, out: li
         out.append({"t_s": round(time.monotonic() - t0, 1), "nonces_received": got - last, "nonces_computed": step,
                     "fault": rx.fault(time.monotonic()), "server": proc_stats(pid),
                     "children": [s for s in map(proc_stats, children(pid)) if s], "spool_bytes": dir_bytes(spool),
-                    "callbacks_pending": pending, "gpus": gpus()})
+                    "callbacks_pending": pending, "gpus": gpus(), "machine": machine_cpu(),
+                    "harness": proc_stats(os.getpid()), "probe_s": probe.time() if probe else None})
         last = got
 
 
@@ -347,28 +415,51 @@ def stability(segments: list, samples: list) -> dict:
     if rates:
         out["segment_nonces_per_s"] = [round(r, 1) for r in rates]
         out["segment_rate_vs_first"] = {"min": round(min(rates) / rates[0], 4), "max": round(max(rates) / rates[0], 4)}
-    inside, minutes, prev = [], [], 0.0
-    acc = None  # (segment, nonces, seconds) of the minute being summed
+    def cpu(x):  # the server's and its processes' CPU seconds so far (None where a sample lacks them)
+        procs = [x.get("server") or {}] + x.get("children", [])
+        return None if any("cpu_s" not in p for p in procs) else sum(p["cpu_s"] for p in procs)
+
+    inside, minutes, per_cpu, steady_core, prev, prev_x = [], [], [], [], 0.0, None
+    acc = None  # [segment, nonces, seconds, server CPU seconds or None, probe times] of the minute being summed
     for x in samples:
         lo, hi = prev, x["t_s"]
-        prev = hi
+        prev, before = hi, prev_x
+        prev_x = x
         seg = next((i for i, s in enumerate(segments) if s["init_at_s"] <= lo and hi <= s["stop_at_s"]), None)
         if x.get("nonces_computed") is None or hi <= lo or seg is None:
             acc = None
             continue
         inside.append(x["nonces_computed"] / (hi - lo))
+        used = None if before is None or cpu(x) is None or cpu(before) is None else cpu(x) - cpu(before)
         # whole minutes of consecutive in-segment samples (a sample holds a few batches: one batch more or less moves
         # a short sample's rate by several percent, a minute's by less)
-        acc = (seg, x["nonces_computed"], hi - lo) if acc is None or acc[0] != seg else \
-            (seg, acc[1] + x["nonces_computed"], acc[2] + hi - lo)
+        if acc is None or acc[0] != seg:
+            acc = [seg, 0, 0.0, 0.0, []]
+        acc[1] += x["nonces_computed"]
+        acc[2] += hi - lo
+        acc[3] = None if used is None or acc[3] is None else acc[3] + used
+        if x.get("probe_s"):
+            acc[4].append(x["probe_s"])
         if acc[2] >= 59.0:
             minutes.append(acc[1] / acc[2])
+            if acc[3]:
+                per_cpu.append(acc[1] / acc[3])
+            if acc[4]:  # nonces/s times the probe's time: the rate on a core of the probe's constant speed
+                steady_core.append(acc[1] / acc[2] * sum(acc[4]) / len(acc[4]))
             acc = None
-    for key, rates in (("sample_rate_vs_first_steady", inside), ("minute_rate_vs_first_steady", minutes)):
+    # on a CPU that other work shares, the wall-clock rate moves with what the others take; the nonces per CPU second
+    # of the server and its processes move only with the server's own work per nonce (and the core's speed)
+    for key, rates in (("sample_rate_vs_first_steady", inside), ("minute_rate_vs_first_steady", minutes),
+                       ("minute_nonces_per_cpu_s_vs_first_steady", per_cpu),
+                       ("minute_rate_at_constant_core_speed_vs_first_steady", steady_core)):
         if len(rates) > 1 and rates[0]:
             out[key] = {"min": round(min(rates[1:]) / rates[0], 4), "max": round(max(rates[1:]) / rates[0], 4),
-                        "first_nonces_per_s": round(rates[0], 1), "n": len(rates)}
+                        "first": round(rates[0], 1), "n": len(rates)}
     steady = samples[1:]
+    m = [x.get("machine") for x in steady]
+    if len(m) > 1 and all(m):
+        total = sum(m[-1].values()) - sum(m[0].values())
+        out["machine_cpu_share"] = {k: round((m[-1][k] - m[0][k]) / total, 4) for k in ("busy_s", "idle_s", "steal_s")}
 
     def rss(x):
         return (x["server"] or {}).get("rss_mb", 0.0) + sum(c["rss_mb"] for c in x["children"])
