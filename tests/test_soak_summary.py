@@ -1,0 +1,63 @@
+"""The soak's stability summary (benchmarks/diagnostics/soak.py), which says whether a long run slowed down: the rate
+is taken only over samples that lie inside one segment (a sample across a stop and the next init measures the switch),
+summed over whole minutes, per CPU second of the server and at the probe's constant core speed."""
+
+import importlib.util
+
+import pytest
+
+from .fakes import ROOT
+
+DIAG = ROOT / "benchmarks" / "diagnostics"
+
+
+@pytest.fixture(scope="module")
+def soak():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(DIAG))  # soak.py imports first_result from its own folder
+        spec = importlib.util.spec_from_file_location("soak_under_test", DIAG / "soak.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def run(slow_at: float = 180.0, probe_at_slow: float = 0.30) -> list[dict]:
+    """Samples every 20 s to t=240 over segments [0, 125] and [125, 250]: 2000 nonces, 1 CPU second, a probe of
+    0.25 s each, except the sample at `slow_at` (1000 nonces in 1 CPU second, the probe `probe_at_slow`)."""
+    out, cpu, busy = [], 0.0, 0.0
+    for t in range(20, 260, 20):
+        slow = t == slow_at
+        cpu += 1.0
+        busy += 30.0
+        out.append({"t_s": float(t), "nonces_computed": None if t == 20 else (1000 if slow else 2000),
+                    "server": {"rss_mb": 400.0, "fds": 10, "cpu_s": cpu}, "children": [], "spool_bytes": 1000,
+                    "probe_s": probe_at_slow if slow else 0.25,
+                    "machine": {"busy_s": busy, "idle_s": t * 2 - busy, "steal_s": 0.0}})
+    return out
+
+
+SEGMENTS = [{"init_at_s": 0.0, "stop_at_s": 125.0, "computed": 12_000},
+            {"init_at_s": 125.0, "stop_at_s": 250.0, "computed": 11_000}]
+
+
+def test_the_rate_leaves_out_the_sample_across_a_switch_and_sums_whole_minutes(soak):
+    st = soak.stability(SEGMENTS, run())
+    # in-segment samples: (20,40] ... (100,120] and (140,160] ... (220,240]; (120,140] holds the switch
+    assert st["sample_rate_vs_first_steady"] == {"min": 0.5, "max": 1.0, "first": 100.0, "n": 10}
+    # one whole minute a segment (the other 40 s of each are no whole minute): (2000 + 1000 + 2000) / 60 s
+    assert st["minute_rate_vs_first_steady"] == {"min": 0.8333, "max": 0.8333, "first": 100.0, "n": 2}
+    assert st["minute_nonces_per_cpu_s_vs_first_steady"]["min"] == 0.8333
+    # the slow minute's probe was slower too (mean 0.2667 s against 0.25): on a constant core 0.8889 of the first
+    assert st["minute_rate_at_constant_core_speed_vs_first_steady"]["min"] == 0.8889
+    assert st["segment_nonces_per_s"] == [96.0, 88.0]
+    assert st["machine_cpu_share"] == {"busy_s": 0.75, "idle_s": 0.25, "steal_s": 0.0}
+
+
+def test_a_steady_run_is_steady_and_a_slower_core_explains_a_slower_minute(soak):
+    st = soak.stability(SEGMENTS, run(slow_at=-1))
+    assert st["minute_rate_vs_first_steady"]["min"] == st["minute_rate_vs_first_steady"]["max"] == 1.0
+    # half the nonces in a minute whose core ran at half speed (probe 0.5 s a sample instead of 0.25, mean 1/3 s
+    # over the minute's three samples) is a slower machine, not a slower server: 0.8333 x 0.3333 / 0.25 = 1.1111
+    st = soak.stability(SEGMENTS, run(probe_at_slow=0.5))
+    assert st["minute_rate_vs_first_steady"]["min"] == 0.8333
+    assert st["minute_rate_at_constant_core_speed_vs_first_steady"]["max"] == 1.1111
