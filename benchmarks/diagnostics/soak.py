@@ -170,7 +170,8 @@ def machine_cpu() -> dict | None:
     except (OSError, ValueError, IndexError):
         return None
     user, nice, system, idle, iowait, irq, softirq, steal = v
-    return {"busy_s": round((user + nice + system + irq + softirq) / TICK, 2), "idle_s": round((idle + iowait) / TICK, 2),
+    return {"busy_s": round((user + nice + system + irq + softirq) / TICK, 2),
+            "idle_s": round((idle + iowait) / TICK, 2),
             "steal_s": round(steal / TICK, 2)}
 
 
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--slow-seconds", type=float, default=3.0, help="a slow answer's delay")
     ap.add_argument("--drain-seconds", type=float, default=300.0, help="after the last stop, for the spool to empty")
     ap.add_argument("--probe-reps", type=int, default=None,
-                    help="256x256 matmuls in the core-speed probe at each sample (default: 600 on the CPU, none on CUDA)")
+                    help="256x256 matmuls in the core-speed probe a sample (default: 600 on the CPU, none on CUDA)")
     ap.add_argument("--server-arg", action="append", default=[], help="one more model_server.py argument")
     ap.add_argument("--timeout", type=float, default=1800.0, help="the server's start")
     ap.add_argument("--out", default="benchmarks/soak.json")
@@ -408,13 +409,16 @@ def stability(segments: list, samples: list) -> dict:
     """Whether the run slowed down or grew: each segment's rate (computed over its init-to-stop span) against the
     first's; the computing rate of each sample whose whole span lies inside one segment (a span across a stop and the
     next init measures the switch, which the segments' first-callback times show, not the rate) against the first
-    such sample's, and the same over whole minutes of such samples; the server's and its processes' RSS and the server's open fds from the first steady sample (the
-    second: the first holds the start) to the last; the spool's largest size and its size at the end."""
+    such sample's, and the same over whole minutes of such samples, per CPU second of the server and its processes,
+    and at the probe's constant core speed; the machine's CPU shares; the server's and its processes' RSS and the
+    server's open fds from the first steady sample (the second: the first holds the start) to the last; the spool's
+    largest size and its size at the end."""
     out = {}
     rates = [s["computed"] / max(1e-9, s["stop_at_s"] - s["init_at_s"]) for s in segments]
     if rates:
         out["segment_nonces_per_s"] = [round(r, 1) for r in rates]
         out["segment_rate_vs_first"] = {"min": round(min(rates) / rates[0], 4), "max": round(max(rates) / rates[0], 4)}
+
     def cpu(x):  # the server's and its processes' CPU seconds so far (None where a sample lacks them)
         procs = [x.get("server") or {}] + x.get("children", [])
         return None if any("cpu_s" not in p for p in procs) else sum(p["cpu_s"] for p in procs)
