@@ -269,9 +269,12 @@ def interpreter_cases() -> list[dict]:
         ref = fp8_attention_torch(q, k, v, scale)
         out = attn_fp8_triton.attention(q, k, v, scale)
         last = attn_fp8_triton.attention(q[:, :, -1:], k, v, scale)
+        # query tiles of 64 and 32 rows: the same key tiles in the same order for every row
+        small = [attn_fp8_triton.attention(q, k, v, scale, config={"BLOCK_M": m, "num_warps": 4}) for m in (64, 32)]
         rows.append({"inputs": kind, "S": S, "dtype": str(dtype).removeprefix("torch."), **agreement(out, ref),
                      "last_is_last_row": torch.equal(last, out[:, :, -1:]),
-                     "last_vs_emulation": agreement(last, ref[:, :, -1:])["differ"]})
+                     "last_vs_emulation": agreement(last, ref[:, :, -1:])["differ"],
+                     "small_tiles_same": all(torch.equal(o, out) for o in small)})
     return rows
 
 
@@ -303,7 +306,7 @@ def test_kernel_in_the_interpreter_is_the_emulation():
     rows = json.loads(run.stdout.strip().splitlines()[-1])
     for r in rows:
         print(r)
-        assert r["last_is_last_row"], r
+        assert r["last_is_last_row"] and r["small_tiles_same"], r
         if r["inputs"] == "robust":
             assert r["differ"] == 0 and r["last_vs_emulation"] == 0, r
         elif r["dtype"] == "float32":  # every ulp of l shows: float32 rounding only
@@ -369,3 +372,24 @@ def test_cuda_kernel_is_exact_where_no_rounding_boundary_is_near(S):
         wrong = agreement(naive_fp8(*b0, UNIT_C, **kw), ref0)
         print(f"  counterfactual {kw}: {wrong}")
         assert wrong["differ"] > 4 * ROBUST_DIFFER and wrong["rms_rel"] > max(5 * mine["rms_rel"], ROBUST_RMS), kw
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs CUDA with FP8 tensor cores (capability 9+) and Triton")
+@pytest.mark.parametrize("S", [1024, 300])
+def test_cuda_kernel_tile_configs_give_the_same_bits(S):
+    """A query row's arithmetic does not depend on how many rows a program takes (the key tiles, their order and the
+    row's reductions are the same): query tiles of 128 rows (two warp groups) and of 64 (one), at several pipeline
+    depths, give the same output bits; a tile size that does not divide the key tile is refused."""
+    from poc.model.kernels import attn_fp8_triton
+
+    q, k, v = projections(2, 48, 8, S, 128, torch.bfloat16, seed=S + 1, device="cuda")
+    scale = 128 ** -0.5
+    want = attn_fp8_triton.attention(q, k, v, scale, config={"BLOCK_M": 128, "num_warps": 8, "num_stages": 3})
+    for cfg in ({"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}, {"BLOCK_M": 64, "num_warps": 4, "num_stages": 4},
+                {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2}, {}):
+        assert torch.equal(attn_fp8_triton.attention(q, k, v, scale, config=cfg), want), cfg
+        last = attn_fp8_triton.attention(q[:, :, -1:], k, v, scale, config=cfg)
+        assert torch.equal(last, want[:, :, -1:]), cfg
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        attn_fp8_triton.attention(q, k, v, scale, config={"BLOCK_M": 96})

@@ -6,7 +6,7 @@ float8_e4m3fn. K and V are rounded to e4m3 once per call (clamped to +-448, near
 (B, Hkv, S, D) and V transposed as (B, Hkv, D, S): the K-major layouts FP8 wgmma takes for both GEMMs' B operand,
 so the main loop streams FP8 tiles from memory into shared memory (Triton's pipeliner: the next tiles' loads in
 flight while this one computes) and on to the tensor cores with no conversion. Then one program per (query tile of
-128 rows, query head, batch) loads its query tile in the model dtype (any strides: the projections' (B, S, H*D) rows
+BLOCK_M rows (CONFIG: 64), query head, batch) loads its query tile in the model dtype (any strides: the projections' (B, S, H*D) rows
 seen as (B, H, S, D) views), rounds it to e4m3 in registers, and walks the key tiles of 128 from the diagonal tile
 (causal mask) back to tile 0: S = Q8 K8^T on the FP8 tensor cores (float32 accumulation), the running row max m of
 S, alpha = exp2((m_old - m_new) c) applied to l and O, p = exp2(S c - m c), l += rowsum(p) of the unquantised p,
@@ -30,9 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-TILE = 128  # query rows and keys per tile: the recipe's, fixed
-# sm_90: two warpgroups of 64 rows each; the FP8 K/V tiles triple-buffered (16 KiB a K and V tile pair)
-CONFIG = {"num_warps": 8, "num_stages": 3}
+TILE = 128  # keys per tile: the recipe's, fixed
+# sm_90: BLOCK_M query rows a program (64: one warpgroup; 128: two), the FP8 K/V tiles double-buffered (16 KiB a K
+# and V tile pair). A query row's arithmetic does not depend on BLOCK_M (the key tiles, their order and each row's
+# reductions are the same), so every config computes the same bits. Measured on an H200 at 64 x 48 heads x 1024
+# (benchmarks/h200/attention_fp8.json): 64 x 4 warps x 2 stages 2.74 ms, 128 x 8 x 3 2.96, 64 x 4 x 3 4.18
+CONFIG = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}
 FP8_MAX = 448.0
 FP8 = torch.float8_e4m3fn
 
@@ -79,8 +82,9 @@ def attn_fp8_fwd(q_ptr, k_ptr, v_ptr, o_ptr, c, S, B, n_tiles,
                  sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svd, svs, sob, soh, sos, sod,
                  H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  LAST: tl.constexpr):
-    """One tile of BLOCK_M query rows, k the e4m3 K (B, Hkv, S, D) and v the e4m3 V transposed (B, Hkv, D, S).
-    Causal pass: one head, positions [i BLOCK_M, (i + 1) BLOCK_M); programs ordered heaviest tile first, and within a
+    """One tile of BLOCK_M query rows (a divisor of BLOCK_N), k the e4m3 K (B, Hkv, S, D) and v the e4m3 V
+    transposed (B, Hkv, D, S). Causal pass: one head, positions [i BLOCK_M, (i + 1) BLOCK_M) (n_tiles of them);
+    programs ordered heaviest tile first, and within a
     (tile, batch) the query heads of one kv head next to each other (they read the same K/V tiles: L2 reuse). LAST:
     row r is query head kvh * REP + r at position S - 1 (q's only position)."""
     REP: tl.constexpr = H // HKV
@@ -107,7 +111,7 @@ def attn_fp8_fwd(q_ptr, k_ptr, v_ptr, o_ptr, c, S, B, n_tiles,
         valid = qpos < S
         q_off = head.to(tl.int64) * sqh + qpos.to(tl.int64) * sqs
         o_off = head.to(tl.int64) * soh + qpos.to(tl.int64) * sos
-        diag = i
+        diag = (i * BLOCK_M) // BLOCK_N  # BLOCK_M divides BLOCK_N: the tile's rows share one diagonal key tile
     b64 = b.to(tl.int64)
     q = tl.load(q_ptr + b64 * sqb + q_off[:, None] + d[None, :] * sqd, mask=valid[:, None], other=0.0)
     q8 = _e4(q)
@@ -142,20 +146,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
               ) -> torch.Tensor:
     """q (B, H, Sq, D), k and v (B, Hkv, S, D), 16-bit (or float32 in Triton's interpreter), any strides; Sq == S
     (causal) or Sq == 1 (the last position). Returns (B, H, Sq, D) in q's dtype, a view of a (B, Sq, H, D) buffer
-    (the layout o_proj reads). config: num_warps / num_stages instead of CONFIG (the benchmark's sweep)."""
+    (the layout o_proj reads). config: BLOCK_M / num_warps / num_stages instead of CONFIG (the benchmark's sweep;
+    the same bits in every config)."""
     B, H, Sq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if Sq not in (S, 1) or H % Hkv or D not in (32, 64, 128):
         raise ValueError(f"attn_fp8_triton: q {tuple(q.shape)}, k {tuple(k.shape)}: need Sq in (S, 1), whole GQA "
                          "groups and a head size of 32, 64 or 128")
-    if H // Hkv > TILE:
-        raise ValueError(f"attn_fp8_triton: {H // Hkv} query heads per kv head do not fit one tile")
+    cfg = {**CONFIG, **(config or {})}
+    block_m = cfg.pop("BLOCK_M")
+    if TILE % block_m or block_m < 16:
+        raise ValueError(f"attn_fp8_triton: BLOCK_M {block_m} must divide the key tile {TILE}")
+    if H // Hkv > block_m:
+        raise ValueError(f"attn_fp8_triton: {H // Hkv} query heads per kv head do not fit one tile of {block_m}")
     out = torch.empty(B, Sq, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)  # (B, Sq, H, D) -> (B, H, Sq, D)
     if B == 0 or S == 0:
         return out
     c = float(torch.tensor(math.log2(math.e) * scale, dtype=torch.float32))  # attention.log2e_scale: one rounding
     last = Sq == 1 and S > 1
-    n_tiles = triton.cdiv(S, TILE)
+    n_tiles = triton.cdiv(S, block_m)
     k8 = torch.empty(B, Hkv, S, D, dtype=FP8, device=k.device)
     vt8 = torch.empty(B, Hkv, D, S, dtype=FP8, device=v.device)  # V transposed: keys contiguous
     for x, y, trans in ((k, k8, False), (v, vt8, True)):
@@ -163,6 +172,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
                                                 TRANS=trans, num_warps=4)
     grid = (B * Hkv,) if last else (B * H * n_tiles,)
     attn_fp8_fwd[grid](q, k8, vt8, out, c, S, B, n_tiles, *q.stride(), *k8.stride(), *vt8.stride(), *out.stride(),
-                       H=H, HKV=Hkv, D=D, BLOCK_M=TILE, BLOCK_N=TILE, LAST=last, enable_fp_fusion=False,
-                       **(config or CONFIG))
+                       H=H, HKV=Hkv, D=D, BLOCK_M=block_m, BLOCK_N=TILE, LAST=last, enable_fp_fusion=False, **cfg)
     return out
