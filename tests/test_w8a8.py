@@ -296,14 +296,28 @@ def test_cuda_hopper_expert_kernels_give_the_triton_bits(dtype, ue8m0):
     aq, as_ = fp8_gluon.w13_swiglu_quant(q, s, w13, s13, tile_e, dtype, ue8m0=ue8m0)
     assert torch.equal(aq[live].view(torch.uint8), want_q[live].view(torch.uint8))
     assert torch.equal(as_.t()[live], want_s[live])
+    if ue8m0:  # power-of-two activation scales: the promotion's one-FMA form (a_pow2), the same bits
+        fq, fs = fp8_gluon.w13_swiglu_quant(q, s, w13, s13, tile_e, dtype, ue8m0=ue8m0, a_pow2=True)
+        assert torch.equal(fq[live].view(torch.uint8), want_q[live].view(torch.uint8))
+        assert torch.equal(fs.t()[live], want_s[live])
     if dtype != torch.float32:  # 16-bit models gather the tokens' rows in w13's loads (what grouped_w8a8 runs)
-        gq, gs = fp8_gluon.w13_swiglu_quant(qt, st.t(), w13, s13, tile_e, dtype, a_rows, ue8m0=ue8m0)
-        assert torch.equal(gq[live].view(torch.uint8), want_q[live].view(torch.uint8))
-        assert torch.equal(gs.t()[live], want_s[live])
+        for a_pow2 in (False, True) if ue8m0 else (False,):
+            gq, gs = fp8_gluon.w13_swiglu_quant(qt, st.t(), w13, s13, tile_e, dtype, a_rows, ue8m0=ue8m0,
+                                                a_pow2=a_pow2)
+            assert torch.equal(gq[live].view(torch.uint8), want_q[live].view(torch.uint8))
+            assert torch.equal(gs.t()[live], want_s[live])
     assert aq.view(torch.uint8)[live].float().std() > 10  # not a degenerate activation
     want_y = fp8_triton.grouped_gemm(want_q, want_s, w2, s2, tile_e, dtype, **kw)
     y = fp8_gluon.grouped_gemm(aq, as_, w2, s2, tile_e, dtype)
     assert torch.equal(y[live], want_y[live]) and y[live].abs().amax() > 0
+    if ue8m0:
+        rw = torch.rand(a_rows.numel(), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+        want_rw = fp8_triton.grouped_gemm(want_q, want_s, w2, s2, tile_e, dtype, row_weight=rw, **kw)
+        for a_pow2 in (False, True):
+            assert torch.equal(fp8_gluon.grouped_gemm(aq, as_, w2, s2, tile_e, dtype, a_pow2=a_pow2)[live],
+                               want_y[live])
+            got = fp8_gluon.grouped_gemm(aq, as_, w2, s2, tile_e, dtype, row_weight=rw, a_pow2=a_pow2)
+            assert torch.equal(got[live], want_rw[live])
     y2, dest2 = experts.grouped_w8a8(x, rows, k, ends, w13, s13, w2, s2, ue8m0=ue8m0)
     assert torch.equal(y2[dest2], want_y[dest])
     # a rank's share of the slots (expert parallel): the others stay -1 and are not written

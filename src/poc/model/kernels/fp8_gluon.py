@@ -56,6 +56,7 @@ HANDOFF_REGS = (216, 24, 56)  # consumers, producer, epilogue: 2 x 216 + 24 + 56
 HANDOFF_ROWS = 8
 HANDOFF_STAGES = 3
 GATHER_REGS = (216, 24, 56)  # the same with a 4-warp producer gathering A (w13_swiglu_quant's a_rows)
+FOLD_POW2 = True  # power-of-two A scales: the promotion as one FMA (_consumer's A_POW2; False: the benchmark's baseline)
 
 
 def supported(device: torch.device) -> bool:
@@ -140,10 +141,12 @@ def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as
               out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N: gl.constexpr, KB: gl.constexpr,
               TILE_N: gl.constexpr, SUB_STRIDE: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr,
               OUT_CODE: gl.constexpr, TMA_OUT: gl.constexpr, HANDOFF: gl.constexpr, h_bufs, hready, hfree,
-              GATHER: gl.constexpr, a_rows_ptr, UE8M0: gl.constexpr, RW: gl.constexpr):
+              GATHER: gl.constexpr, a_rows_ptr, UE8M0: gl.constexpr, RW: gl.constexpr, A_POW2: gl.constexpr):
     """Rows [64 WG, 64 WG + 64) of each tile: the two weight blocks' block-scaled products, then the epilogue (or,
     HANDOFF, the products rounded to the model dtype into h_bufs for _swiglu_epilogue). RW (w2): each row's float32
-    product multiplied by its routing weight (qs_ptr, one per padded row) before the one rounding."""
+    product multiplied by its routing weight (qs_ptr, one per padded row) before the one rounding. A_POW2: A's
+    scales are powers of two (UE8M0 activations), so the promotion takes one FMA an element instead of a product
+    and an FMA, with the same bits (p s_a is exact: |p| >= 2^-18 where nonzero and s_a >= 2^-42 keep it normal)."""
     OUT: gl.constexpr = _dtype(OUT_CODE)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rl: gl.constexpr = gl.SliceLayout(1, mma)
@@ -180,11 +183,17 @@ def _consumer(WG: gl.constexpr, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as
                 sb0_n = gl.load(bs0 + kn)
                 sb1_n = gl.load(bs1 + kn)
                 p = warpgroup_mma_wait(0, deps=(p, ))
-                acc0 += p * sa[:, None] * sb0
+                if A_POW2:  # p s_a exact: (p s_a) s_b + acc, contracted to one FMA, is fma(p, s_a s_b, acc)
+                    acc0 += p * (sa * sb0)[:, None]
+                else:
+                    acc0 += p * sa[:, None] * sb0
                 p = warpgroup_mma(a, b_bufs.index(2 * s + 1).permute((1, 0)), zero, use_acc=False, is_async=True)
                 p = warpgroup_mma_wait(0, deps=(p, ))
                 mbarrier.arrive(empty.index(s), count=1)
-                acc1 += p * sa[:, None] * sb1
+                if A_POW2:
+                    acc1 += p * (sa * sb1)[:, None]
+                else:
+                    acc1 += p * sa[:, None] * sb1
                 sa = sa_n
                 sb0 = sb0_n
                 sb1 = sb1_n
@@ -290,7 +299,8 @@ def fp8_ws_grouped_gemm(a_desc, a_ptr, s_am, a_rows_ptr, b_desc, c_desc, as_ptr,
                         TILE_N: gl.constexpr, SUB_STRIDE: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr,
                         OUT_CODE: gl.constexpr, TMA_OUT: gl.constexpr, HANDOFF: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, EPILOGUE_REGS: gl.constexpr,
-                        CH: gl.constexpr, GATHER: gl.constexpr, UE8M0: gl.constexpr, RW: gl.constexpr):
+                        CH: gl.constexpr, GATHER: gl.constexpr, UE8M0: gl.constexpr, RW: gl.constexpr,
+                        A_POW2: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 64, 128], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 128, 128], b_desc.layout)
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [1 if HANDOFF else (2 if SWIGLU else (4 if TMA_OUT else 1)), 64,
@@ -315,10 +325,12 @@ def fp8_ws_grouped_gemm(a_desc, a_ptr, s_am, a_rows_ptr, b_desc, c_desc, as_ptr,
         gl.warp_specialize([
             (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW,
+                         A_POW2)),
             (_consumer, (1, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW,
+                         A_POW2)),
             (_producer_gather, (a_ptr, s_am, a_rows_ptr, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E,
                                 n_tiles, NT_N, KB, N_E, TILE_N, SUB_STRIDE, STAGES)),
             (_swiglu_epilogue, (h_bufs, hready, hfree, out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N,
@@ -328,10 +340,12 @@ def fp8_ws_grouped_gemm(a_desc, a_ptr, s_am, a_rows_ptr, b_desc, c_desc, as_ptr,
         gl.warp_specialize([
             (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW,
+                         A_POW2)),
             (_consumer, (1, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW,
+                         A_POW2)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E, n_tiles, NT_N, KB, N_E,
                          TILE_N, SUB_STRIDE, STAGES)),
             (_swiglu_epilogue, (h_bufs, hready, hfree, out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N,
@@ -341,10 +355,12 @@ def fp8_ws_grouped_gemm(a_desc, a_ptr, s_am, a_rows_ptr, b_desc, c_desc, as_ptr,
         gl.warp_specialize([
             (_consumer, (0, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW,
+                         A_POW2)),
             (_consumer, (1, a_bufs, b_bufs, c_bufs, c_desc, ready, empty, as_ptr, s_asg, bs_ptr, s_bse, s_bsn,
                          out_ptr, s_om, qs_ptr, s_qsg, tile_e_ptr, E, n_tiles, NT_N, KB, TILE_N, SUB_STRIDE, STAGES,
-                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW)),
+                         SWIGLU, OUT_CODE, TMA_OUT, HANDOFF, h_bufs, hready, hfree, GATHER, a_rows_ptr, UE8M0, RW,
+                         A_POW2)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_e_ptr, E, n_tiles, NT_N, KB, N_E,
                          TILE_N, SUB_STRIDE, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -362,7 +378,7 @@ def fits(w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 def _launch(q, s, w, w_scale, tile_expert, out, qs, swiglu, model_dtype, stages, tma_out, handoff=False,
-            a_rows=None, ue8m0=False, rw=False):
+            a_rows=None, ue8m0=False, rw=False, a_pow2=False):
     E, N, K = w.shape
     rows = tile_expert.numel() * ROWS
     gather = a_rows is not None
@@ -381,17 +397,18 @@ def _launch(q, s, w, w_scale, tile_expert, out, qs, swiglu, model_dtype, stages,
         qs.stride(0), tile_expert, E, n_tiles, NT_N=nt_n, KB=K // GROUP, N_E=N, TILE_N=tile_n, SUB_STRIDE=sub,
         STAGES=stages, SWIGLU=swiglu, OUT_CODE=_OUT_CODES[model_dtype], TMA_OUT=tma_out, HANDOFF=handoff,
         CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], EPILOGUE_REGS=regs[2], CH=HANDOFF_ROWS, GATHER=gather,
-        UE8M0=ue8m0, RW=rw, num_warps=4, enable_fp_fusion=FP_FUSION)
+        UE8M0=ue8m0, RW=rw, A_POW2=a_pow2 and FOLD_POW2 and FP_FUSION, num_warps=4, enable_fp_fusion=FP_FUSION)
 
 
 def w13_swiglu_quant(q: torch.Tensor, s: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                      tile_expert: torch.Tensor, model_dtype: torch.dtype,
-                     a_rows: torch.Tensor | None = None, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     a_rows: torch.Tensor | None = None, ue8m0: bool = False, a_pow2: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The padded layout's rows through w13 (E, 2F, D), SwiGLU in model_dtype and the quantiser: (q (rows, F) float8,
     s (F/128, rows) float32), the second GEMM's input (the tiles past the last group are left unwritten; no GEMM reads
     them). A is q (rows, D) float8 with scales s (D/128, rows), or with a_rows (each padded row's token, -1: a zero
     row; 16-bit models) the tokens' q (T, D) and s (D/128, T), gathered in the kernel's loads. ue8m0: the
-    re-quantisation's power-of-two scales."""
+    re-quantisation's power-of-two scales; a_pow2: s holds powers of two (the promotion's short form, same bits)."""
     M, F = tile_expert.numel() * ROWS, w13.shape[1] // 2
     qo = torch.empty((M, F), dtype=FP8, device=q.device)
     so = torch.empty((F // GROUP, M), dtype=torch.float32, device=q.device)
@@ -399,20 +416,22 @@ def w13_swiglu_quant(q: torch.Tensor, s: torch.Tensor, w13: torch.Tensor, w13_sc
     if a_rows is not None and not handoff:
         raise ValueError("fp8_gluon: the gathered A needs the hand-off epilogue (a 16-bit model)")
     _launch(q, s, w13, w13_scale, tile_expert, qo, so, True, model_dtype, HANDOFF_STAGES if handoff else W13_STAGES,
-            True, handoff, a_rows, ue8m0)
+            True, handoff, a_rows, ue8m0, a_pow2=a_pow2)
     return qo, so
 
 
 def grouped_gemm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, tile_expert: torch.Tensor,
-                 out_dtype: torch.dtype, row_weight: torch.Tensor | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype, row_weight: torch.Tensor | None = None, a_pow2: bool = False
+                 ) -> torch.Tensor:
     """The padded layout's rows q (rows, K) float8 with scales s (K/128, rows) times their experts' w (E, N, K):
     (rows, N) in out_dtype (N a multiple of 256). row_weight (rows,) float32: each row's product multiplied by it in
-    float32 before the rounding (the routing weight, as vLLM's fused MoE applies it)."""
+    float32 before the rounding (the routing weight, as vLLM's fused MoE applies it). a_pow2: s holds powers of two
+    (UE8M0: the promotion's short form, same bits)."""
     out = torch.empty((q.shape[0], w.shape[1]), dtype=out_dtype, device=q.device)
     tma_out = out_dtype != torch.float32
     rw = row_weight is not None
     if rw and (row_weight.dtype != torch.float32 or row_weight.numel() != q.shape[0] or not row_weight.is_contiguous()):
         raise ValueError(f"fp8_gluon: row_weight must be ({q.shape[0]},) contiguous float32")
     _launch(q, s, w, w_scale, tile_expert, out, row_weight if rw else out, False, out_dtype, W2_STAGES, tma_out,
-            rw=rw)
+            rw=rw, a_pow2=a_pow2)
     return out
