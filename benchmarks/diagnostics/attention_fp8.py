@@ -7,7 +7,8 @@ call (triton.testing.do_bench, median), TFLOP/s, and the kernel's distance to th
 
 TFLOP/s count causal attention as 2 B H S^2 D FLOPs (QK^T and PV, 2 B H S^2 D each, half of each under the mask).
 The inputs are what the model hands over: transposed views of one (B, S, (H + 2 Hkv) D) projection output, bf16.
-Rows: `fp8` (the kernel, in CONFIG and each other tile configuration of --configs), `fp8kv` (K and V rounded
+Rows: `fp8` (the kernel, in CONFIG and each other tile configuration of --configs, each with whether its output
+has CONFIG's bits, as it must), `fp8kv` (K and V rounded
 through e4m3, then SDPA) and `bf16` (SDPA), each through attention.attend; the last-position pass of `fp8`. The
 distances (share of elements that differ, max and RMS difference relative to the reference's) are measured on the
 first --check-batch rows of each batch: the kernel against the emulation, and fp8kv and bf16 against it for scale;
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--seq", type=int, default=S)
-    ap.add_argument("--configs", default="8x2,8x3", help="num_warps x num_stages of the kernel to time, besides CONFIG")
+    ap.add_argument("--configs", default="128x8x2,64x4x2,64x4x3,64x4x4",
+                    help="BLOCK_M x num_warps x num_stages of the kernel to time, besides CONFIG")
     ap.add_argument("--check-batch", type=int, default=4, help="batch rows on which distances are measured")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
@@ -64,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"{torch.cuda.get_device_capability()}; needs 9+ and Triton): nothing was run")
     configs = [dict(attn_fp8_triton.CONFIG)]
     for c in a.configs.split(","):
-        w, s = (int(x) for x in c.split("x"))
-        if {"num_warps": w, "num_stages": s} not in configs:
-            configs.append({"num_warps": w, "num_stages": s})
+        m, w, s = (int(x) for x in c.split("x"))
+        if {"BLOCK_M": m, "num_warps": w, "num_stages": s} not in configs:
+            configs.append({"BLOCK_M": m, "num_warps": w, "num_stages": s})
     scale = 1 / math.sqrt(D)
     Sq = a.seq
     rows, checks = [], []
@@ -87,9 +89,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"B {B:3d} {name:28s} {str(config or ''):42s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s",
                   flush=True)
 
+        want = attn_fp8_triton.attention(q, k, v, scale, config=configs[0])
         for cfg in configs:
             try:
                 timed("fp8 kernel", lambda: attn_fp8_triton.attention(q, k, v, scale, config=cfg), cfg)
+                rows[-1]["same_bits_as_CONFIG"] = torch.equal(attn_fp8_triton.attention(q, k, v, scale, config=cfg),
+                                                              want)
             except Exception as e:  # e.g. out of shared memory in a deeper pipeline
                 rows.append({"B": B, "what": "fp8 kernel", "config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
                 print(f"B {B:3d} fp8 kernel {cfg}: {rows[-1]['error']}", flush=True)
