@@ -61,3 +61,34 @@ def test_a_steady_run_is_steady_and_a_slower_core_explains_a_slower_minute(soak)
     st = soak.stability(SEGMENTS, run(probe_at_slow=0.5))
     assert st["minute_rate_vs_first_steady"]["min"] == 0.8333
     assert st["minute_rate_at_constant_core_speed_vs_first_steady"]["max"] == 1.1111
+
+
+def hour(loss_per_hour: float, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """An hour in 12 segments of 5 minutes, a sample every 30 s: a rate of 4,000 nonces/s that wanders +-15% with the
+    machine (independent per sample), falling by `loss_per_hour` of itself over the hour."""
+    import random
+
+    rnd = random.Random(seed)
+    segs = [{"init_at_s": 300.0 * i, "stop_at_s": 300.0 * (i + 1), "computed": 1_200_000} for i in range(12)]
+    out = []
+    for k in range(1, 121):
+        t = 30.0 * k
+        rate = 4000.0 * (1 - loss_per_hour * t / 3600.0) * (1 + rnd.uniform(-0.15, 0.15))
+        out.append({"t_s": t, "nonces_computed": round(rate * 30), "server": {"rss_mb": 400.0, "fds": 10},
+                    "children": [], "spool_bytes": 0})
+    return segs, out
+
+
+def test_the_trend_tells_a_leak_from_a_wandering_machine(soak):
+    """The line through the sample rates: a steady server on a noisy machine gets an interval around 0 narrower than
+    the noise (+-15%: about +-5% an hour); a server losing 10% an hour gets an interval that holds its slope and
+    excludes 0, and its fastest samples of the last quarter fall short of the first quarter's."""
+    for seed in range(3):
+        steady = soak.stability(*hour(0.0, seed))["trend"]
+        lo, hi = steady["slope_95"]
+        assert lo < 0 < hi and hi - lo < 0.15, steady
+        assert min(steady["quarter_p90_vs_first"]) > 0.93, steady
+        leak = soak.stability(*hour(0.10, seed))["trend"]
+        lo, hi = leak["slope_95"]
+        assert lo < -0.1 / 0.95 < hi < 0, leak  # 10% of the start an hour, 10.5% of the hour's mean rate
+        assert leak["quarter_p90_vs_first"][-1] < 0.95, leak

@@ -9,7 +9,9 @@ validators' arithmetic), then the whole expert block (`experts.grouped_w8a8`) as
 Variants: `fold` (fp8_gluon.FOLD_POW2: with power-of-two activation scales the promotion is one FMA an element,
 fma(p, s_a s_b, acc), instead of a product and an FMA; the same bits) on and off, for each kernel called with
 a_pow2 and for the expert block as experts.py calls them (a_pow2 on w13 only: w2 measured slower folded). TFLOP/s count the routed rows'
-useful FLOPs (2 x rows x N x K; the padding rows are not counted), as the profile's 890 TFLOP/s did.
+useful FLOPs (2 x rows x N x K; the padding rows are not counted), as the profile's 890 TFLOP/s did. Beside them
+the same FLOPs as one dense GEMM in cuBLAS (every routed row against one expert's weight): block-scaled, as the dense
+layers run, and tensor-wise (no per-block promotion): what these shapes reach on this card without the experts.
 """
 
 from __future__ import annotations
@@ -131,6 +133,21 @@ def main(argv: list[str] | None = None) -> int:
             triton_bits=torch.equal(yb[db], want_y[dest]))
         del aq, as_, y, yb
     fp8_gluon.FOLD_POW2 = True
+    # what a GEMM of these shapes reaches without the experts: every routed row against one weight, dense, in
+    # cuBLAS (block-scaled as the dense layers run it, and tensor-wise: no per-block promotion at all)
+    one = torch.ones((), device=dev)
+    for name, (n, k) in {"w13": (2 * F, D), "w2": (D, F)}.items():
+        xa = (torch.randn(n_routed, k, device=dev, generator=g) * 2).bfloat16()
+        qa, sa = fp8.quantize_act(xa, ue8m0=True)
+        del xa
+        w, ws = (w13[0], s13[0]) if name == "w13" else (w2[0], s2[0])
+        flop = 2 * n_routed * n * k
+        row(f"dense {name} shape (cuBLAS, block-scaled)", lambda: fp8.fp8_mm(qa, sa, w, ws, torch.bfloat16), flop,
+            emulated=(tuple(w.shape), torch.bfloat16) in fp8._FAILED)  # _scaled_mm refused: not a cuBLAS figure
+        wt = w.t()
+        row(f"dense {name} shape (cuBLAS, tensor-wise)", lambda: torch._scaled_mm(
+            qa, wt, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), flop)
+        del qa, sa
     if a.out:
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -405,6 +405,25 @@ def report(a, rx: Receiver, segments: list, samples: list, t0: float, final: str
             "server_log_tail": log_tail}
 
 
+def trend(t: list, rates: list) -> dict:
+    """A slowdown under noise: the least-squares line through the in-segment sample rates over time, its slope as a
+    share of the mean rate per hour with a 95% interval (a leak or a growing queue shows as a slope below zero whose
+    interval excludes it; a machine whose speed wanders makes the interval wide, not the slope negative), and the
+    fastest samples of each quarter of the run (their 90th percentile: what the server still reaches) against the
+    first quarter's."""
+    import numpy as np
+    from scipy import stats
+
+    fit = stats.linregress(np.asarray(t) / 3600.0, rates)
+    mean = float(np.mean(rates))
+    half = stats.t.ppf(0.975, len(rates) - 2) * fit.stderr
+    q = np.array_split(np.asarray(rates, dtype=float), 4) if len(rates) >= 8 else []
+    p90 = [float(np.percentile(part, 90)) for part in q]
+    return {"slope_per_hour": round(float(fit.slope / mean), 4),
+            "slope_95": [round(float((fit.slope - half) / mean), 4), round(float((fit.slope + half) / mean), 4)],
+            "quarter_p90_vs_first": [round(v / p90[0], 4) for v in p90] if p90 else None, "n": len(rates)}
+
+
 def stability(segments: list, samples: list) -> dict:
     """Whether the run slowed down or grew: each segment's rate (computed over its init-to-stop span) against the
     first's; the computing rate of each sample whose whole span lies inside one segment (a span across a stop and the
@@ -412,7 +431,7 @@ def stability(segments: list, samples: list) -> dict:
     such sample's, and the same over whole minutes of such samples, per CPU second of the server and its processes,
     and at the probe's constant core speed; the machine's CPU shares; the server's and its processes' RSS and the
     server's open fds from the first steady sample (the second: the first holds the start) to the last; the spool's
-    largest size and its size at the end."""
+    largest size and its size at the end; the trend of the sample rates over the run (`trend`)."""
     out = {}
     rates = [s["computed"] / max(1e-9, s["stop_at_s"] - s["init_at_s"]) for s in segments]
     if rates:
@@ -423,7 +442,7 @@ def stability(segments: list, samples: list) -> dict:
         procs = [x.get("server") or {}] + x.get("children", [])
         return None if any("cpu_s" not in p for p in procs) else sum(p["cpu_s"] for p in procs)
 
-    inside, minutes, per_cpu, steady_core, prev, prev_x = [], [], [], [], 0.0, None
+    inside, when, minutes, per_cpu, steady_core, prev, prev_x = [], [], [], [], [], 0.0, None
     acc = None  # [segment, nonces, seconds, server CPU seconds or None, probe times] of the minute being summed
     for x in samples:
         lo, hi = prev, x["t_s"]
@@ -434,6 +453,7 @@ def stability(segments: list, samples: list) -> dict:
             acc = None
             continue
         inside.append(x["nonces_computed"] / (hi - lo))
+        when.append((lo + hi) / 2)
         used = None if before is None or cpu(x) is None or cpu(before) is None else cpu(x) - cpu(before)
         # whole minutes of consecutive in-segment samples (a sample holds a few batches: one batch more or less moves
         # a short sample's rate by several percent, a minute's by less)
@@ -459,6 +479,8 @@ def stability(segments: list, samples: list) -> dict:
         if len(rates) > 1 and rates[0]:
             out[key] = {"min": round(min(rates[1:]) / rates[0], 4), "max": round(max(rates[1:]) / rates[0], 4),
                         "first": round(rates[0], 1), "n": len(rates)}
+    if len(inside) > 2:
+        out["trend"] = trend(when, inside)
     steady = samples[1:]
     m = [x.get("machine") for x in steady]
     if len(m) > 1 and all(m):
