@@ -264,8 +264,8 @@ def grouped_w8a8(x: Tensor, rows: Tensor, k: int, ends: Tensor, w13: Tensor, s13
             qt, st = (xq.q, xq.s) if xq is not None else fp8.quantize_act(x, ue8m0=ue8m0)
             aq, as_ = glu.w13_swiglu_quant(qt, st.t(), w13, s13, tile_expert, x.dtype, a_rows, ue8m0=ue8m0,
                                            a_pow2=ue8m0)
-        # w2 keeps the two-step promotion: folded it measured slower on an H200 (7.2 against 5.3 ms a layer,
-        # benchmarks/h200/minimax_experts.json), w13 faster (11.8 against 12.0)
+        # w2 keeps the two-step promotion: folded it measured slower on an H200 (7.40 against 5.29 ms a MiniMax
+        # layer, benchmarks/h200/minimax_experts.json), w13 faster (11.24 against 11.84)
         return glu.grouped_gemm(aq, as_, w2, s2, tile_expert, x.dtype, row_weight=rw), dest
     # each token quantised once (the quantisation is per row); its routed copies are rows of that
     qt, st = (xq.q, xq.s) if xq is not None else fp8.quantize_act(x, ue8m0=ue8m0)

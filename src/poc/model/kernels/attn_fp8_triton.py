@@ -2,22 +2,22 @@
 the CPU path, `fp8_attention_torch`).
 
 `attention(q, k, v, scale)`: causal attention, or the last position alone, with every operand of both GEMMs in
-float8_e4m3fn. K and V are rounded to e4m3 once per call (clamped to +-448, nearest even: `_round_kv`), K as
-(B, Hkv, S, D) and V transposed as (B, Hkv, D, S): the K-major layouts FP8 wgmma takes for both GEMMs' B operand,
-so the main loop streams FP8 tiles from memory into shared memory (Triton's pipeliner: the next tiles' loads in
-flight while this one computes) and on to the tensor cores with no conversion. Then one program per (query tile of
-BLOCK_M rows (CONFIG: 64), query head, batch) loads its query tile in the model dtype (any strides: the projections' (B, S, H*D) rows
-seen as (B, H, S, D) views), rounds it to e4m3 in registers, and walks the key tiles of 128 from the diagonal tile
-(causal mask) back to tile 0: S = Q8 K8^T on the FP8 tensor cores (float32 accumulation), the running row max m of
-S, alpha = exp2((m_old - m_new) c) applied to l and O, p = exp2(S c - m c), l += rowsum(p) of the unquantised p,
-O += e4(448 p) V8; the output O / (448 l) (IEEE division) rounded to the model dtype. The last-position pass
-(Sq == 1) puts the query heads of one kv head in the rows of one tile (position S - 1 in every row) and walks that
-row's key tiles in the same order: each row does the full pass's arithmetic.
+float8_e4m3fn. K and V are rounded to e4m3 once per call (clamped to +-448, nearest even: `_round_kv`), K as (B, Hkv, S,
+D) and V transposed as (B, Hkv, D, S): the K-major layouts FP8 wgmma takes for both GEMMs' B operand, so the main loop
+streams FP8 tiles from memory into shared memory (Triton's pipeliner: the next tiles' loads in flight while this one
+computes) and on to the tensor cores with no conversion. Then one program per (query tile of BLOCK_M rows (CONFIG: 64),
+query head, batch) loads its query tile in the model dtype (any strides: the projections' (B, S, H*D) rows seen as (B,
+H, S, D) views), rounds it to e4m3 in registers, and walks the key tiles of 128 from the diagonal tile (causal mask)
+back to tile 0: S = Q8 K8^T on the FP8 tensor cores (float32 accumulation), the running row max m of S, alpha =
+exp2((m_old - m_new) c) applied to l and O, p = exp2(S c - m c), l += rowsum(p) of the unquantised p, O += e4(448 p) V8;
+the output O / (448 l) (IEEE division) rounded to the model dtype. The last-position pass (Sq == 1) puts the query heads
+of one kv head in the rows of one tile (position S - 1 in every row) and walks that row's key tiles in the same order:
+each row does the full pass's arithmetic.
 
-Triton rounds the float32 -> e4m3 conversions to nearest even with saturation (cvt.rn.satfinite on sm_90). Contraction to FMA is off (`S c - m c` is two products and a difference, as the emulation
-computes it). The differences left: the MMAs' accumulation (FP8 wgmma is reported to keep 13 mantissa bits of the
-accumulator it adds to; Triton's default on sm_90, as FA3, adds PV into O on the tensor cores), exp2's ulps
-(ex2.approx.ftz), the order of the row sum.
+Triton rounds the float32 -> e4m3 conversions to nearest even with saturation (cvt.rn.satfinite on sm_90). Contraction
+to FMA is off (`S c - m c` is two products and a difference, as the emulation computes it). The differences left: the
+MMAs' accumulation (FP8 wgmma is reported to keep 13 mantissa bits of the accumulator it adds to; Triton's default on
+sm_90, as FA3, adds PV into O on the tensor cores), exp2's ulps (ex2.approx.ftz), the order of the row sum.
 
 Importing this module needs Triton (present with CUDA builds of torch); `attention` imports it only for CUDA tensors.
 """
@@ -84,9 +84,9 @@ def attn_fp8_fwd(q_ptr, k_ptr, v_ptr, o_ptr, c, S, B, n_tiles,
                  LAST: tl.constexpr):
     """One tile of BLOCK_M query rows (a divisor of BLOCK_N), k the e4m3 K (B, Hkv, S, D) and v the e4m3 V
     transposed (B, Hkv, D, S). Causal pass: one head, positions [i BLOCK_M, (i + 1) BLOCK_M) (n_tiles of them);
-    programs ordered heaviest tile first, and within a
-    (tile, batch) the query heads of one kv head next to each other (they read the same K/V tiles: L2 reuse). LAST:
-    row r is query head kvh * REP + r at position S - 1 (q's only position)."""
+    programs ordered heaviest tile first, and within a (tile, batch) the query heads of one kv head next to each
+    other (they read the same K/V tiles: L2 reuse). LAST: row r is query head kvh * REP + r at position S - 1 (q's
+    only position)."""
     REP: tl.constexpr = H // HKV
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)

@@ -56,7 +56,7 @@ HANDOFF_REGS = (216, 24, 56)  # consumers, producer, epilogue: 2 x 216 + 24 + 56
 HANDOFF_ROWS = 8
 HANDOFF_STAGES = 3
 GATHER_REGS = (216, 24, 56)  # the same with a 4-warp producer gathering A (w13_swiglu_quant's a_rows)
-FOLD_POW2 = True  # power-of-two A scales: the promotion as one FMA (_consumer's A_POW2; False: the benchmark's baseline)
+FOLD_POW2 = True  # power-of-two A scales: the promotion as one FMA (_consumer's A_POW2); False: benchmark baseline
 
 
 def supported(device: torch.device) -> bool:
