@@ -79,6 +79,8 @@ def _no_bias(moe):
     v = View()
     v.__dict__.update(moe.__dict__)
     v.sigmoid, v.gate, v.e_score_correction_bias, v.top_k = True, moe.gate, None, moe.top_k
+    v.gate_parts = moe.gate_parts
+    v.router_logits = MoE.router_logits.__get__(v)
     return v
 
 

@@ -1,5 +1,6 @@
-"""The MoE router's top-k (model/route.py): torch.topk on the CPU; on CUDA the Triton kernel against torch.topk and
-against the rule written out here."""
+"""The MoE router (model/route.py): its top-k, torch.topk on the CPU and on CUDA the Triton kernel against torch.topk
+and against the rule written out here; MiniMax-M2's float32 router GEMM as three exact bfloat16 parts, against
+float64 and a float32 GEMM."""
 
 import pytest
 import torch
@@ -85,3 +86,105 @@ def test_cuda_moe_block_with_the_kernel_gives_torch_topk_bits(monkeypatch):
     assert calls
     monkeypatch.setattr(route, "topk", lambda p, k: torch.topk(p, k, dim=-1))
     assert torch.equal(got, moe(x)) and got.abs().amax() > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the sigmoid router's float32 GEMM as three bfloat16 parts (route.split3 / split_logits, ModelOptions.router_gemm)
+
+
+def _gate(E: int, D: int, seed: int) -> torch.Tensor:
+    """A float32 gate with every bit used and exponents far apart (2^-60 .. 2^20), a few bfloat16 values exactly."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(E, D, generator=g) * torch.exp2(torch.randint(-60, 21, (E, D), generator=g).float())
+    w[0, :8] = torch.tensor([0.0, -0.0, 1.0, -2.5, 3.0e-5, 448.0, 1e-30, -7.0])
+    return w
+
+
+def _float32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The classic bound of a float32 dot product of length D (any summation order): D u sum |x_i w_i|, u = 2^-24."""
+    return x.shape[1] * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t())
+
+
+def test_split3_parts_are_bfloat16_and_sum_to_the_float32_gate_exactly():
+    w = _gate(64, 384, 0)
+    parts = route.split3(w)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (192, 384)
+    hi, mid, lo = parts.double().chunk(3)
+    assert torch.equal(hi + mid + lo, w.double())  # float64 holds the sum exactly: nothing of w is lost
+    assert (mid != 0).float().mean() > 0.9 and (lo != 0).float().mean() > 0.5  # the parts carry real bits
+    assert torch.equal(hi, w.bfloat16().double())
+    tiny = torch.tensor([[2.0 ** -120 * (1 + 2.0 ** -20)]])  # its last bits fall below bfloat16's subnormals
+    with pytest.raises(ValueError, match="do not split exactly"):
+        route.split3(tiny)
+
+
+def test_split_logits_are_a_float32_gemm_of_every_bit():
+    """The split's logits of a bfloat16 x lie within the float32 dot-product bound of the float64 product, and on
+    average as close to it as a float32 GEMM's; the bfloat16 gate alone (one part) is hundreds of times farther, so
+    the comparison sees a lost bit."""
+    w = torch.randn(64, 3072, generator=torch.Generator().manual_seed(1)) * 0.02
+    x = torch.randn(512, 3072, generator=torch.Generator().manual_seed(2)).bfloat16()
+    exact = x.double() @ w.double().t()
+    split = route.split_logits(x, route.split3(w))
+    assert split.dtype == torch.float32 and split.shape == (512, 64)
+    err = (split.double() - exact).abs()
+    err_f32 = (torch.nn.functional.linear(x.float(), w).double() - exact).abs()
+    assert (err <= _float32_bound(x, w)).all() and err.mean() < 2 * err_f32.mean(), (err.mean(), err_f32.mean())
+    one_part = (x.double() @ w.bfloat16().double().t() - exact).abs()
+    assert one_part.mean() > 100 * err_f32.mean()
+    # the top 8 of the sigmoid scores: those of the float64 product
+    assert torch.equal(torch.topk(split, 8).indices, torch.topk(exact, 8).indices)
+
+
+@torch.no_grad()
+def test_the_minimax_router_option_builds_the_split_for_bfloat16_models():
+    """router_gemm=split: a bfloat16 MiniMax block routes through the parts (the float32 GEMM's experts and, to
+    float32's accuracy, its weights) and says so; a float32 model keeps the float32 GEMM; auto is float32 on the CPU;
+    a bad value is refused naming its variable."""
+    from poc.errors import InputError
+    from poc.model.config import PRESETS
+    from poc.model.options import ModelOptions
+    from poc.model.random_weights import random_model
+
+    cfg = PRESETS["tiny-minimax"]
+    split = random_model(cfg, torch.bfloat16, "cpu", options=ModelOptions(router_gemm="split"))
+    plain = random_model(cfg, torch.bfloat16, "cpu")
+    assert split.computes()["router"] == "split" and plain.computes()["router"] == "float32"
+    moe, ref = split.layers["0"].mlp, plain.layers["0"].mlp
+    assert moe.gate_parts is not None and ref.gate_parts is None and torch.equal(moe.gate.weight, ref.gate.weight)
+    x = torch.randn(2000, cfg.dim, generator=torch.Generator().manual_seed(5)).bfloat16()
+    (w1, i1), (w2, i2) = moe.route(x), ref.route(x)
+    assert torch.equal(i1, i2)
+    torch.testing.assert_close(w1, w2, rtol=1e-6, atol=0)
+    assert ((moe.router_logits(x).double() - ref.router_logits(x).double()).abs()
+            <= 2 * _float32_bound(x, moe.gate.weight)).all()
+    f32 = random_model(cfg, torch.float32, "cpu", options=ModelOptions(router_gemm="split"))
+    assert f32.computes()["router"] == "float32"
+    assert random_model(PRESETS["tiny"], torch.float32, "cpu").computes()["router"] is None  # no sigmoid router
+    with pytest.raises(InputError, match="POC_ROUTER_GEMM"):
+        ModelOptions.from_env({"POC_ROUTER_GEMM": "tf32"})
+
+
+@CUDA
+@pytest.mark.gpu
+@torch.no_grad()
+def test_cuda_split_router_is_as_close_to_float64_as_the_float32_gemm():
+    """On CUDA (cuBLAS's bfloat16 GEMM with a float32 output, tensor cores) at MiniMax-M2.7's router shape: every
+    logit within the float32 dot-product bound of float64, the mean error within 4x the FFMA GEMM's, the experts the
+    float64 product chooses (but for near-ties), and the same bits compiled."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(256, 3072, device="cuda", generator=g) * 0.02
+    x = torch.randn(16384, 3072, device="cuda", generator=g).bfloat16()
+    exact = x.double() @ w.double().t()
+    bound = _float32_bound(x, w)
+    parts = route.split3(w)
+    split = route.split_logits(x, parts)
+    ffma = torch.nn.functional.linear(x.float(), w)
+    err_s, err_f = (split.double() - exact).abs(), (ffma.double() - exact).abs()
+    assert (err_s <= bound).all() and (err_f <= bound).all()
+    assert err_s.mean() < 4 * err_f.mean(), (err_s.mean().item(), err_f.mean().item())
+    top = torch.topk(exact, 8).indices
+    assert (torch.topk(split, 8).indices != top).any(-1).float().mean() < 1e-3
+    compiled = torch.compile(route.split_logits, fullgraph=True)
+    assert torch.equal(compiled(x, parts), split)

@@ -19,6 +19,8 @@ Rows, per depth:
 - honest noise: the H100 validators against the H200 validators (TP4 vs TP2 emulations: the same recipe, two
   deployments the chain accepts), the emulation with every GEMM summed exactly (float64: without float32's
   accumulation order) against the emulation, and ours at another batch size;
+- the router's GEMM: ours (the float32 gate as three bfloat16 parts on the tensor cores, ModelOptions.router_gemm
+  split) against ours with the float32 FFMA GEMM;
 - each recipe variant's emulation against the spec's: the vLLM 0.20-era attention (bf16 Q, e4m3 K/V), bf16
   attention, a bf16 router, float32 scales, transformers' expert weighing (each a way to be systematically wrong),
   and ours against each.
@@ -46,6 +48,7 @@ import torch
 from poc.bench import pyplot
 from poc.model.compile import maybe_compile
 from poc.model.config import PRESETS
+from poc.model.options import ModelOptions
 from poc.model.random_weights import checkpoint_norm, random_model
 from poc.model.transformer import Transformer
 from poc.parallel.build import Part
@@ -91,8 +94,10 @@ def sync(dev) -> None:
 
 
 @torch.no_grad()
-def ours(cfg, nonces: list[int], batch: int, dev, compile: bool) -> tuple[dict, float]:
-    """The served forward, stage after stage when the model does not fit: (vectors, nonces/s of the forward)."""
+def ours(cfg, nonces: list[int], batch: int, dev, compile: bool, options: ModelOptions | None = None
+         ) -> tuple[dict, float]:
+    """The served forward, stage after stage when the model does not fit: (vectors, nonces/s of the forward).
+    options: the served defaults, or another setting (the float32 FFMA router)."""
     n_stages = stages_for(cfg, dev)
     step = maybe_compile(Transformer.layer_step, compile)
     keys = v2.hash_keys(SEQ * cfg.dim, dev)
@@ -100,7 +105,8 @@ def ours(cfg, nonces: list[int], batch: int, dev, compile: bool) -> tuple[dict, 
     h = {}
     t = 0.0
     for s in range(n_stages):
-        model = random_model(cfg, torch.bfloat16, dev, fp8_ckpt=True, shard=Part(stage=s, n_stages=n_stages).shard)
+        model = random_model(cfg, torch.bfloat16, dev, fp8_ckpt=True, shard=Part(stage=s, n_stages=n_stages).shard,
+                             options=options)
         for i in range(0, len(nonces), batch):
             part = nonces[i:i + batch]
             seeds, pick, haar = plan(part, cfg.dim, dev)
@@ -203,6 +209,8 @@ def compute(args, layers: int, n: int, dev, names: list[str]) -> tuple[dict, dic
         out["ours"], info["ours_forward_nonces_per_s"] = ours(cfg, nonces, args.batch, dev, compile)
     if "ours half" in names:
         out["ours half"] = ours(cfg, nonces, args.batch // 2, dev, compile)[0]
+    if "ours router float32" in names:
+        out["ours router float32"] = ours(cfg, nonces, args.batch, dev, compile, ModelOptions(router_gemm="float32"))[0]
     info["seconds_ours"] = time.perf_counter() - t0
     recipes = {k: r for k, r in recipes_at(args, layers).items() if k in names}
     t0 = time.perf_counter()
@@ -216,7 +224,7 @@ def compute_on_gpus(args, layers: int, n: int, names: list[str], argv: list[str]
     """compute() split over args.gpus processes, one GPU each (CUDA_VISIBLE_DEVICES): ours alone on the first,
     the recipes dealt over the others; the results merged. Each process draws the layers' weights itself (the
     draws are seeded: every GPU draws the same)."""
-    groups = [["ours", "ours half"]] + [[] for _ in range(args.gpus - 1)]
+    groups = [["ours", "ours half", "ours router float32"]] + [[] for _ in range(args.gpus - 1)]
     for i, name in enumerate(k for k in names if not k.startswith("ours")):
         groups[1 + i % (args.gpus - 1)].append(name)
     groups = [[k for k in g if k in names] for g in groups]
@@ -242,12 +250,13 @@ def compute_on_gpus(args, layers: int, n: int, names: list[str], argv: list[str]
 
 
 def depth(args, layers: int, n: int, dev, argv: list[str]) -> dict:
-    names = ["ours"] + (["ours half"] if layers <= args.variants_up_to else []) + list(recipes_at(args, layers))
+    names = ["ours"] + (["ours half", "ours router float32"] if layers <= args.variants_up_to else []) + list(
+        recipes_at(args, layers))
     if args.gpus > 1:
         emu, info = compute_on_gpus(args, layers, n, names, argv)
     else:
         emu, info = compute(args, layers, n, dev, names)
-    mine, other_batch = emu.pop("ours"), emu.pop("ours half", None)
+    mine, other_batch, ffma = emu.pop("ours"), emu.pop("ours half", None), emu.pop("ours router float32", None)
     rate, t_ours, t_emu = info.get("ours_forward_nonces_per_s"), info["seconds_ours"], info["seconds_emulation"]
     spec = emu["spec"]
     rows = [{"compare": "ours vs spec emulation", **dist(mine, spec)},
@@ -260,6 +269,8 @@ def depth(args, layers: int, n: int, dev, argv: list[str]) -> dict:
     if other_batch is not None:
         rows.append({"compare": "honest: ours batch %d vs %d" % (args.batch, args.batch // 2),
                      **dist(mine, other_batch)})
+    if ffma is not None:
+        rows.append({"compare": "router GEMM: ours (split) vs ours with the float32 FFMA GEMM", **dist(mine, ffma)})
     for k in VARIANTS:
         if k in emu:
             rows.append({"compare": f"variant: {k} vs spec", **dist(emu[k], spec)})
@@ -279,7 +290,8 @@ def plot(res: dict, path: Path) -> None:
     for ax, d in zip(axes[0], res["depths"]):
         names = [r["compare"] for r in d["rows"]]
         ax.barh(range(len(names)), [max(r["mean"], 1e-6) for r in d["rows"]], color=[
-            "tab:green" if n.startswith("ours vs spec") else "tab:gray" if n.startswith("honest") else "tab:red"
+            "tab:green" if n.startswith("ours vs spec") else "tab:gray" if n.startswith("honest") else
+            "tab:blue" if n.startswith("router GEMM") else "tab:red"
             for n in names])
         ax.set_yticks(range(len(names)), names, fontsize=7)
         ax.set_xscale("log")

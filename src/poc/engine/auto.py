@@ -65,7 +65,8 @@ def layer_bytes(cfg, i: int, dtype_bytes: int, fp8: str | None) -> tuple[int, in
     norms = (2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm and not all_heads else 0)) * dtype_bytes
     if cfg.is_moe_layer(i):
         mlp = 3 * cfg.dim * cfg.moe_ffn_dim * cfg.n_experts * lin
-        router = cfg.dim * cfg.n_experts * (4 if cfg.router == "sigmoid" else dtype_bytes)  # MiniMax's: float32
+        # MiniMax's: float32, and on CUDA also its three bfloat16 parts (route.split3: ModelOptions.router_gemm)
+        router = cfg.dim * cfg.n_experts * (4 + 3 * 2 if cfg.router == "sigmoid" else dtype_bytes)
         return int(attn_b + mlp), norms + router + (4 * cfg.n_experts if cfg.routing_bias else 0)
     mlp = 3 * cfg.dim * cfg.ffn_dim * (lin if fp8 == "w8a8" else dtype_bytes)
     return int(attn_b + mlp), norms

@@ -322,6 +322,12 @@ class EngineBase(abc.ABC):
         computes = self.v2.computes if self.v2 is not None else None
         return computes["attention"] if computes else None
 
+    def v2_router(self) -> str | None:
+        """How the loaded v2 model's sigmoid router computes its float32 GEMM (split or float32: ModelOptions.
+        router_gemm), as the model reports it; None without a model or for another router."""
+        computes = self.v2.computes if self.v2 is not None else None
+        return computes.get("router") if computes else None
+
     def v2_w8a8(self) -> bool:
         """Whether the loaded v2 model is an FP8 checkpoint computed W8A8 (its experts' activations are FP8)."""
         fp8 = self.v2_fp8()

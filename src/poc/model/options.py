@@ -25,8 +25,9 @@ Fp8Forward = Literal["w8a8", "dequant"]
 Fp8Scales = Literal["ue8m0", "float32"]
 Fp8Experts = Literal["keep", "dequant"]
 TpReduce = Literal["fp32", "model"]
-ATTENTIONS, FP8_FORWARDS, FP8_SCALES, FP8_EXPERTS, TP_REDUCES = (
-    get_args(t) for t in (Attention, Fp8Forward, Fp8Scales, Fp8Experts, TpReduce))
+RouterGemm = Literal["auto", "split", "float32"]  # MiniMax-M2's float32 router GEMM (router_gemm_for)
+ATTENTIONS, FP8_FORWARDS, FP8_SCALES, FP8_EXPERTS, TP_REDUCES, ROUTER_GEMMS = (
+    get_args(t) for t in (Attention, Fp8Forward, Fp8Scales, Fp8Experts, TpReduce, RouterGemm))
 
 
 def _switch(default, env: str, flag: str | None = None):
@@ -44,6 +45,7 @@ class ModelOptions:
     tp_reduce: TpReduce = _switch("fp32", "POC_TP_REDUCE")  # tp/ep partial sums all-reduced in fp32 or the model dtype
     pool_workers: int | None = _switch(None, "POC_POOL_WORKERS")  # threads drawing v1's pool; None: the CPUs
     attention: Attention = _switch("auto", "POC_ATTENTION", "--attention")  # the attention recipe (model/attention.py)
+    router_gemm: RouterGemm = _switch("auto", "POC_ROUTER_GEMM")  # a sigmoid router's float32 GEMM (router_gemm_for)
     # not a switch: the engine compiles the decoder layers (CUDA, --compile), and the MoE dispatch's elementwise steps
     # are then compiled kernels too (experts.dispatch_stacked's `fast`); the engines set it when they build
     compiled: bool = False
@@ -90,6 +92,19 @@ class ModelOptions:
             return self.attention
         fp8 = cfg.fp8_block is not None and self.fp8 == "w8a8"
         return "fp8" if cfg.family == "minimax_m2" and fp8 else "bf16"
+
+    def router_gemm_for(self, device) -> str:
+        """How a sigmoid router (MiniMax-M2: a float32 gate on the bfloat16 hidden state) computes its float32 GEMM
+        on `device`: `split` (the gate as the exact sum of three bfloat16 parts, one bfloat16 GEMM with a float32
+        output: every product exact, summed in float32 on the tensor cores; route.split_logits) or `float32` (a
+        float32 GEMM: FFMA on CUDA). auto: split on CUDA, float32 elsewhere (the split triples a CPU's work). On an
+        H200 at a batch's 65,536 tokens the split takes 0.55 ms a layer against FFMA's 2.09, its logits' mean error
+        against float64 2.8e-6 against 7.7e-7 (the tensor cores' accumulation), no token's top 8 chosen otherwise
+        (benchmarks/h200/router_gemm.json). The split applies to a bfloat16 model only (its router input is
+        bfloat16: the products are exact)."""
+        if self.router_gemm != "auto":
+            return self.router_gemm
+        return "split" if getattr(device, "type", device) == "cuda" else "float32"
 
 
 def values(hint) -> tuple[str, ...] | None:

@@ -6,6 +6,10 @@ that a compiled layer keeps it in its graph; on the CPU a stable descending sort
 leaves equal values' order open). The order of the k within a token differs from torch's only among equal values: the
 Qwen3-MoE block sums a token's k terms exactly (experts.combine) and renormalises them with an exact sum; MiniMax's
 adds them in float32 in this order (experts.combine_weighted), so equal scores keep the lower expert first.
+
+MiniMax-M2's router is a float32 GEMM (its gate is float32, its input the bfloat16 normed hidden state). `split3` and
+`split_logits` compute it on the tensor cores with every product exact: the float32 gate as the sum of three bfloat16
+parts, one bfloat16 GEMM with a float32 output (ModelOptions.router_gemm).
 """
 
 from __future__ import annotations
@@ -51,3 +55,40 @@ def topk(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
         return torch.topk(probs, k, dim=-1)
     vals, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
     return vals[..., :k], idx[..., :k]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MiniMax-M2's float32 router GEMM on the tensor cores (ModelOptions.router_gemm = split)
+
+
+def split3(w: Tensor) -> Tensor:
+    """A float32 matrix w (E, D) as three bfloat16 matrices stacked (3E, D) whose exact sum is w: hi = bf(w), mid =
+    bf(w - hi), lo = w - hi - mid. float32's 24 significant bits are three runs of 8, each of them a bfloat16, and both
+    differences are exact (each keeps w's own bits), so nothing of w is lost. A residual too small for bfloat16's
+    subnormals (|lo| < 2^-133, for a weight below about 2^-110) would not split exactly: that is refused."""
+    w = w.float()
+    hi = w.to(torch.bfloat16)
+    rest = w - hi.float()
+    mid = rest.to(torch.bfloat16)
+    rest = rest - mid.float()
+    lo = rest.to(torch.bfloat16)
+    if not torch.equal(lo.float(), rest):
+        bad = int((lo.float() != rest).sum())
+        raise ValueError(f"route.split3: {bad} router weights do not split exactly into three bfloat16 parts")
+    return torch.cat([hi, mid, lo])
+
+
+def split_logits(x: Tensor, parts: Tensor) -> Tensor:
+    """x (T, D) bfloat16 times w^T, w (E, D) float32 given as split3's parts: (T, E) float32, the true float32 GEMM
+    computed on the tensor cores. Every product of a bfloat16 x and a part is exact (8 x 8 significant bits fit
+    float32's 24); the products are summed in float32, on CUDA as one bfloat16 GEMM with a float32 output over the
+    three parts (cuBLAS, tensor cores), elsewhere as a float32 GEMM of the same exact parts; then each token's three
+    partial logits are added smallest first. What differs from a float32 FFMA GEMM is only the accumulation (its
+    order, and the tensor cores' alignment of the products before adding them), as between two float32 GEMM kernels:
+    benchmarks/diagnostics/router_gemm.py measures both against float64."""
+    E = parts.shape[0] // 3
+    if x.is_cuda:
+        z = torch.mm(x, parts.t(), out_dtype=torch.float32)  # (T, 3E)
+    else:
+        z = x.float() @ parts.float().t()
+    return z[:, :E] + (z[:, E:2 * E] + z[:, 2 * E:])

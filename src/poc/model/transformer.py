@@ -282,6 +282,9 @@ class MoE(nn.Module):
         self.fast = options.compiled  # the layers run compiled: so do the dispatch's elementwise steps (CUDA)
         self.sum_dtype: torch.dtype | None = None  # the output's dtype; None: the input's (parallel.tp: float32)
         self.gluon = options.gluon  # W8A8 on Hopper: the Gluon expert kernels, else Triton's (same bits)
+        self.options = options  # fuse() reads router_gemm where the gate's device is known
+        # the sigmoid router's gate as route.split3's three bfloat16 parts (fuse(), with router_gemm split)
+        self.register_buffer("gate_parts", None, persistent=False)
 
     def keep_experts(self, first: int, stop: int) -> None:
         """Hold only experts first..stop-1 (before loading or fuse)."""
@@ -289,6 +292,10 @@ class MoE(nn.Module):
         self.first, self.stop = first, stop
 
     def fuse(self) -> None:
+        gate = self.gate.weight
+        if (self.sigmoid and self.gate_parts is None and not gate.is_meta
+                and self.options.router_gemm_for(gate.device) == "split"):
+            self.gate_parts = route.split3(gate.detach())
         if self.w13 is not None:
             return
         ex = [self.experts[str(j)] for j in range(self.first, self.stop)]
@@ -332,12 +339,23 @@ class MoE(nn.Module):
                                    gluon=self.gluon, out_dtype=self.sum_dtype or x.dtype, weighted=self.sigmoid)
         return out.to(self.sum_dtype or x.dtype).view(B, S, D)
 
+    def router_logits(self, x: Tensor) -> Tensor:
+        """The sigmoid router's logits (T, E) float32 for x (T, D): a float32 GEMM of x and the float32 gate, as the
+        split's bfloat16 GEMM (route.split_logits) where fuse() made the parts and x is bfloat16."""
+        if self.gate_parts is not None and x.dtype == torch.bfloat16:
+            return route.split_logits(x, self.gate_parts)
+        return F.linear(x.float(), self.gate.weight.float())
+
+    def router_gemm(self, dtype: torch.dtype) -> str:
+        """How this sigmoid router computes its GEMM for a model of `dtype`: split or float32 (router_logits)."""
+        return "split" if self.gate_parts is not None and dtype == torch.bfloat16 else "float32"
+
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(weights, experts), each (T, k), for the tokens x (T, D): the chosen experts in selection order (by
         descending score, ties to the lower index; a kernel on CUDA) and their routing weights (float32 for the
         sigmoid router, else in the model dtype)."""
-        if self.sigmoid:  # true float32: a float32 x float32 GEMM (no TF32: torch's default)
-            sigma = sigmoid(F.linear(x.float(), self.gate.weight.float()))  # (T, E)
+        if self.sigmoid:  # true float32: no TF32 (torch's default), or every product exact on the tensor cores
+            sigma = sigmoid(self.router_logits(x))  # (T, E)
             bias = self.e_score_correction_bias
             index = route.topk(sigma if bias is None else sigma + bias.float(), self.top_k)[1]
             weights = sigma.gather(1, index)
@@ -419,12 +437,18 @@ class Transformer(nn.Module):
     def computes(self) -> dict:
         """What this built model computes (/health says it): {"attention": its recipe (model/attention.py), "fp8":
         None, or for an FP8 checkpoint {"forward": "w8a8" (FP8 GEMMs on quantised activations) or "dequant",
-        "scales": W8A8's scale format, "ue8m0" or "float32" (None under dequant)}}, read off its modules."""
+        "scales": W8A8's scale format, "ue8m0" or "float32" (None under dequant)}, "router": a sigmoid router's GEMM,
+        split or float32 (MoE.router_gemm; None for another router)}, read off its modules."""
         numerics = None
         if self.cfg.fp8_block is not None:
             scales = fp8.scales_of(self)
             numerics = {"forward": "w8a8" if scales else "dequant", "scales": scales}
-        return {"attention": self.attention, "fp8": numerics}
+        router = None
+        for block in self.layers.values():
+            if block is not None and isinstance(block.mlp, MoE) and block.mlp.sigmoid:
+                router = block.mlp.router_gemm(block.input_layernorm.weight.dtype)  # the model dtype
+                break
+        return {"attention": self.attention, "fp8": numerics, "router": router}
 
     def tie_weights(self) -> None:
         """Point lm_head at embed_tokens' matrix (needed again after load_state_dict(assign=True))."""

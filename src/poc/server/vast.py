@@ -49,6 +49,9 @@ async def health(request: web.Request) -> web.Response:
     attention = engine.v2_attention()
     if attention is not None:  # the loaded model's attention recipe (README: --attention)
         body["attention"] = attention
+    router = engine.v2_router()
+    if router is not None:  # a sigmoid router's float32 GEMM (README: POC_ROUTER_GEMM)
+        body["router"] = router
     if engine.state == "broken":
         body["reason"] = hide_cache(engine.broken_reason or "")  # the cache named, not its path
     sender = app[sender_key]
