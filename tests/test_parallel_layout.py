@@ -36,7 +36,8 @@ def test_uneven_splits_are_refused_naming_the_numbers():
 
 
 def test_stage_layers_are_balanced_and_cover():
-    assert stage_layers(28, 3) == [range(0, 10), range(10, 19), range(19, 28)]
+    assert stage_layers(28, 3) == [range(0, 9), range(9, 18), range(18, 28)]  # the extra layer on the last stage
+    assert [len(r) for r in stage_layers(62, 4)] == [15, 15, 16, 16]
     assert stage_layers(2, 2) == [range(0, 1), range(1, 2)]
     for n, s in [(1, 1), (7, 7), (36, 4), (61, 8)]:
         st = stage_layers(n, s)
