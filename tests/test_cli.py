@@ -145,3 +145,21 @@ def test_bench_records_the_command_with_the_settings_it_ran_under(monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/x")  # set by importing inductor: no setting of the run
     assert command(["--workload", "W7R", "--out", "a b.json"]) == \
         "POC_TP_REDUCE=model python -m poc.bench --workload W7R --out 'a b.json'"
+
+
+def test_a_diagnostic_result_carries_its_command_settings_and_plot(monkeypatch, tmp_path):
+    """write_result: the JSON a diagnostic leaves has the command that remakes it (its POC_* settings first), the
+    date, the metadata and the result, and the plot is drawn from that same body beside it."""
+    from poc.bench import write_result
+
+    for k in [k for k in os.environ if k.startswith(("POC_", "TORCHINDUCTOR_"))]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("POC_ROUTER_GEMM", "float32")
+    drawn = []
+    path = write_result(tmp_path / "h200" / "x.json", "benchmarks/diagnostics/x.py", ["--tokens", "8"],
+                        {"rows": [1, 2]}, lambda body, png: drawn.append((body, png)), device="H200")
+    body = json.loads(path.read_text())
+    assert body["command"] == "POC_ROUTER_GEMM=float32 python benchmarks/diagnostics/x.py --tokens 8"
+    assert body["device"] == "H200" and body["rows"] == [1, 2] and body["date"][:2] == "20"
+    assert drawn == [(body, tmp_path / "h200" / "x.png")]
+

@@ -19,12 +19,9 @@ agree with the emulation in all but a few percent of elements.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import shlex
 import sys
 import time
-from pathlib import Path
 
 
 H, HKV, D, S = 48, 8, 128, 1024  # MiniMax-M2.7: query heads, kv heads, head_dim; the chain's seq_len
@@ -56,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
     import triton.testing
 
+    from poc.bench import write_result
     from poc.model import attention
     from poc.model.kernels import attn_fp8_triton
     from tests.attention_inputs import UNIT_C, robust_inputs
@@ -135,17 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     for key, val in robust.items():
         print(f"  robust inputs {key:32s} {val}")
     if a.out:
-        out_path = Path(a.out)
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        argv_used = argv if argv is not None else sys.argv[1:]
-        out_path.write_text(json.dumps({
-            "command": "python benchmarks/diagnostics/attention_fp8.py " + shlex.join(argv_used),
-            "device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-            "kernel_config": attn_fp8_triton.CONFIG, "flops": "2 B H S^2 D (causal: QK^T and PV, half of each)",
-            "timings": rows, "distances": checks, "robust_inputs": robust,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1) + "\n")
-        print(f"wrote {out_path}")
+        write_result(a.out, "benchmarks/diagnostics/attention_fp8.py", argv,
+                     {"timings": rows, "distances": checks, "robust_inputs": robust},
+                     device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+                     torch=torch.__version__, cuda=torch.version.cuda, triton=triton.__version__,
+                     kernel_config=attn_fp8_triton.CONFIG, flops="2 B H S^2 D (causal: QK^T and PV, half of each)")
     return 0
 
 

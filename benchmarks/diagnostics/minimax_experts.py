@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shlex
 import sys
-import time
 from pathlib import Path
 
 E, D, F, TOPK = 256, 3072, 1536, 8  # MiniMax-M2.7's experts (config.PRESETS["minimax-m2.7"])
@@ -64,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from poc.bench import cuda_time
+    from poc.bench import cuda_time, write_result
     from poc.model import experts, fp8
     from poc.model.config import PRESETS
     from poc.model.kernels import fp8_gluon, fp8_triton
@@ -155,16 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             qa, wt, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), flop)
         del qa, sa
     if a.out:
-        out = Path(a.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        argv_used = argv if argv is not None else sys.argv[1:]
         import triton
-        out.write_text(json.dumps({
-            "command": "python benchmarks/diagnostics/minimax_experts.py " + shlex.join(argv_used),
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), **res}, indent=1) + "\n")
-        print(f"wrote {out}")
-        plot({**res, "device": torch.cuda.get_device_name()}, out.with_suffix(".png"))
+        write_result(a.out, "benchmarks/diagnostics/minimax_experts.py", argv, res, plot,
+                     device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     return 0
 
 

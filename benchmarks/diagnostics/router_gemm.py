@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
-import time
 from pathlib import Path
 
 E, D, TOPK = 256, 3072, 8  # MiniMax-M2.7's router (config.PRESETS["minimax-m2.7"])
@@ -68,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from poc.bench import cuda_time
+    from poc.bench import cuda_time, write_result
     from poc.model import route
     from poc.model.config import PRESETS
 
@@ -124,15 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(r), flush=True)
         del z, err, top
     if a.out:
-        out = Path(a.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        argv_used = argv if argv is not None else sys.argv[1:]
-        out.write_text(json.dumps({
-            "command": "PYTHONPATH=src:. python benchmarks/diagnostics/router_gemm.py " + shlex.join(argv_used),
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), **res}, indent=1) + "\n")
-        print(f"wrote {out}")
-        plot({**res, "device": torch.cuda.get_device_name()}, out.with_suffix(".png"))
+        write_result(a.out, "benchmarks/diagnostics/router_gemm.py", argv, res, plot, device=torch.cuda.get_device_name(),
+                     torch=torch.__version__)
     return 0
 
 

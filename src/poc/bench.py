@@ -447,12 +447,13 @@ def profile(name: str, batch: int, compile: bool, sw: Switches, warm: int = 3, s
     return out
 
 
-def command(argv: list[str] | None) -> str:
-    """The command line of this run, prefixed with the POC_* and TORCHINDUCTOR_* settings it ran under
-    (not TORCHINDUCTOR_CACHE_DIR, which importing inductor sets and which changes no result)."""
+def command(argv: list[str] | None, program: str = "python -m poc.bench") -> str:
+    """The command line of this run (`program` and argv, default this process's arguments), prefixed with the POC_*
+    and TORCHINDUCTOR_* settings it ran under (not TORCHINDUCTOR_CACHE_DIR, which importing inductor sets and which
+    changes no result)."""
     env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
            if k.startswith(("POC_", "TORCHINDUCTOR_")) and k != "TORCHINDUCTOR_CACHE_DIR"]
-    return " ".join([*env, "python -m poc.bench", shlex.join(argv if argv is not None else sys.argv[1:])])
+    return " ".join([*env, program, shlex.join(argv if argv is not None else sys.argv[1:])]).rstrip()
 
 
 def pyplot():
@@ -466,6 +467,21 @@ def pyplot():
         print("matplotlib not installed: no plot")
         return None
     return plt
+
+
+def write_result(out: str | Path, script: str, argv: list[str] | None, result: dict, plot=None, **meta) -> Path:
+    """A benchmark diagnostic's result as JSON at `out` (its folder made): "command" (`python SCRIPT` and the
+    arguments, `argv` or this process's, after the settings it ran under: `command`), "date", then `meta` (the
+    device, versions, settings) and `result`; then `plot(everything, out.png)` where given. Returns the path."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    body = {"command": command(argv, f"python {script}"), "date": time.strftime("%Y-%m-%d %H:%M:%S"), **meta,
+            **result}
+    out.write_text(json.dumps(body, indent=1) + "\n")
+    print(f"wrote {out}")
+    if plot is not None:
+        plot(body, out.with_suffix(".png"))
+    return out
 
 
 def plot(results: dict, path: Path) -> None:
