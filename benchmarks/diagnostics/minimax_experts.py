@@ -27,7 +27,7 @@ E, D, F, TOPK = 256, 3072, 1536, 8  # MiniMax-M2.7's experts (config.PRESETS["mi
 
 def plot(res: dict, path: Path) -> None:
     """TFLOP/s of each row, the Triton kernels (the validators' arithmetic) beside the Gluon variants."""
-    from poc.bench import pyplot
+    from poc.bench import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -45,9 +45,7 @@ def plot(res: dict, path: Path) -> None:
     ax.set_ylabel("TFLOP/s (routed rows)")
     ax.set_title(f"MiniMax-M2.7 experts, {res['tokens']} tokens x top {res['topk']}, {res.get('device', '')}",
                  fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None, metavar="JSON", help="only draw the plot of a result file beside it")
     a = ap.parse_args(argv)
+    from poc.bench import redraw
+
     if a.plot:
-        plot(json.loads(Path(a.plot).read_text()), Path(a.plot).with_suffix(".png"))
+        redraw(a.plot, plot)
         return 0
 
     import torch

@@ -23,7 +23,7 @@ E, D, TOPK = 256, 3072, 8  # MiniMax-M2.7's router (config.PRESETS["minimax-m2.7
 
 def plot(res: dict, path: Path) -> None:
     """Time and the logits' mean error against float64, one bar each, per method."""
-    from poc.bench import pyplot
+    from poc.bench import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -48,9 +48,7 @@ def plot(res: dict, path: Path) -> None:
     a2.set_xlabel("mean |logit - float64|")
     a2.invert_yaxis()
     fig.suptitle(f"MiniMax-M2.7 router, {res['tokens']} tokens x {D} -> {E}, {res.get('device', '')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,8 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None, metavar="JSON", help="only draw the plot of a result file beside it")
     a = ap.parse_args(argv)
+    from poc.bench import redraw
+
     if a.plot:
-        plot(json.loads(Path(a.plot).read_text()), Path(a.plot).with_suffix(".png"))
+        redraw(a.plot, plot)
         return 0
 
     import torch

@@ -469,6 +469,19 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: Path) -> None:
+    """A diagnostic's figure laid out and written to `path` (110 dpi), said on stdout."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def redraw(result: str | Path, plot) -> None:
+    """`plot` drawn again from a result file, beside it (`x.json` -> `x.png`): a diagnostic's --plot."""
+    result = Path(result)
+    plot(json.loads(result.read_text()), result.with_suffix(".png"))
+
+
 def write_result(out: str | Path, script: str, argv: list[str] | None, result: dict, plot=None, **meta) -> Path:
     """A benchmark diagnostic's result as JSON at `out` (its folder made): "command" (`python SCRIPT` and the
     arguments, `argv` or this process's, after the settings it ran under: `command`), "date", then `meta` (the
