@@ -307,6 +307,30 @@ def test_the_router_is_the_spec_step_ties_to_the_lower_expert(release_model):
 
 
 @torch.no_grad()
+def test_the_split_router_is_the_spec_step_and_its_forward_the_spec_recipe(release, release_model):
+    """router_gemm=split (CUDA's default, here on the CPU): the router of a bf16 model from the release's files
+    chooses the emulation's experts with its weights to float32's accuracy, and the whole forward is as close to the
+    emulation as the float32 router's (the variants, test_the_forward_is_the_spec_recipe, are 5x farther)."""
+    root, _ = release
+    plain, cfg, weights, final = release_model
+    model, _ = load_model(root / "fp8", dtype=torch.bfloat16, progress=False,
+                          options=ModelOptions(router_gemm="split"))
+    model.fuse()
+    assert model.computes()["router"] == "split" and plain.computes()["router"] == "float32"
+    emu = Emulation(cfg, weights, final)
+    a = torch.randn(256, cfg.dim, generator=torch.Generator().manual_seed(11)).bfloat16()
+    for layer in ("0", "1"):
+        w, idx = model.layers[layer].mlp.route(a)
+        we, ie = emu.route(a.float(), weights(int(layer)))
+        assert torch.equal(idx, ie)
+        torch.testing.assert_close(w, we, rtol=1e-6, atol=0)
+    x, vs = _inputs(cfg)
+    spec = Emulation(cfg, weights, final).forward(x, vs)
+    d_split, d_plain = _rel(model(x, reflections=vs), spec), _rel(plain(x, reflections=vs), spec)
+    assert d_split < 2e-3 and d_split < 1.5 * d_plain + 1e-5, (d_split, d_plain)
+
+
+@torch.no_grad()
 def test_the_experts_are_the_spec_step(release_model):
     """The W8A8 experts with the float32 weight applied before the down projection's rounding and the k terms
     summed in float32, against the emulation; transformers' weighing is measurably another arithmetic."""
