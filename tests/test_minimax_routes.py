@@ -50,6 +50,7 @@ async def test_health_models_and_generate(minimax, aiohttp_client):
     c = await aiohttp_client(create_app(server_config(model=str(path), served_model_name=(REPO,))))
     h = await wait_status(c)
     assert h["attention"] == "fp8" and h["fp8"] == {"forward": "w8a8", "scales": "ue8m0"}
+    assert h["router"] == "float32"  # the server's float32 model on the CPU (CUDA's bf16 default: split)
     r = await c.get("/v1/models")
     assert [m["id"] for m in (await r.json())["data"]][0] == REPO
     r = await c.post("/generate", json=v2_request(params={"model": REPO, "seq_len": SEQ, "k_dim": K}))
