@@ -467,7 +467,7 @@ def test_compile_at_start_batches_time_the_engine_alone(caplog):
         warm_start.run(FakeEngine(), (shape,))
     line = next(m for m in caplog.messages if "compile at start:" in m)
     assert "20 nonces in 5 batch(es)" in line, line
-    rate = float(line.split("the engine alone after the first batch: ")[1].split()[0])
+    rate = float(line.split("the engine alone after each replica's first batch: ")[1].split()[0])
     assert 50 < rate < 210, line  # 16 nonces over 4 steps of ~0.02 s: ~200/s, less on a loaded machine
 
 

@@ -18,7 +18,8 @@ first job is the node's: a fresh server whose shape was compiled at start):
   generation runs until /api/v1/pow/status says N batches were processed, then /stop; the rate from its status
   polls, the time from the request to the first callback POST, the artifacts delivered;
 - /generate of N batches: the rate from the arrival of the first batch line to the last.
-Rates are over the batches after the first (the compile, or a pipeline's fill); N = (1 + --timed) x replicas. Each
+Rates are over the batches after each replica's first (the compile, or a pipeline's fill), timed from the arrival
+of the last of those firsts; N = (1 + --timed) x replicas. Each
 job's `job K pipeline: {...}` log line gives the ranks' busy share (forward time over their span) and the batches in
 flight. The compile caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR) are shared by every server of the run.
 A layout whose weights and batch cannot fit the GPUs (poc.engine.auto's estimate) is skipped with its numbers; for a
@@ -48,6 +49,7 @@ import numpy as np
 from first_result import WORKLOADS, started_server  # noqa: E402
 
 from poc.bench import pyplot  # noqa: E402
+from poc.engine.jobs import steady_rate  # noqa: E402
 from poc.protocol import v2  # noqa: E402
 
 LAYOUTS = {"one": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "rep2": ["--replicas", "2"],
@@ -59,7 +61,7 @@ DIMS = {"one": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "rep2": (1, 1, 2),
 SMOKE = dict(device="cpu", model="random:tiny-4l", dtype="float32", seq=16, batch=4, timed=4, compare=16,
              layouts=["one", "pp4", "tp2", "rep2pp2", "auto"], v1="tiny", bench_process=True)
 PIPELINE = re.compile(r"job (\d+) pipeline: (\{.*\})\s*$")
-ENGINE_ALONE = re.compile(r"compile at start: .*, ([\d.]+) s.*the engine alone after the first batch: "
+ENGINE_ALONE = re.compile(r"compile at start: .*, ([\d.]+) s.*the engine alone after each replica's first batch: "
                           r"([\d.]+) nonces/s")
 
 
@@ -137,13 +139,19 @@ def http(port: int, path: str, body: dict | None = None, timeout: float = 60.0) 
         return json.loads(r.read() or b"{}")
 
 
-def rate(times: list[float], sizes: list[int]) -> float:
-    """nonces/s from the first batch's arrival to the last's, over the batches after the first."""
-    return sum(sizes[1:]) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else float("nan")
+def polled_rate(seen: list[tuple[float, int]], batch: int, replicas: int = 1) -> float:
+    """nonces/s from status polls (time, nonces processed so far): from the poll that first sees every replica's
+    first batch done to the last poll, over the nonces processed in between."""
+    filled = next(((t, n) for t, n in seen if n >= batch * replicas), None)
+    if not filled or seen[-1][0] <= filled[0]:
+        return float("nan")
+    return (seen[-1][1] - filled[1]) / (seen[-1][0] - filled[0])
 
 
-def pow_job(port: int, rx: Receiver, body: dict, n_nonces: int, batch: int, timeout: float) -> dict:
-    """Generation with callbacks until the server has processed n_nonces, then /stop and the delivery."""
+def pow_job(port: int, rx: Receiver, body: dict, n_nonces: int, batch: int, timeout: float,
+            replicas: int = 1) -> dict:
+    """Generation with callbacks until the server has processed n_nonces, then /stop and the delivery. The rate is
+    timed from the poll that first sees every replica's first batch done (as poc.engine.jobs.steady_rate)."""
     rx.reset()
     t0 = time.monotonic()
     http(port, "/api/v1/pow/init/generate", {**body, "url": rx.url})
@@ -163,13 +171,13 @@ def pow_job(port: int, rx: Receiver, body: dict, n_nonces: int, batch: int, time
     while rx.artifacts() < done and time.monotonic() - t_stop < 30:
         time.sleep(0.05)
     first = next(((t, n) for t, n in seen if n >= batch), None)
-    r = (done - first[1]) / (seen[-1][0] - first[0]) if first and seen[-1][0] > first[0] else float("nan")
-    return {"nonces_per_s": r, "processed": done, "delivered": rx.artifacts(), "callback_posts": len(rx.posts),
+    return {"nonces_per_s": polled_rate(seen, batch, replicas), "processed": done, "delivered": rx.artifacts(),
+            "callback_posts": len(rx.posts),
             "first_callback_s": round(rx.posts[0][0] - t0, 3) if rx.posts else None,
             "first_batch_s": round(first[0] - t0, 3) if first else None}
 
 
-def generate_job(port: int, body: dict, keep_below: int, timeout: float) -> dict:
+def generate_job(port: int, body: dict, keep_below: int, timeout: float, replicas: int = 1) -> dict:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     times, sizes, vectors, done = [], [], {}, {}
@@ -188,8 +196,8 @@ def generate_job(port: int, body: dict, keep_below: int, timeout: float) -> dict
                 done = line
     if done.get("reason") != "max_nonces":
         raise RuntimeError(f"/generate ended {done}")
-    return {"nonces_per_s": rate(times, sizes), "batches": len(sizes), "computed": done.get("computed"),
-            "vectors": vectors}
+    return {"nonces_per_s": steady_rate(times, sizes, replicas), "batches": len(sizes),
+            "computed": done.get("computed"), "vectors": vectors}
 
 
 def busy(stats: dict | None) -> list | None:
@@ -276,9 +284,9 @@ def run_layout(a, name: str, extra: list[str], batch: int, groups: int, tmp: Pat
         body = {"block_hash": "serve-layouts", "block_height": 1, "public_key": "bench", "node_id": 0,
                 "node_count": 1, "batch_size": batch, "params": {"model": a.model, "seq_len": a.seq, "k_dim": 12}}
         if a.pow:
-            p = pow_job(port, rx, body, n * batch, batch, a.timeout)
+            p = pow_job(port, rx, body, n * batch, batch, a.timeout, groups)
             row.update({f"pow_{k}": v for k, v in p.items()})
-        g = generate_job(port, {**body, "max_nonces": max(keep_below, n * batch)}, keep_below, a.timeout)
+        g = generate_job(port, {**body, "max_nonces": max(keep_below, n * batch)}, keep_below, a.timeout, groups)
         vectors = g.pop("vectors")
         row.update(generate_nonces_per_s=g["nonces_per_s"], generate_batches=g["batches"], computed=g["computed"])
         jobs = [json.loads(mm.group(2)) for mm in map(PIPELINE.search, log.read_text(errors="replace").splitlines())
@@ -312,7 +320,7 @@ def v1_run(a, name: str, extra: list[str], tmp: Path, env: dict) -> dict:
             "params": params, "max_nonces": n * batch}
     with started_server(["--device", a.device, "--spool-dir", str(tmp / f"spool-{name}"), *extra],
                         tmp / f"{name}.log", a.timeout, env) as (port, t_up):
-        g = generate_job(port, body, 0, a.timeout)
+        g = generate_job(port, body, 0, a.timeout, groups)
     return {"protocol": "v1", "run": name, "args": shlex.join(extra), "batch": batch, "params": a.v1,
             "nonces_per_s": g["nonces_per_s"], "startup_s": round(t_up, 2), "computed": g["computed"],
             "batches": g["batches"]}

@@ -28,6 +28,7 @@ from typing import NamedTuple
 from poc.errors import InputError
 from poc.protocol import v1  # numpy only: the workloads' params
 from poc.model.options import ModelOptions  # plain data: the environment's switches
+from poc.engine.jobs import steady_rate  # numpy only
 from poc.engine.rankgroup import RankDiagnostics
 
 
@@ -192,8 +193,7 @@ def run_engine(engine, job, warm_batches: int, timed_batches: int) -> dict:
     job.limits = Limits(max_nonces=job.batch_size * (warm_batches + timed_batches), max_duration=None)
     engine.run(job, emit, threading.Event())
     k = warm_batches
-    rate = sum(sizes[k:]) / (times[-1] - times[k - 1]) if len(times) > k else float("nan")
-    return {"nonces_per_s": rate, "first_batch_s": times[0] - t0 if times else None,
+    return {"nonces_per_s": steady_rate(times, sizes, k), "first_batch_s": times[0] - t0 if times else None,
             "batch_s": (times[-1] - times[k - 1]) / max(1, len(times) - k)}
 
 

@@ -74,6 +74,17 @@ def take(it: Iterator[int], n: int) -> list[int]:
     return list(itertools.islice(it, n))
 
 
+def steady_rate(times: list[float], sizes: list[int], skip: int = 1) -> float:
+    """Nonces a second from result arrivals (time, nonces) after the first `skip` results: from the arrival of the
+    skip-th to the last. `skip` is at least the number of replicas: each replica's first result carries its compile
+    or its pipeline's fill, and it was computed before the window opens (timed from the first arrival, the other
+    replicas' first results would count as work inside it, one batch a replica too many). NaN when fewer than
+    skip + 1 results arrived."""
+    if skip < 1 or len(times) <= skip or times[-1] <= times[skip - 1]:
+        return float("nan")
+    return sum(sizes[skip:]) / (times[-1] - times[skip - 1])
+
+
 def batches_ahead(pp: int = 1) -> int:
     """How many batches an engine keeps dealt and not yet reported, per replica: its pp stages compute one each, one
     more is the result on its way back through the consumer (emit) and one waits ready (prepared on one device,

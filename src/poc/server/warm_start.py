@@ -140,6 +140,7 @@ def _job(shape: WarmShape, replicas: int = 1):
 def run(engine, shapes: tuple[WarmShape, ...], claim=None) -> None:
     """Blocking (a worker thread): one batch of each shape through engine.run. A failure is logged and the server
     starts all the same (its first job of that shape then compiles, or fails the same way, visibly)."""
+    from poc.engine.jobs import steady_rate
     from poc.logs import describe
 
     compiled = engine.compile_v2 or engine.compile_v1
@@ -161,9 +162,10 @@ def run(engine, shapes: tuple[WarmShape, ...], claim=None) -> None:
         except Exception as e:
             log.warning("compile at start: %s failed %s; serving without it", s.label(), describe(e))
             continue
-        rate = ""
-        if len(times) >= 3:  # the steady rate: after the first result, which carries the compile
-            rate = f"; the engine alone after the first batch: {sum(sizes[1:]) / (times[-1] - times[0]):.3f} nonces/s"
+        rate, n = "", engine.replicas
+        if len(times) >= n + 2:  # the steady rate: after each replica's first result, which carries its compile
+            rate = (f"; the engine alone after each replica's first batch: {steady_rate(times, sizes, n):.3f} "
+                    "nonces/s")
         log.info("compile at start: %s, %d nonces in %d batch(es), %.1f s%s%s", s.label(), summary.computed,
                  summary.batches, time.perf_counter() - t0, "" if compiled else " (compile is off: run, not compiled)",
                  rate)
