@@ -88,7 +88,7 @@ def stage_layers(n_layers: int, n_stages: int) -> list[range]:
     stage runs its layers fastest (it sends nothing on, its post-processing is one position, and its GPU idles
     most, so the power cap slows it least). MiniMax-M2.7 as pp=4 on four H200, through the node's callback path:
     16/16/15/15 ran 0.461/0.461/0.412/0.390 s a batch (134.3 nonces/s), 15/15/16/16 0.421/0.420/0.454/0.415 (139.4;
-    benchmarks/h200x4/serve_layouts_minimax_pp4_first_extra.json against serve_layouts_minimax.json's pp4 row)."""
+    benchmarks/h200x4/serve_layouts_minimax_pp4_split.json, two calls in a row)."""
     if n_stages < 1 or n_layers < n_stages:
         raise InputError(f"n_layers={n_layers} cannot be split into {n_stages} pipeline stages", "pp")
     base, extra = divmod(n_layers, n_stages)
