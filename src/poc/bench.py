@@ -100,6 +100,9 @@ WORKLOADS = {
     # its first 8 of 62 layers (~29 GB: the per-layer rate); the whole model as 2 stages (two H200) or 4 (four H100)
     "W8L8": {"protocol": "v2", "model": "minimax-m2.7", "layers": 8, "seq_len": 1024, "dtype": "bfloat16",
              "batches": [32, 64], "fp8": True},
+    # the layers of one pp=4 stage (16 of 62, ~55 GiB): on one H100, the rate the slowest stage of four H100 allows
+    "W8L16": {"protocol": "v2", "model": "minimax-m2.7", "layers": 16, "seq_len": 1024, "dtype": "bfloat16",
+              "batches": [64], "fp8": True},
     "W8P2": {"protocol": "v2", "model": "minimax-m2.7", "seq_len": 1024, "dtype": "bfloat16", "batches": [64],
              "fp8": True, "tp": 1, "pp": 2},
     "W8P4": {"protocol": "v2", "model": "minimax-m2.7", "seq_len": 1024, "dtype": "bfloat16", "batches": [64],
