@@ -92,3 +92,33 @@ def test_the_trend_tells_a_leak_from_a_wandering_machine(soak):
         lo, hi = leak["slope_95"]
         assert lo < -0.1 / 0.95 < hi < 0, leak  # 10% of the start an hour, 10.5% of the hour's mean rate
         assert leak["quarter_p90_vs_first"][-1] < 0.95, leak
+
+
+def with_control(samples: list[dict], loops_per_s: dict[float, float]) -> list[dict]:
+    """The control's reading at each sample (--control-core): loops counted at 1,000 a second, or at
+    loops_per_s[t] over the sample ending at t."""
+    total, prev = 0.0, 0.0
+    for x in samples:
+        total += loops_per_s.get(x["t_s"], 1000.0) * (x["t_s"] - prev)
+        prev = x["t_s"]
+        x["control"] = {"t_s": x["t_s"] - 0.4, "loops": round(total)}  # a report up to a second before the sample
+    return samples
+
+
+def test_the_control_core_tells_a_slower_machine_from_a_slower_server(soak):
+    """A minute with half the nonces: where the control core counted half its loops over that sample too (the machine
+    slowed, both cores alike), the rate at the control's speed holds; where the control ran on at full speed (the server
+    slowed), it falls with the rate. The nonces per server CPU second at the control's speed likewise."""
+    machine = soak.stability(SEGMENTS, with_control(run(), {180.0: 500.0}))
+    # the slow minute (140, 200]: 5000 nonces in 60 s; the control 1000 + 500 + 1000 loops a second over its samples
+    assert machine["minute_rate_vs_first_steady"]["min"] == 0.8333
+    assert machine["minute_rate_at_control_speed_vs_first_steady"]["min"] == pytest.approx(0.8333 * 1000 / 833.3,
+                                                                                            abs=2e-3)
+    server = soak.stability(SEGMENTS, with_control(run(), {}))
+    assert server["minute_rate_at_control_speed_vs_first_steady"]["min"] == pytest.approx(0.8333, abs=1e-4)
+    assert server["minute_nonces_per_cpu_s_at_control_speed_vs_first_steady"]["min"] == pytest.approx(0.8333,
+                                                                                                      abs=1e-4)
+    steady = soak.stability(SEGMENTS, with_control(run(slow_at=-1), {}))
+    assert steady["minute_rate_at_control_speed_vs_first_steady"] == {"min": 1.0, "max": 1.0, "first": 0.1, "n": 2}
+    # without control readings there is no such figure, and nothing breaks
+    assert "minute_rate_at_control_speed_vs_first_steady" not in soak.stability(SEGMENTS, run())

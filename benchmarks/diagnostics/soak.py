@@ -228,6 +228,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drain-seconds", type=float, default=300.0, help="after the last stop, for the spool to empty")
     ap.add_argument("--probe-reps", type=int, default=None,
                     help="256x256 matmuls in the core-speed probe a sample (default: 600 on the CPU, none on CUDA)")
+    ap.add_argument("--control-core", type=int, default=None, metavar="CPU",
+                    help="CPU only: a control process pinned to this core runs a fixed single-thread loop the whole "
+                         "run (the core speed at every moment), the server, its processes and this script pinned to "
+                         "the other cores; the rate divided by the control's is the rate at constant core speed")
     ap.add_argument("--server-arg", action="append", default=[], help="one more model_server.py argument")
     ap.add_argument("--timeout", type=float, default=1800.0, help="the server's start")
     ap.add_argument("--out", default="benchmarks/soak.json")
@@ -235,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="no run: recompute the stability summary and the plot of a soak JSON (rewritten in place)")
     a = ap.parse_args(argv)
     if a.probe_reps is None:
-        a.probe_reps = 0 if a.device.startswith("cuda") else 600
+        a.probe_reps = 0 if a.device.startswith("cuda") or a.control_core is not None else 600
     if a.summarize:
         path = Path(a.summarize)
         res = json.loads(path.read_text())
@@ -247,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     cmd = " ".join(["python benchmarks/diagnostics/soak.py", shlex.join(argv if argv is not None else sys.argv[1:])])
     seg_s = 60 * a.segment_minutes
     n_seg = max(1, math.ceil(60 * a.minutes / seg_s))
+    control = Control(a.control_core) if a.control_core is not None else None  # pins this process and its children
     rx = Receiver(a.slow_seconds)
     samples, segments = [], []
     with tempfile.TemporaryDirectory(prefix="poc-soak-") as tmp:
@@ -262,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
                 rx.windows.append((t, t + a.fault_seconds, FAULTS[k % len(FAULTS)]))
                 k, t = k + 1, t + a.fault_every
             done = threading.Event()
-            sampler = threading.Thread(target=sample, args=(a, port, pid, spool, rx, t0, samples, done), daemon=True)
+            sampler = threading.Thread(target=sample, args=(a, port, pid, spool, rx, t0, samples, done, control),
+                                       daemon=True)
             sampler.start()
             for i in range(n_seg):
                 segments.append(segment(a, port, rx, t0, i, t0 + (i + 1) * seg_s))
@@ -277,7 +283,11 @@ def main(argv: list[str] | None = None) -> None:
             sampler.join()
             final = request(port, "GET", "/metrics")
             log_tail = (Path(tmp) / "server.log").read_text(errors="replace").splitlines()[-40:]
+    if control:
+        control.close()
     res = report(a, rx, segments, samples, t0, final, startup, drain_s, cmd, log_tail)
+    if control:
+        res["control_cores"] = control.cores
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
@@ -341,16 +351,67 @@ class Probe:
         self.proc.wait()
 
 
-def sample(a, port: int, pid: int, spool: Path, rx: Receiver, t0: float, out: list, done: threading.Event) -> None:
+# The same work without pauses, in a process pinned to a core of its own for the whole run (--control-core): its count
+# of loops at each sample gives the core speed over every sample's whole span, not over a moment of it, and it takes
+# no time from the server, which the soak pins to the other cores. Where the machine's cores speed up and slow down
+# together, the server's rate divided by the control's moves only with the server.
+CONTROL = """
+import os, sys, threading, time, torch
+os.sched_setaffinity(0, {int(sys.argv[1])})
+torch.set_num_threads(1)
+a, b = torch.randn(256, 256), torch.randn(256, 256)
+n = 0
+def count():
+    while True:
+        time.sleep(1.0)
+        print(time.monotonic(), n, flush=True)
+threading.Thread(target=count, daemon=True).start()
+while True:
+    for _ in range(50):
+        a @ b
+    n += 50
+"""
+
+
+class Control:
+    """The control loop on `core`; this process (and so the server it starts, and that server's processes) moves to
+    the machine's other cores. latest(): (monotonic time, loops so far) from its last report, at most a second old."""
+
+    def __init__(self, core: int):
+        cores = os.sched_getaffinity(0)
+        if core not in cores or len(cores) < 2:
+            raise SystemExit(f"--control-core {core}: needs that core and another among this process's {sorted(cores)}")
+        os.sched_setaffinity(0, cores - {core})
+        self.cores = {"control": core, "server": sorted(cores - {core})}
+        self.proc = subprocess.Popen([sys.executable, "-c", CONTROL, str(core)], stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.last: tuple[float, int] | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            t, n = line.split()
+            self.last = (float(t), int(n))
+
+    def latest(self) -> tuple[float, int] | None:
+        return self.last
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def sample(a, port: int, pid: int, spool: Path, rx: Receiver, t0: float, out: list, done: threading.Event,
+           control: Control | None = None) -> None:
     probe = Probe(a.probe_reps) if a.probe_reps else None
     try:
-        sample_loop(a, port, pid, spool, rx, t0, out, done, probe)
+        sample_loop(a, port, pid, spool, rx, t0, out, done, probe, control)
     finally:
         if probe:
             probe.close()
 
 
-def sample_loop(a, port, pid, spool, rx, t0, out, done, probe) -> None:
+def sample_loop(a, port, pid, spool, rx, t0, out, done, probe, control=None) -> None:
     last, last_computed = 0, None
     while not done.wait(a.sample_seconds):
         got = rx.received()
@@ -366,6 +427,9 @@ def sample_loop(a, port, pid, spool, rx, t0, out, done, probe) -> None:
                     "children": [s for s in map(proc_stats, children(pid)) if s], "spool_bytes": dir_bytes(spool),
                     "callbacks_pending": pending, "gpus": gpus(), "machine": machine_cpu(),
                     "harness": proc_stats(os.getpid()), "probe_s": probe.time() if probe else None})
+        c = control.latest() if control else None
+        if c:  # the control's loops so far and when it counted them (seconds since t0)
+            out[-1]["control"] = {"t_s": round(c[0] - t0, 2), "loops": c[1]}
         last = got
 
 
@@ -429,7 +493,8 @@ def stability(segments: list, samples: list) -> dict:
     first's; the computing rate of each sample whose whole span lies inside one segment (a span across a stop and the
     next init measures the switch, which the segments' first-callback times show, not the rate) against the first
     such sample's, and the same over whole minutes of such samples, per CPU second of the server and its processes,
-    and at the probe's constant core speed; the machine's CPU shares; the server's and its processes' RSS and the
+    at the probe's constant core speed, and divided by the control's speed over the same minute (--control-core; the
+    nonces per CPU second too); the machine's CPU shares; the server's and its processes' RSS and the
     server's open fds from the first steady sample (the second: the first holds the start) to the last; the spool's
     largest size and its size at the end; the trend of the sample rates over the run (`trend`)."""
     out = {}
@@ -443,7 +508,9 @@ def stability(segments: list, samples: list) -> dict:
         return None if any("cpu_s" not in p for p in procs) else sum(p["cpu_s"] for p in procs)
 
     inside, when, minutes, per_cpu, steady_core, prev, prev_x = [], [], [], [], [], 0.0, None
-    acc = None  # [segment, nonces, seconds, server CPU seconds or None, probe times] of the minute being summed
+    at_control, per_cpu_control = [], []
+    # [segment, nonces, seconds, server CPU seconds or None, probe times, the control's reading before the minute]
+    acc = None
     for x in samples:
         lo, hi = prev, x["t_s"]
         prev, before = hi, prev_x
@@ -458,7 +525,7 @@ def stability(segments: list, samples: list) -> dict:
         # whole minutes of consecutive in-segment samples (a sample holds a few batches: one batch more or less moves
         # a short sample's rate by several percent, a minute's by less)
         if acc is None or acc[0] != seg:
-            acc = [seg, 0, 0.0, 0.0, []]
+            acc = [seg, 0, 0.0, 0.0, [], (before or {}).get("control")]
         acc[1] += x["nonces_computed"]
         acc[2] += hi - lo
         acc[3] = None if used is None or acc[3] is None else acc[3] + used
@@ -470,12 +537,21 @@ def stability(segments: list, samples: list) -> dict:
                 per_cpu.append(acc[1] / acc[3])
             if acc[4]:  # nonces/s times the probe's time: the rate on a core of the probe's constant speed
                 steady_core.append(acc[1] / acc[2] * sum(acc[4]) / len(acc[4]))
+            c0, c1 = acc[5], x.get("control")
+            if c0 and c1 and c1["t_s"] > c0["t_s"] and c1["loops"] > c0["loops"]:
+                # the rate per control loop: the control's loops a second are the core speed over this minute
+                speed = (c1["loops"] - c0["loops"]) / (c1["t_s"] - c0["t_s"])
+                at_control.append(acc[1] / acc[2] / speed)
+                if acc[3]:
+                    per_cpu_control.append(acc[1] / acc[3] / speed)
             acc = None
     # on a CPU that other work shares, the wall-clock rate moves with what the others take; the nonces per CPU second
     # of the server and its processes move only with the server's own work per nonce (and the core's speed)
     for key, rates in (("sample_rate_vs_first_steady", inside), ("minute_rate_vs_first_steady", minutes),
                        ("minute_nonces_per_cpu_s_vs_first_steady", per_cpu),
-                       ("minute_rate_at_constant_core_speed_vs_first_steady", steady_core)):
+                       ("minute_rate_at_constant_core_speed_vs_first_steady", steady_core),
+                       ("minute_rate_at_control_speed_vs_first_steady", at_control),
+                       ("minute_nonces_per_cpu_s_at_control_speed_vs_first_steady", per_cpu_control)):
         if len(rates) > 1 and rates[0]:
             out[key] = {"min": round(min(rates[1:]) / rates[0], 4), "max": round(max(rates[1:]) / rates[0], 4),
                         "first": round(rates[0], 1), "n": len(rates)}
