@@ -22,6 +22,22 @@ import aiohttp
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def diagnostic(name: str):
+    """benchmarks/diagnostics/<name>.py as a module (its folder on sys.path while it loads: the scripts import
+    first_result from beside them)."""
+    import importlib.util
+
+    import pytest
+
+    folder = ROOT / "benchmarks" / "diagnostics"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(folder))
+        spec = importlib.util.spec_from_file_location(f"{name}_under_test", folder / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    return mod
 READY = "Application startup complete."
 
 

@@ -2,16 +2,13 @@
 poc.bench, the compile-at-start log line and benchmarks/diagnostics/serve_layouts.py), so that with several replicas
 no batch computed before the window opens is counted inside it."""
 
-import importlib.util
 import math
 
 import pytest
 
 from poc.engine.jobs import steady_rate
 
-from .fakes import ROOT
-
-DIAG = ROOT / "benchmarks" / "diagnostics"
+from .fakes import diagnostic
 
 
 def two_replicas(batches: int = 9, every: float = 1.0) -> tuple[list[float], list[int]]:
@@ -36,12 +33,7 @@ def test_steady_rate_counts_only_the_work_inside_its_window():
 
 @pytest.fixture(scope="module")
 def serve_layouts():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(DIAG))  # serve_layouts.py imports first_result from its own folder
-        spec = importlib.util.spec_from_file_location("serve_layouts_under_test", DIAG / "serve_layouts.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    return mod
+    return diagnostic("serve_layouts")
 
 
 def test_serve_layouts_times_polls_from_every_replicas_first_batch(serve_layouts):

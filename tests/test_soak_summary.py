@@ -2,23 +2,14 @@
 is taken only over samples that lie inside one segment (a sample across a stop and the next init measures the switch),
 summed over whole minutes, per CPU second of the server and at the probe's constant core speed."""
 
-import importlib.util
-
 import pytest
 
-from .fakes import ROOT
-
-DIAG = ROOT / "benchmarks" / "diagnostics"
+from .fakes import diagnostic
 
 
 @pytest.fixture(scope="module")
 def soak():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(DIAG))  # soak.py imports first_result from its own folder
-        spec = importlib.util.spec_from_file_location("soak_under_test", DIAG / "soak.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    return mod
+    return diagnostic("soak")
 
 
 def run(slow_at: float = 180.0, probe_at_slow: float = 0.30) -> list[dict]:
