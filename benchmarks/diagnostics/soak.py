@@ -14,7 +14,8 @@ block_height and block_hash (no batch_size, a callback url on a receiver in this
 Every --sample-seconds: nonces computed (/metrics) and received since the last sample, RSS, open fds and CPU time of
 the server and of each process it started (the rank processes), the spool's size on disk, the callbacks pending
 (/metrics), the machine's CPU seconds (busy, idle, stolen), on the CPU the time of a fixed single-thread probe (how
-fast the cores are at that moment: on a shared machine they move), and per GPU (nvidia-smi, where there is one)
+fast the cores are at that moment: on a shared machine they move) or, with --control-core, the loops a control
+process pinned to that core has run so far (the server on the other cores), and per GPU (nvidia-smi, where there is one)
 memory used, SM clock, temperature and power. Per segment: time from the init to the first callback
 POST and to the first one taken, nonces computed (/metrics poc_nonces_computed_total) against delivered, every
 callback's block_height against its segment's (the block_hash says which segment computed it), duplicates, and gaps
