@@ -113,3 +113,51 @@ def test_the_control_core_tells_a_slower_machine_from_a_slower_server(soak):
     assert steady["minute_rate_at_control_speed_vs_first_steady"] == {"min": 1.0, "max": 1.0, "first": 0.1, "n": 2}
     # without control readings there is no such figure, and nothing breaks
     assert "minute_rate_at_control_speed_vs_first_steady" not in soak.stability(SEGMENTS, run())
+
+
+def with_shared_control(samples: list[dict], per_cpu_s: dict[float, float]) -> list[dict]:
+    """The control's readings where it shares the server's core (--control-core on one of --server-cores): 10 of its
+    CPU seconds a 20-s sample, 1,000 loops per CPU second, or per_cpu_s[t] over the sample ending at t."""
+    total, cpu = 0.0, 0.0
+    for x in samples:
+        total += per_cpu_s.get(x["t_s"], 1000.0) * 10.0
+        cpu += 10.0
+        x["control"] = {"t_s": x["t_s"] - 0.4, "loops": round(total), "cpu_s": cpu}
+    return samples
+
+
+def test_a_control_sharing_the_server_core_is_read_per_its_cpu_second(soak):
+    """Sharing a core, the control's loops per wall second move with how the scheduler splits the core; per its own
+    CPU second they are the core's speed. A slow sample where the control's loops per CPU second halved too is the
+    core (the ratio holds at 1); where they did not, the server (it falls to the nonces' 0.8333), in the minute's
+    figure and in each sample's (control_ratios, the plot's)."""
+    core = soak.stability(SEGMENTS, with_shared_control(run(), {180.0: 500.0}))
+    # the slow minute: 5000 nonces in 3 server CPU s against 25,000 loops in 30 control CPU s; the first 6000 in 3
+    assert core["minute_nonces_per_cpu_s_at_control_speed_vs_first_steady"]["min"] == 1.0
+    assert core["clear_minute_nonces_per_cpu_s_at_control_speed_vs_first_steady"]["max"] == 1.0
+    assert [round(r, 4) for _, r in soak.control_ratios(with_shared_control(run(), {180.0: 500.0}))] == [1.0] * 11
+    server = soak.stability(SEGMENTS, with_shared_control(run(), {}))
+    assert server["minute_nonces_per_cpu_s_at_control_speed_vs_first_steady"]["min"] == 0.8333
+    ratios = dict(soak.control_ratios(with_shared_control(run(), {})))
+    assert ratios[3.0] == 0.5 and ratios[2.0] == ratios[4.0] == 1.0
+
+
+def test_minutes_a_receiver_fault_touched_are_left_out_of_the_clear_figure(soak):
+    """After a refusal the spool's backlog is re-sent and a paused generation resumes: the minutes that overlap a
+    fault window or start within FAULT_AFTER_S of its end are not clear; the rest are."""
+    samples = with_shared_control(run(), {})
+    key = "clear_minute_nonces_per_cpu_s_at_control_speed_vs_first_steady"
+    far = soak.stability(SEGMENTS, samples, [{"from_s": 300.0, "to_s": 310.0, "kind": "refuse"}])
+    assert far[key] == far["minute_nonces_per_cpu_s_at_control_speed_vs_first_steady"]
+    assert far[key]["min"] == 0.8333
+    # the slow minute (140, 200] starts 50 s after a fault that ended at 90: not clear, and one clear minute is no
+    # comparison
+    after = soak.stability(SEGMENTS, samples, [{"from_s": 85.0, "to_s": 90.0, "kind": "refuse"}])
+    assert key not in after and after["minute_nonces_per_cpu_s_at_control_speed_vs_first_steady"]["min"] == 0.8333
+    # a fault inside the first minute leaves only the slow one clear: no comparison either
+    assert key not in soak.stability(SEGMENTS, samples, [{"from_s": 70.0, "to_s": 75.0, "kind": "slow"}])
+
+
+def test_the_plot_ratios_leave_out_the_sample_across_a_switch(soak):
+    ratios = soak.control_ratios(with_shared_control(run(), {}), SEGMENTS)
+    assert 7.0 / 3 not in dict(ratios) and len(ratios) == 10  # (120, 140] holds the stop and the next init

@@ -10,13 +10,18 @@ block_height and block_hash (no batch_size, a callback url on a receiver in this
     python benchmarks/diagnostics/soak.py --device cuda --model random:qwen3-8b --dtype bfloat16 --seq-len 1024 \\
         --minutes 60 --segment-minutes 5 --server-arg=--compile-at-start --server-arg=v2:64:1024 \\
         --out benchmarks/h100/soak.json                                                               # an hour
+    python benchmarks/diagnostics/soak.py --device cpu --minutes 60 --segment-minutes 5 --sample-seconds 30 \
+        --fault-start 120 --fault-every 600 --fault-seconds 60 --control-core 0 --server-cores 0 \
+        --out benchmarks/cpu/soak_control_core.json          # an hour on the CPU, the server and its twin on core 0
 
 Every --sample-seconds: nonces computed (/metrics) and received since the last sample, RSS, open fds and CPU time of
 the server and of each process it started (the rank processes), the spool's size on disk, the callbacks pending
 (/metrics), the machine's CPU seconds (busy, idle, stolen), on the CPU the time of a fixed single-thread probe (how
-fast the cores are at that moment: on a shared machine they move) or, with --control-core, the loops a control
-process pinned to that core has run so far (the server on the other cores), and per GPU (nvidia-smi, where there is one)
-memory used, SM clock, temperature and power. Per segment: time from the init to the first callback
+fast the cores are at that moment: on a shared machine they move) or, with --control-core, what a control process
+pinned to that core has counted so far and its CPU seconds (by default the server's twin: the same model computing
+batches of the server's shape with no serving; with --server-cores holding the control's core, the two share that
+core, so the server's nonces per CPU second divided by the twin's cancel the core's speed), and per GPU (nvidia-smi,
+where there is one) memory used, SM clock, temperature and power. Per segment: time from the init to the first callback
 POST and to the first one taken, nonces computed (/metrics poc_nonces_computed_total) against delivered, every
 callback's block_height against its segment's (the block_hash says which segment computed it), duplicates, and gaps
 (the node's lattice positions below the highest delivered that were not delivered: with one engine there are none;
@@ -230,9 +235,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--probe-reps", type=int, default=None,
                     help="256x256 matmuls in the core-speed probe a sample (default: 600 on the CPU, none on CUDA)")
     ap.add_argument("--control-core", type=int, default=None, metavar="CPU",
-                    help="CPU only: a control process pinned to this core runs a fixed single-thread loop the whole "
-                         "run (the core speed at every moment), the server, its processes and this script pinned to "
-                         "the other cores; the rate divided by the control's is the rate at constant core speed")
+                    help="CPU only: a control process pinned to this core runs fixed work (--control-work) the "
+                         "whole run, the server and its processes on --server-cores, this script on the rest; the "
+                         "server's rate divided by the control's is its rate at constant core speed")
+    ap.add_argument("--server-cores", default=None, metavar="LIST",
+                    help="with --control-core: the server's cores, comma-separated (default: all but the control's); "
+                         "one of them the control's: the two share it, and this script runs on the rest")
+    ap.add_argument("--control-work", choices=("matmul", "twin"), default="twin",
+                    help="the control's work: twin, the server's model computing PoC batches of the server's shape "
+                         "with no serving (default); matmul, 256x256 float32 matmuls")
     ap.add_argument("--server-arg", action="append", default=[], help="one more model_server.py argument")
     ap.add_argument("--timeout", type=float, default=1800.0, help="the server's start")
     ap.add_argument("--out", default="benchmarks/soak.json")
@@ -244,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.summarize:
         path = Path(a.summarize)
         res = json.loads(path.read_text())
-        res["stability"] = stability(res["segments"], res["samples"])
+        res["stability"] = stability(res["segments"], res["samples"], res.get("faults", []))
         path.write_text(json.dumps(res, indent=1))
         plot(res, path.with_suffix(".png"))
         print(json.dumps(res["stability"], indent=1))
@@ -252,7 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     cmd = " ".join(["python benchmarks/diagnostics/soak.py", shlex.join(argv if argv is not None else sys.argv[1:])])
     seg_s = 60 * a.segment_minutes
     n_seg = max(1, math.ceil(60 * a.minutes / seg_s))
-    control = Control(a.control_core) if a.control_core is not None else None  # pins this process and its children
+    server_cores = {int(c) for c in a.server_cores.split(",")} if a.server_cores else None
+    control = (Control(a.control_core, a.control_work, a.model, a.dtype, a.seq_len, server_cores)  # pins the server
+               if a.control_core is not None else None)
     rx = Receiver(a.slow_seconds)
     samples, segments = [], []
     with tempfile.TemporaryDirectory(prefix="poc-soak-") as tmp:
@@ -261,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
                 *a.server_arg]
         with started_server(args, Path(tmp) / "server.log", a.timeout) as (port, startup):
             pid = server_pid()
+            if control:
+                control.move_harness()
             t0 = time.monotonic()
             end = t0 + n_seg * seg_s
             k, t = 0, t0 + a.fault_start
@@ -289,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     res = report(a, rx, segments, samples, t0, final, startup, drain_s, cmd, log_tail)
     if control:
         res["control_cores"] = control.cores
+        res["control_work"] = control.work
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
@@ -352,21 +368,24 @@ class Probe:
         self.proc.wait()
 
 
-# The same work without pauses, in a process pinned to a core of its own for the whole run (--control-core): its count
-# of loops at each sample gives the core speed over every sample's whole span, not over a moment of it, and it takes
-# no time from the server, which the soak pins to the other cores. Where the machine's cores speed up and slow down
-# together, the server's rate divided by the control's moves only with the server.
-CONTROL = """
-import os, sys, threading, time, torch
+# A control runs the whole run in a process pinned to one core (--control-core): its count at each sample gives the
+# core speed over every sample's whole span, not over a moment of it. Both controls: pinned to the core in argv[1],
+# one thread, a line a second with the time, the count n so far and the process's CPU seconds. --control-work matmul:
+# the probe's work without pauses.
+COUNTER = """
+import os, sys, threading, time
 os.sched_setaffinity(0, {int(sys.argv[1])})
+import torch
 torch.set_num_threads(1)
-a, b = torch.randn(256, 256), torch.randn(256, 256)
 n = 0
 def count():
     while True:
         time.sleep(1.0)
-        print(time.monotonic(), n, flush=True)
+        print(time.monotonic(), n, time.process_time(), flush=True)
 threading.Thread(target=count, daemon=True).start()
+"""
+CONTROL = COUNTER + """
+a, b = torch.randn(256, 256), torch.randn(256, 256)
 while True:
     for _ in range(50):
         a @ b
@@ -374,28 +393,70 @@ while True:
 """
 
 
-class Control:
-    """The control loop on `core`; this process (and so the server it starts, and that server's processes) moves to
-    the machine's other cores. latest(): (monotonic time, loops so far) from its last report, at most a second old."""
+# --control-work twin: the control is the server's own work without the serving: the same model built the same way
+# (poc.engine.Engine), computing PoC v2 batches of the server's batch size and seq_len back to back, counting nonces.
+# It reads and writes memory as the server's forward does, so what slows that work on a shared machine (the memory
+# system, the caches other tenants share) slows both; what slows only the serving (the HTTP path, the callbacks, the
+# spool, a leak in the server) shows in the server's rate divided by the twin's. On a core of its own it misses what
+# slows only the server's core (on a 2-core virtual machine each core's speed wanders by itself); sharing the server's
+# core (--server-cores holding --control-core) it runs in the same core's slices as the server, at the same speed.
+TWIN = COUNTER + """
+from poc.engine.engine import Engine
+from poc.protocol import v2
+model, dtype, seq_len = sys.argv[2], sys.argv[3], int(sys.argv[4])
+e = Engine(device="cpu", model_dir=model, dtype=dtype)
+e.load()
+batch = e.default_v2_batch(seq_len)
+while True:
+    e.v2_artifacts("control", "control", range(n, n + batch), seq_len, v2.DEFAULT_K_DIM, batch_size=batch)
+    n += batch
+"""
 
-    def __init__(self, core: int):
+
+class Control:
+    """The control loop on `core` (`work`: "matmul", CONTROL; "twin", TWIN on the soak's model, dtype and seq_len).
+    The server it starts and that server's processes go to `server_cores` (default: the other cores): this process
+    moves there now, so that the server inherits them, and to the remaining cores once the server runs
+    (`move_harness`). A control on a core of the server's shares that core with it, slice by slice, so that both see
+    the same core speed: the server's nonces per CPU second divided by the control's moves only with the server.
+    latest(): (monotonic time, loops or nonces so far, the control's CPU seconds) from its last report, at most a
+    second old."""
+
+    def __init__(self, core: int, work: str = "matmul", model: str = "random:tiny", dtype: str = "float32",
+                 seq_len: int = 16, server_cores: set[int] | None = None):
         cores = os.sched_getaffinity(0)
-        if core not in cores or len(cores) < 2:
-            raise SystemExit(f"--control-core {core}: needs that core and another among this process's {sorted(cores)}")
-        os.sched_setaffinity(0, cores - {core})
-        self.cores = {"control": core, "server": sorted(cores - {core})}
-        self.proc = subprocess.Popen([sys.executable, "-c", CONTROL, str(core)], stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        server = set(server_cores) if server_cores else cores - {core}
+        if core not in cores or not server or not server <= cores:
+            raise SystemExit(f"--control-core {core} --server-cores {sorted(server)}: needs those among this "
+                             f"process's cores {sorted(cores)}, and at least one for the server")
+        os.sched_setaffinity(0, server)
+        self.harness_cores = (cores - server - {core}) or (cores - server) or server
+        self.cores = {"control": core, "server": sorted(server), "harness": sorted(self.harness_cores)}
+        self.work = work
+        script = [CONTROL, str(core)] if work == "matmul" else [TWIN, str(core), model, dtype, str(seq_len)]
+        src = str(Path(__file__).resolve().parents[2] / "src")
+        path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen([sys.executable, "-c", *script], stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
         self.last: tuple[float, int] | None = None
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            t, n = line.split()
-            self.last = (float(t), int(n))
+            t, n, cpu = line.split()
+            self.last = (float(t), int(n), float(cpu))
 
-    def latest(self) -> tuple[float, int] | None:
+    def latest(self) -> tuple[float, int, float] | None:
         return self.last
+
+    def move_harness(self) -> None:
+        """Every thread of this process (the receiver's, the sampler's) to the cores neither the server nor the
+        control was given, where there are any; threads started later inherit their starter's cores."""
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), self.harness_cores)
+            except OSError:  # a thread that ended meanwhile
+                pass
 
     def close(self) -> None:
         self.proc.kill()
@@ -430,13 +491,14 @@ def sample_loop(a, port, pid, spool, rx, t0, out, done, probe, control=None) -> 
                     "harness": proc_stats(os.getpid()), "probe_s": probe.time() if probe else None})
         c = control.latest() if control else None
         if c:  # the control's loops so far and when it counted them (seconds since t0)
-            out[-1]["control"] = {"t_s": round(c[0] - t0, 2), "loops": c[1]}
+            out[-1]["control"] = {"t_s": round(c[0] - t0, 2), "loops": c[1], "cpu_s": round(c[2], 3)}
         last = got
 
 
 def report(a, rx: Receiver, segments: list, samples: list, t0: float, final: str, startup: float, drain_s: float,
            cmd: str, log_tail: list) -> dict:
     by_hash = {s["block_hash"]: s for s in segments}
+    faults = [{"from_s": round(s - t0, 1), "to_s": round(e - t0, 1), "kind": k} for s, e, k in rx.windows]
     wrong = sum(1 for x in rx.taken if by_hash.get(x["hash"], {}).get("block_height") != x["height"])
     for s in segments:
         mine = [x for x in rx.taken if x["hash"] == s["block_hash"]]
@@ -459,14 +521,13 @@ def report(a, rx: Receiver, segments: list, samples: list, t0: float, final: str
     return {"command": cmd, "device": device, "torch": torch.__version__, "model": a.model, "dtype": a.dtype,
             "seq_len": a.seq_len, "minutes": a.minutes, "segment_minutes": a.segment_minutes,
             "startup_s": round(startup, 2), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "faults": [{"from_s": round(s - t0, 1), "to_s": round(e - t0, 1), "kind": k} for s, e, k in rx.windows],
-            "segments": segments, "samples": samples, "receiver": outcomes,
+            "faults": faults, "segments": segments, "samples": samples, "receiver": outcomes,
             "callbacks": {o: metric(final, "poc_callbacks_total", f'outcome="{o}"')
                           for o in ("sent", "retried", "dropped", "dead_letter")},
             "drain_s": round(drain_s, 1), "pending_at_end": metric(final, "poc_callbacks_pending"),
             "summary": {**total, "wrong_height": wrong,
                         "ok": total["computed"] == total["delivered"] and not total["duplicates"] and not wrong},
-            "stability": stability(segments, samples),
+            "stability": stability(segments, samples, faults),
             "server_log_tail": log_tail}
 
 
@@ -489,15 +550,22 @@ def trend(t: list, rates: list) -> dict:
             "quarter_p90_vs_first": [round(v / p90[0], 4) for v in p90] if p90 else None, "n": len(rates)}
 
 
-def stability(segments: list, samples: list) -> dict:
+# A minute this long after a fault window still counts as touched by it: after a refusal the spool's backlog is re-sent
+# and generation, paused at callback_max_pending, resumes.
+FAULT_AFTER_S = 60.0
+
+
+def stability(segments: list, samples: list, faults: list = ()) -> dict:
     """Whether the run slowed down or grew: each segment's rate (computed over its init-to-stop span) against the
     first's; the computing rate of each sample whose whole span lies inside one segment (a span across a stop and the
     next init measures the switch, which the segments' first-callback times show, not the rate) against the first
     such sample's, and the same over whole minutes of such samples, per CPU second of the server and its processes,
     at the probe's constant core speed, and divided by the control's speed over the same minute (--control-core; the
-    nonces per CPU second too); the machine's CPU shares; the server's and its processes' RSS and the
-    server's open fds from the first steady sample (the second: the first holds the start) to the last; the spool's
-    largest size and its size at the end; the trend of the sample rates over the run (`trend`)."""
+    nonces per CPU second divided by the control's per its CPU second too, and that again over the minutes clear of
+    the receiver's faults: no fault window in them or in the FAULT_AFTER_S before); the machine's CPU shares; the
+    server's and its processes' RSS and the server's open fds from the first steady sample (the second: the first
+    holds the start) to the last; the spool's largest size and its size at the end; the trend of the sample rates
+    over the run (`trend`)."""
     out = {}
     rates = [s["computed"] / max(1e-9, s["stop_at_s"] - s["init_at_s"]) for s in segments]
     if rates:
@@ -509,7 +577,7 @@ def stability(segments: list, samples: list) -> dict:
         return None if any("cpu_s" not in p for p in procs) else sum(p["cpu_s"] for p in procs)
 
     inside, when, minutes, per_cpu, steady_core, prev, prev_x = [], [], [], [], [], 0.0, None
-    at_control, per_cpu_control = [], []
+    at_control, per_cpu_control, clear_control = [], [], []
     # [segment, nonces, seconds, server CPU seconds or None, probe times, the control's reading before the minute]
     acc = None
     for x in samples:
@@ -540,11 +608,17 @@ def stability(segments: list, samples: list) -> dict:
                 steady_core.append(acc[1] / acc[2] * sum(acc[4]) / len(acc[4]))
             c0, c1 = acc[5], x.get("control")
             if c0 and c1 and c1["t_s"] > c0["t_s"] and c1["loops"] > c0["loops"]:
-                # the rate per control loop: the control's loops a second are the core speed over this minute
+                # the rate per control loop: the control's loops a second are the core speed over this minute (per
+                # its own CPU second where it reports them: on a core it shares with the server)
                 speed = (c1["loops"] - c0["loops"]) / (c1["t_s"] - c0["t_s"])
                 at_control.append(acc[1] / acc[2] / speed)
+                if "cpu_s" in c0 and "cpu_s" in c1 and c1["cpu_s"] > c0["cpu_s"]:
+                    speed = (c1["loops"] - c0["loops"]) / (c1["cpu_s"] - c0["cpu_s"])
                 if acc[3]:
                     per_cpu_control.append(acc[1] / acc[3] / speed)
+                    start = hi - acc[2]
+                    if not any(f["from_s"] < hi and start < f["to_s"] + FAULT_AFTER_S for f in faults):
+                        clear_control.append(acc[1] / acc[3] / speed)
             acc = None
     # on a CPU that other work shares, the wall-clock rate moves with what the others take; the nonces per CPU second
     # of the server and its processes move only with the server's own work per nonce (and the core's speed)
@@ -552,7 +626,8 @@ def stability(segments: list, samples: list) -> dict:
                        ("minute_nonces_per_cpu_s_vs_first_steady", per_cpu),
                        ("minute_rate_at_constant_core_speed_vs_first_steady", steady_core),
                        ("minute_rate_at_control_speed_vs_first_steady", at_control),
-                       ("minute_nonces_per_cpu_s_at_control_speed_vs_first_steady", per_cpu_control)):
+                       ("minute_nonces_per_cpu_s_at_control_speed_vs_first_steady", per_cpu_control),
+                       ("clear_minute_nonces_per_cpu_s_at_control_speed_vs_first_steady", clear_control)):
         if len(rates) > 1 and rates[0]:
             out[key] = {"min": round(min(rates[1:]) / rates[0], 4), "max": round(max(rates[1:]) / rates[0], 4),
                         "first": round(rates[0], 1), "n": len(rates)}
@@ -578,6 +653,27 @@ def stability(segments: list, samples: list) -> dict:
     return out
 
 
+def control_ratios(samples: list, segments: list = ()) -> list[tuple[float, float]]:
+    """Per sample (minutes, ratio): the server's nonces per CPU second (its processes' too) over the sample divided by
+    the control's count per its CPU second over the same span, against the first such sample's; [] without a
+    control that reports its CPU seconds. Given the segments, only samples inside one (as stability's)."""
+    out = []
+    for a, b in zip(samples, samples[1:]):
+        if segments and not any(s["init_at_s"] <= a["t_s"] and b["t_s"] <= s["stop_at_s"] for s in segments):
+            continue
+        ca, cb = a.get("control") or {}, b.get("control") or {}
+        sa, sb = a.get("server") or {}, b.get("server") or {}
+        if not ("cpu_s" in ca and "cpu_s" in cb and "cpu_s" in sa and "cpu_s" in sb) or not b.get("nonces_computed"):
+            continue
+        used = sb["cpu_s"] - sa["cpu_s"] + sum(c.get("cpu_s", 0) for c in b["children"]) - sum(
+            c.get("cpu_s", 0) for c in a["children"])
+        if used <= 0 or cb["cpu_s"] <= ca["cpu_s"]:
+            continue
+        speed = (cb["loops"] - ca["loops"]) / (cb["cpu_s"] - ca["cpu_s"])
+        out.append((b["t_s"] / 60, b["nonces_computed"] / used / speed))
+    return [(t, r / out[0][1]) for t, r in out]
+
+
 def plot(res: dict, path: Path) -> None:
     from poc.bench import pyplot
 
@@ -586,7 +682,8 @@ def plot(res: dict, path: Path) -> None:
         return
     s = res["samples"]
     t = [x["t_s"] / 60 for x in s]
-    fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    ratio = control_ratios(s, res["segments"])
+    fig, axes = plt.subplots(4 if ratio else 3, 1, figsize=(10, 10 if ratio else 8), sharex=True)
     axes[0].bar(t, [x["nonces_received"] for x in s], width=0.8 * (t[1] - t[0] if len(t) > 1 else 1))
     if any(x.get("nonces_computed") is not None for x in s):
         axes[0].plot(t, [x.get("nonces_computed") for x in s], color="k", lw=1, label="computed")
@@ -599,7 +696,12 @@ def plot(res: dict, path: Path) -> None:
     axes[2].plot(t, [x["spool_bytes"] / 1e6 for x in s], label="spool MB")
     axes[2].plot(t, [x["callbacks_pending"] for x in s], label="callbacks pending")
     axes[2].legend(fontsize=7)
-    axes[2].set_xlabel("minutes")
+    if ratio:
+        axes[3].plot([tt for tt, _ in ratio], [r for _, r in ratio], marker=".", lw=0.8,
+                     label="server's nonces per CPU s / the control's per its CPU s, each sample against the first")
+        axes[3].axhspan(0.98, 1.02, color="green", alpha=0.1)
+        axes[3].legend(fontsize=7)
+    axes[-1].set_xlabel("minutes")
     colours = {"refuse": "red", "slow": "orange", "reset": "purple"}
     for ax in axes:
         for f in res["faults"]:
