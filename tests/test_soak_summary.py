@@ -161,3 +161,34 @@ def test_minutes_a_receiver_fault_touched_are_left_out_of_the_clear_figure(soak)
 def test_the_plot_ratios_leave_out_the_sample_across_a_switch(soak):
     ratios = soak.control_ratios(with_shared_control(run(), {}), SEGMENTS)
     assert 7.0 / 3 not in dict(ratios) and len(ratios) == 10  # (120, 140] holds the stop and the next init
+
+
+def test_the_clear_minutes_have_a_trend_that_shows_a_server_losing_speed(soak):
+    """An hour of 30-s samples with the control sharing the core: the core's speed wanders +-15% (the server's
+    nonces per CPU second and the control's loops per CPU second alike); a server that loses 10% an hour shows it in
+    the clear minutes' trend, a steady one does not."""
+    import random
+
+    def hour_shared(loss: float, seed: int):
+        rnd = random.Random(seed)
+        segs = [{"init_at_s": 300.0 * i, "stop_at_s": 300.0 * (i + 1), "computed": 1} for i in range(12)]
+        out, cpu, loops, ccpu = [], 0.0, 0.0, 0.0
+        for k in range(1, 121):
+            t, core = 30.0 * k, 1 + rnd.uniform(-0.15, 0.15)
+            cpu += 18.0
+            ccpu += 12.0
+            loops += 1000.0 * core * 12.0
+            n = 2000.0 * core * (1 - loss * t / 3600.0) * 18.0
+            out.append({"t_s": t, "nonces_computed": round(n), "server": {"rss_mb": 400.0, "fds": 10, "cpu_s": cpu},
+                        "children": [], "spool_bytes": 0,
+                        "control": {"t_s": t - 0.4, "loops": round(loops), "cpu_s": ccpu}})
+        return segs, out
+
+    for seed in range(3):
+        steady = soak.stability(*hour_shared(0.0, seed))
+        m = steady["clear_minute_nonces_per_cpu_s_at_control_speed_vs_first_steady"]
+        assert 0.999 < m["min"] <= m["max"] < 1.001, m  # the core's wander cancels
+        lo, hi = steady["clear_minute_trend_at_control_speed"]["slope_95"]
+        assert lo <= 0 <= hi and hi - lo < 0.01
+        lo, hi = soak.stability(*hour_shared(0.10, seed))["clear_minute_trend_at_control_speed"]["slope_95"]
+        assert lo <= hi < 0 and (lo + hi) / 2 == pytest.approx(-0.1 / 0.95, abs=2e-3)  # 10% of the start an hour

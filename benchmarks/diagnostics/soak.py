@@ -562,10 +562,10 @@ def stability(segments: list, samples: list, faults: list = ()) -> dict:
     such sample's, and the same over whole minutes of such samples, per CPU second of the server and its processes,
     at the probe's constant core speed, and divided by the control's speed over the same minute (--control-core; the
     nonces per CPU second divided by the control's per its CPU second too, and that again over the minutes clear of
-    the receiver's faults: no fault window in them or in the FAULT_AFTER_S before); the machine's CPU shares; the
-    server's and its processes' RSS and the server's open fds from the first steady sample (the second: the first
-    holds the start) to the last; the spool's largest size and its size at the end; the trend of the sample rates
-    over the run (`trend`)."""
+    the receiver's faults: no fault window in them or in the FAULT_AFTER_S before, with their trend); the machine's
+    CPU shares; the server's and its processes' RSS and the server's open fds from the first steady sample (the
+    second: the first holds the start) to the last; the spool's largest size and its size at the end; the trend of
+    the sample rates over the run (`trend`)."""
     out = {}
     rates = [s["computed"] / max(1e-9, s["stop_at_s"] - s["init_at_s"]) for s in segments]
     if rates:
@@ -577,7 +577,7 @@ def stability(segments: list, samples: list, faults: list = ()) -> dict:
         return None if any("cpu_s" not in p for p in procs) else sum(p["cpu_s"] for p in procs)
 
     inside, when, minutes, per_cpu, steady_core, prev, prev_x = [], [], [], [], [], 0.0, None
-    at_control, per_cpu_control, clear_control = [], [], []
+    at_control, per_cpu_control, clear_control, clear_when = [], [], [], []
     # [segment, nonces, seconds, server CPU seconds or None, probe times, the control's reading before the minute]
     acc = None
     for x in samples:
@@ -619,6 +619,7 @@ def stability(segments: list, samples: list, faults: list = ()) -> dict:
                     start = hi - acc[2]
                     if not any(f["from_s"] < hi and start < f["to_s"] + FAULT_AFTER_S for f in faults):
                         clear_control.append(acc[1] / acc[3] / speed)
+                        clear_when.append(hi - acc[2] / 2)
             acc = None
     # on a CPU that other work shares, the wall-clock rate moves with what the others take; the nonces per CPU second
     # of the server and its processes move only with the server's own work per nonce (and the core's speed)
@@ -633,6 +634,8 @@ def stability(segments: list, samples: list, faults: list = ()) -> dict:
                         "first": round(rates[0], 1), "n": len(rates)}
     if len(inside) > 2:
         out["trend"] = trend(when, inside)
+    if len(clear_control) > 2:  # the same line through the clear minutes at the control's speed
+        out["clear_minute_trend_at_control_speed"] = trend(clear_when, clear_control)
     steady = samples[1:]
     m = [x.get("machine") for x in steady]
     if len(m) > 1 and all(m):
