@@ -10,8 +10,8 @@ block_height and block_hash (no batch_size, a callback url on a receiver in this
     python benchmarks/diagnostics/soak.py --device cuda --model random:qwen3-8b --dtype bfloat16 --seq-len 1024 \\
         --minutes 60 --segment-minutes 5 --server-arg=--compile-at-start --server-arg=v2:64:1024 \\
         --out benchmarks/h100/soak.json                                                               # an hour
-    python benchmarks/diagnostics/soak.py --device cpu --minutes 60 --segment-minutes 5 --sample-seconds 30 \
-        --fault-start 120 --fault-every 600 --fault-seconds 60 --control-core 0 --server-cores 0 \
+    python benchmarks/diagnostics/soak.py --device cpu --minutes 60 --segment-minutes 5 --sample-seconds 30 \\
+        --fault-start 120 --fault-every 600 --fault-seconds 60 --control-core 0 --server-cores 0 \\
         --out benchmarks/cpu/soak_control_core.json          # an hour on the CPU, the server and its twin on core 0
 
 Every --sample-seconds: nonces computed (/metrics) and received since the last sample, RSS, open fds and CPU time of
