@@ -631,7 +631,7 @@ def stability(segments: list, samples: list, faults: list = ()) -> dict:
                        ("clear_minute_nonces_per_cpu_s_at_control_speed_vs_first_steady", clear_control)):
         if len(rates) > 1 and rates[0]:
             out[key] = {"min": round(min(rates[1:]) / rates[0], 4), "max": round(max(rates[1:]) / rates[0], 4),
-                        "first": round(rates[0], 1), "n": len(rates)}
+                        "first": round(rates[0], 1 if rates[0] >= 10 else 4), "n": len(rates)}
     if len(inside) > 2:
         out["trend"] = trend(when, inside)
     if len(clear_control) > 2:  # the same line through the clear minutes at the control's speed
