@@ -38,6 +38,8 @@ def diagnostic(name: str):
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     return mod
+
+
 READY = "Application startup complete."
 
 

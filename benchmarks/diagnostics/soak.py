@@ -550,6 +550,17 @@ def trend(t: list, rates: list) -> dict:
             "quarter_p90_vs_first": [round(v / p90[0], 4) for v in p90] if p90 else None, "n": len(rates)}
 
 
+def cpu(x: dict) -> float | None:
+    """A sample's CPU seconds so far of the server and its processes (None where the sample lacks them)."""
+    procs = [x.get("server") or {}] + x.get("children", [])
+    return None if any("cpu_s" not in p for p in procs) else sum(p["cpu_s"] for p in procs)
+
+
+def segment_holding(segments: list, lo: float, hi: float) -> int | None:
+    """The segment whose init-to-stop span holds [lo, hi] (a sample's span), or None (a span across a switch)."""
+    return next((i for i, s in enumerate(segments) if s["init_at_s"] <= lo and hi <= s["stop_at_s"]), None)
+
+
 # A minute this long after a fault window still counts as touched by it: after a refusal the spool's backlog is re-sent
 # and generation, paused at callback_max_pending, resumes.
 FAULT_AFTER_S = 60.0
@@ -572,10 +583,6 @@ def stability(segments: list, samples: list, faults: list = ()) -> dict:
         out["segment_nonces_per_s"] = [round(r, 1) for r in rates]
         out["segment_rate_vs_first"] = {"min": round(min(rates) / rates[0], 4), "max": round(max(rates) / rates[0], 4)}
 
-    def cpu(x):  # the server's and its processes' CPU seconds so far (None where a sample lacks them)
-        procs = [x.get("server") or {}] + x.get("children", [])
-        return None if any("cpu_s" not in p for p in procs) else sum(p["cpu_s"] for p in procs)
-
     inside, when, minutes, per_cpu, steady_core, prev, prev_x = [], [], [], [], [], 0.0, None
     at_control, per_cpu_control, clear_control, clear_when = [], [], [], []
     # [segment, nonces, seconds, server CPU seconds or None, probe times, the control's reading before the minute]
@@ -584,7 +591,7 @@ def stability(segments: list, samples: list, faults: list = ()) -> dict:
         lo, hi = prev, x["t_s"]
         prev, before = hi, prev_x
         prev_x = x
-        seg = next((i for i, s in enumerate(segments) if s["init_at_s"] <= lo and hi <= s["stop_at_s"]), None)
+        seg = segment_holding(segments, lo, hi)
         if x.get("nonces_computed") is None or hi <= lo or seg is None:
             acc = None
             continue
@@ -662,14 +669,12 @@ def control_ratios(samples: list, segments: list = ()) -> list[tuple[float, floa
     control that reports its CPU seconds. Given the segments, only samples inside one (as stability's)."""
     out = []
     for a, b in zip(samples, samples[1:]):
-        if segments and not any(s["init_at_s"] <= a["t_s"] and b["t_s"] <= s["stop_at_s"] for s in segments):
+        if segments and segment_holding(segments, a["t_s"], b["t_s"]) is None:
             continue
         ca, cb = a.get("control") or {}, b.get("control") or {}
-        sa, sb = a.get("server") or {}, b.get("server") or {}
-        if not ("cpu_s" in ca and "cpu_s" in cb and "cpu_s" in sa and "cpu_s" in sb) or not b.get("nonces_computed"):
+        if not ("cpu_s" in ca and "cpu_s" in cb) or not b.get("nonces_computed") or None in (cpu(a), cpu(b)):
             continue
-        used = sb["cpu_s"] - sa["cpu_s"] + sum(c.get("cpu_s", 0) for c in b["children"]) - sum(
-            c.get("cpu_s", 0) for c in a["children"])
+        used = cpu(b) - cpu(a)
         if used <= 0 or cb["cpu_s"] <= ca["cpu_s"]:
             continue
         speed = (cb["loops"] - ca["loops"]) / (cb["cpu_s"] - ca["cpu_s"])
