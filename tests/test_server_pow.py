@@ -490,3 +490,36 @@ async def test_v1_validate_a_batch_larger_than_one_chunk(big_queue_client, sink)
     np.testing.assert_allclose([by_nonce[n] for n in small["nonces"]], small["dist"], rtol=1e-6, atol=0)
     assert big["n_invalid"] == 0 and len(set(big["dist"])) == 230
     await big_queue_client.post(f"{POW}/stop")
+
+
+async def test_a_job_runs_on_a_thread_the_os_names_and_names_back(client, monkeypatch):
+    """While a job computes, its thread carries JOB_THREAD as the OS shows thread names (top -H, the soak's split
+    of the server's CPU), and the engine's input thread PREPARE_THREAD; after the job the executor's thread has its
+    own name back."""
+    import os
+    import threading
+    from pathlib import Path
+
+    from poc.engine.engine import PREPARE_THREAD
+    from poc.logs import os_thread_name
+    from poc.server.context import engine_key
+    from poc.server.stream import JOB_THREAD
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("thread names are read from Linux's /proc")
+    engine, seen = client.app[engine_key], []
+    run = engine.run
+
+    def named_run(*a, **k):
+        seen.append((threading.get_native_id(), os_thread_name()))
+        return run(*a, **k)
+
+    monkeypatch.setattr(engine, "run", named_run)
+    r = await client.post(f"{POW}/generate", json=gen_body(P2["nonces"], wait=True))
+    assert r.status == 200 and (await r.json())["status"] == "completed"
+    (tid, name), = seen
+    assert name == JOB_THREAD
+    comm = Path("/proc/self/task")
+    assert (comm / str(tid) / "comm").read_text() == Path("/proc/self/comm").read_text()
+    names = {(comm / t / "comm").read_text().strip() for t in os.listdir(comm)}
+    assert PREPARE_THREAD in names

@@ -67,6 +67,31 @@ def setup_logging(level: str = "INFO") -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
 
 
+def name_os_thread(name: str) -> bool:
+    """Give the calling thread `name` (its first 15 bytes) where the OS shows thread names (Linux: `top -H`, `ps -L`,
+    /proc/PID/task/TID/comm), so that an operator and the soak benchmark can tell the server's computing threads
+    from its serving ones. Python's own thread names stay inside Python. False where this is not Linux's prctl."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(15, name.encode()[:15], 0, 0, 0) == 0  # PR_SET_NAME
+    except (OSError, AttributeError):
+        return False
+
+
+def os_thread_name() -> str | None:
+    """The calling thread's name as the OS shows it (name_os_thread), or None where it cannot be read."""
+    import threading
+
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def stacks_on_sigusr1() -> None:
     """`kill -USR1 <pid>` writes every thread's Python stack to stderr (the log) and the process goes on: what a
     hung server or rank process is doing, without stopping it. faulthandler's text ("Thread 0x... (most recent

@@ -23,12 +23,14 @@ from poc.engine import memory
 from poc.engine.base import EngineBase
 from poc.engine.compute import DTYPE_NAMES, DTYPES, V1Compute, V2Compute, compile_flags, resolve_device
 from poc.engine.jobs import BatchResult, Dealer, JobSummary, V1Job
+from poc.logs import name_os_thread
 from poc.model.options import ModelOptions
 from poc.model.source import ModelSource
 from poc.model.random_init import BuildStopped
 from poc.protocol import v1
 
 log = logging.getLogger("poc.engine")
+PREPARE_THREAD = "poc-prepare"  # the thread that draws the next batch's inputs (its OS name too)
 
 
 class Engine(EngineBase):
@@ -51,7 +53,8 @@ class Engine(EngineBase):
         self.dtype_flag = dtype
         self.v2: V2Compute | None = None
         self._v1: V1Compute | None = None
-        self._prep_pool = ThreadPoolExecutor(1, thread_name_prefix="poc-prepare")
+        self._prep_pool = ThreadPoolExecutor(1, thread_name_prefix=PREPARE_THREAD, initializer=name_os_thread,
+                                             initargs=(PREPARE_THREAD,))
 
     # ---------------------------------------------------------------------------------------- models
 

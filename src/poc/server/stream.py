@@ -34,7 +34,7 @@ from aiohttp import web
 from poc.engine.base import Claim, EngineBase
 from poc.engine.jobs import BatchResult, JobSummary, V1Job
 from poc.errors import InputError
-from poc.logs import describe_parts
+from poc.logs import describe_parts, name_os_thread, os_thread_name
 from poc.protocol import v1
 from poc.server.config import ServerConfig, config_key
 
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("poc.server")
 
 _DONE = object()
+JOB_THREAD = "poc-job"  # the OS name of the thread that runs a job's engine.run (while it runs)
 STALLED_BUFFER = 1 << 20  # bytes a stalled client may have queued before further lines are dropped
 
 
@@ -248,12 +249,17 @@ class JobRunner:
             self.claim.release()
 
     def _run(self, emit: Callable[[BatchResult], None]) -> JobSummary:
+        was = os_thread_name()
+        name_os_thread(JOB_THREAD)  # the executor's thread, for this job: top -H and the soak tell it from serving
         try:
             return self.engine.run(self.job, emit, self.stop_event, claim=self.claim)
         except Exception as e:  # one line to the client and the log; never a traceback (the engine classifies it)
             s = self.stats
             return JobSummary(reason="error", batches=s.batches, computed=s.computed, elapsed=s.elapsed,
                               error=str(e), error_type=type(e).__name__)
+        finally:
+            if was:
+                name_os_thread(was)
 
     def _valid(self, b: BatchResult) -> int:
         if isinstance(self.job, V1Job):
