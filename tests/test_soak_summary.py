@@ -192,3 +192,43 @@ def test_the_clear_minutes_have_a_trend_that_shows_a_server_losing_speed(soak):
         assert lo <= 0 <= hi and hi - lo < 0.01
         lo, hi = soak.stability(*hour_shared(0.10, seed))["clear_minute_trend_at_control_speed"]["slope_95"]
         assert lo <= hi < 0 and (lo + hi) / 2 == pytest.approx(-0.1 / 0.95, abs=2e-3)  # 10% of the start an hour
+
+
+def with_threads(samples: list[dict], serving: dict[float, float]) -> list[dict]:
+    """The server's threads in each sample: its job thread ("poc-job") computes 0.8 CPU s a sample, its event loop
+    ("python") serves 0.2, or serving[t] over the sample ending at t; the server's CPU is their sum."""
+    job, loop = 0.0, 0.0
+    for x in samples:
+        job += 0.8
+        loop += serving.get(x["t_s"], 0.2)
+        x["server"] = {**x["server"], "cpu_s": job + loop, "threads": {"7": ["python", loop], "9": ["poc-job", job]}}
+    return samples
+
+
+def test_the_server_cpu_splits_into_computing_and_serving_threads(soak):
+    """A minute whose serving costs twice the CPU per nonce (0.4 s instead of 0.2 in its middle sample) lowers the
+    nonces per server CPU second, but not the nonces per computing CPU second: the two figures tell a slower serving
+    path from a slower computation, and the serving CPU per nonce shows the former by itself."""
+    st = soak.stability(SEGMENTS, with_threads(with_shared_control(run(slow_at=-1), {}), {180.0: 0.4}))
+    # the minute (140, 200]: 6000 nonces in 3.2 server CPU s against 6000 in 3.0
+    assert st["clear_minute_nonces_per_cpu_s_at_control_speed_vs_first_steady"]["min"] == 0.9375
+    assert st["clear_minute_nonces_per_computing_cpu_s_at_control_speed_vs_first_steady"] == {
+        "min": 1.0, "max": 1.0, "first": 2.5, "n": 2}  # 6000 nonces / 2.4 computing CPU s / 1000 loops per CPU s
+    assert st["clear_minute_serving_cpu_per_nonce_at_control_speed_vs_first_steady"]["max"] == 1.3333  # 0.8 / 0.6
+    # without thread names in the samples there are no such figures
+    assert "clear_minute_serving_cpu_per_nonce_at_control_speed_vs_first_steady" not in soak.stability(
+        SEGMENTS, with_shared_control(run(slow_at=-1), {}))
+
+
+def test_cpu_split_counts_a_thread_by_its_name_at_the_later_sample(soak):
+    """The job thread is named while a job runs: renamed since the earlier sample, its CPU since then computes; a
+    thread born since counts all its CPU; the server's processes (the ranks) compute."""
+    a = {"server": {"cpu_s": 10.0, "threads": {"1": ["python", 4.0], "2": ["python", 6.0]}}, "children": []}
+    b = {"server": {"cpu_s": 14.0, "threads": {"1": ["python", 5.0], "2": ["poc-job", 8.0],
+                                               "3": ["poc-prepare", 1.0]}},
+         "children": [{"cpu_s": 2.5}]}
+    assert soak.cpu_split(a, {**b, "children": []}) == (3.0, 1.0)
+    a["children"] = [{"cpu_s": 1.0}]
+    assert soak.cpu_split(a, b) == (4.5, 1.0)
+    assert soak.cpu_split({"server": {"cpu_s": 1.0}, "children": []}, b) is None
+    assert set(soak.COMPUTING_THREADS) >= {"poc-job", "poc-prepare"}

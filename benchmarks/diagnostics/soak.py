@@ -157,16 +157,37 @@ def server_pid() -> int:
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+# The server's threads that compute (their OS names, set by the server: poc.server.stream.JOB_THREAD while a job
+# runs, poc.engine.engine.PREPARE_THREAD); the rest of its threads serve (the event loop, the spool, the JSON
+# parser). The rank processes it starts compute too.
+COMPUTING_THREADS = ("poc-job", "poc-prepare")
+
+
+def stat_cpu(path: str) -> float:
+    """User + system CPU seconds from a /proc .../stat file (a process's: all its threads, the ended ones too)."""
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
 def proc_stats(pid: int) -> dict | None:
-    """RSS, open fds and the CPU time (user + system, all threads) of one process."""
+    """RSS, open fds and the CPU time (user + system, all threads) of one process, and per living thread its OS name
+    and CPU time (threads: {tid: [name, cpu_s]})."""
     try:
         rss = next(int(x.split()[1]) for x in Path(f"/proc/{pid}/status").read_text().splitlines()
                    if x.startswith("VmRSS:"))
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return {"pid": pid, "rss_mb": round(rss / 1024, 1), "fds": len(os.listdir(f"/proc/{pid}/fd")),
-                "cpu_s": round((int(fields[11]) + int(fields[12])) / TICK, 2)}
+        out = {"pid": pid, "rss_mb": round(rss / 1024, 1), "fds": len(os.listdir(f"/proc/{pid}/fd")),
+               "cpu_s": round(stat_cpu(f"/proc/{pid}/stat"), 2)}
+        tids = os.listdir(f"/proc/{pid}/task")
     except (OSError, StopIteration, IndexError, ValueError):
         return None
+    out["threads"] = {}
+    for tid in tids:
+        try:
+            out["threads"][tid] = [Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip(),
+                                   round(stat_cpu(f"/proc/{pid}/task/{tid}/stat"), 2)]
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            pass
+    return out
 
 
 def machine_cpu() -> dict | None:
@@ -556,6 +577,19 @@ def cpu(x: dict) -> float | None:
     return None if any("cpu_s" not in p for p in procs) else sum(p["cpu_s"] for p in procs)
 
 
+def cpu_split(a: dict, b: dict) -> tuple[float, float] | None:
+    """(computing, serving) CPU seconds of the server between samples a and b: computing, its threads that bore a
+    COMPUTING_THREADS name at b (their CPU since a; a thread born since, all of its CPU) and its processes'; serving,
+    the rest of the server's. None where a sample lacks the threads."""
+    sa, sb = a.get("server") or {}, b.get("server") or {}
+    if "threads" not in sa or "threads" not in sb or cpu(a) is None or cpu(b) is None:
+        return None
+    mine = sum(c - (sa["threads"].get(tid) or [None, 0.0])[1] for tid, (name, c) in sb["threads"].items()
+               if name in COMPUTING_THREADS)
+    procs = (cpu(b) - sb["cpu_s"]) - (cpu(a) - sa["cpu_s"])
+    return mine + procs, (sb["cpu_s"] - sa["cpu_s"]) - mine
+
+
 def segment_holding(segments: list, lo: float, hi: float) -> int | None:
     """The segment whose init-to-stop span holds [lo, hi] (a sample's span), or None (a span across a switch)."""
     return next((i for i, s in enumerate(segments) if s["init_at_s"] <= lo and hi <= s["stop_at_s"]), None)
@@ -573,7 +607,10 @@ def stability(segments: list, samples: list, faults: list = ()) -> dict:
     such sample's, and the same over whole minutes of such samples, per CPU second of the server and its processes,
     at the probe's constant core speed, and divided by the control's speed over the same minute (--control-core; the
     nonces per CPU second divided by the control's per its CPU second too, and that again over the minutes clear of
-    the receiver's faults: no fault window in them or in the FAULT_AFTER_S before, with their trend); the machine's
+    the receiver's faults: no fault window in them or in the FAULT_AFTER_S before, with their trend; and over those
+    minutes, where the samples name the server's threads, its CPU split as cpu_split does: the nonces per computing
+    CPU second at the control's speed, which a server that computes slower lowers, and the serving CPU per nonce at
+    the control's speed, which a serving path that costs more per nonce raises, each with its trend); the machine's
     CPU shares; the server's and its processes' RSS and the server's open fds from the first steady sample (the
     second: the first holds the start) to the last; the spool's largest size and its size at the end; the trend of
     the sample rates over the run (`trend`)."""
@@ -585,7 +622,9 @@ def stability(segments: list, samples: list, faults: list = ()) -> dict:
 
     inside, when, minutes, per_cpu, steady_core, prev, prev_x = [], [], [], [], [], 0.0, None
     at_control, per_cpu_control, clear_control, clear_when = [], [], [], []
-    # [segment, nonces, seconds, server CPU seconds or None, probe times, the control's reading before the minute]
+    clear_computing, clear_serving, split_when = [], [], []
+    # [segment, nonces, seconds, server CPU seconds or None, probe times, the control's reading before the minute,
+    #  [computing, serving] CPU seconds or None]
     acc = None
     for x in samples:
         lo, hi = prev, x["t_s"]
@@ -600,11 +639,13 @@ def stability(segments: list, samples: list, faults: list = ()) -> dict:
         used = None if before is None or cpu(x) is None or cpu(before) is None else cpu(x) - cpu(before)
         # whole minutes of consecutive in-segment samples (a sample holds a few batches: one batch more or less moves
         # a short sample's rate by several percent, a minute's by less)
+        split = None if before is None else cpu_split(before, x)
         if acc is None or acc[0] != seg:
-            acc = [seg, 0, 0.0, 0.0, [], (before or {}).get("control")]
+            acc = [seg, 0, 0.0, 0.0, [], (before or {}).get("control"), [0.0, 0.0]]
         acc[1] += x["nonces_computed"]
         acc[2] += hi - lo
         acc[3] = None if used is None or acc[3] is None else acc[3] + used
+        acc[6] = None if split is None or acc[6] is None else [acc[6][0] + split[0], acc[6][1] + split[1]]
         if x.get("probe_s"):
             acc[4].append(x["probe_s"])
         if acc[2] >= 59.0:
@@ -627,6 +668,10 @@ def stability(segments: list, samples: list, faults: list = ()) -> dict:
                     if not any(f["from_s"] < hi and start < f["to_s"] + FAULT_AFTER_S for f in faults):
                         clear_control.append(acc[1] / acc[3] / speed)
                         clear_when.append(hi - acc[2] / 2)
+                        if acc[6] and acc[6][0] > 0:  # the two parts of the server's CPU, each at the twin's speed
+                            clear_computing.append(acc[1] / acc[6][0] / speed)
+                            clear_serving.append(acc[6][1] / acc[1] * speed)
+                            split_when.append(hi - acc[2] / 2)
             acc = None
     # on a CPU that other work shares, the wall-clock rate moves with what the others take; the nonces per CPU second
     # of the server and its processes move only with the server's own work per nonce (and the core's speed)
@@ -635,7 +680,9 @@ def stability(segments: list, samples: list, faults: list = ()) -> dict:
                        ("minute_rate_at_constant_core_speed_vs_first_steady", steady_core),
                        ("minute_rate_at_control_speed_vs_first_steady", at_control),
                        ("minute_nonces_per_cpu_s_at_control_speed_vs_first_steady", per_cpu_control),
-                       ("clear_minute_nonces_per_cpu_s_at_control_speed_vs_first_steady", clear_control)):
+                       ("clear_minute_nonces_per_cpu_s_at_control_speed_vs_first_steady", clear_control),
+                       ("clear_minute_nonces_per_computing_cpu_s_at_control_speed_vs_first_steady", clear_computing),
+                       ("clear_minute_serving_cpu_per_nonce_at_control_speed_vs_first_steady", clear_serving)):
         if len(rates) > 1 and rates[0]:
             out[key] = {"min": round(min(rates[1:]) / rates[0], 4), "max": round(max(rates[1:]) / rates[0], 4),
                         "first": round(rates[0], 1 if rates[0] >= 10 else 4), "n": len(rates)}
@@ -643,6 +690,9 @@ def stability(segments: list, samples: list, faults: list = ()) -> dict:
         out["trend"] = trend(when, inside)
     if len(clear_control) > 2:  # the same line through the clear minutes at the control's speed
         out["clear_minute_trend_at_control_speed"] = trend(clear_when, clear_control)
+    if len(clear_computing) > 2:  # the same for each part of the server's CPU
+        out["clear_minute_computing_trend_at_control_speed"] = trend(split_when, clear_computing)
+        out["clear_minute_serving_trend_at_control_speed"] = trend(split_when, clear_serving)
     steady = samples[1:]
     m = [x.get("machine") for x in steady]
     if len(m) > 1 and all(m):
