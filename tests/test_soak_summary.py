@@ -215,6 +215,11 @@ def test_the_server_cpu_splits_into_computing_and_serving_threads(soak):
     assert st["clear_minute_nonces_per_computing_cpu_s_at_control_speed_vs_first_steady"] == {
         "min": 1.0, "max": 1.0, "first": 2.5, "n": 2}  # 6000 nonces / 2.4 computing CPU s / 1000 loops per CPU s
     assert st["clear_minute_serving_cpu_per_nonce_at_control_speed_vs_first_steady"]["max"] == 1.3333  # 0.8 / 0.6
+    # per sample (the plot's): the sample ending at 180 is 2000 nonces in 1.2 CPU s, in 0.8 computing CPU s
+    samples = with_threads(with_shared_control(run(slow_at=-1), {}), {180.0: 0.4})
+    assert round(dict(soak.control_ratios(samples))[3.0], 4) == 0.8333
+    assert {round(r, 9) for _, r in soak.control_ratios(samples, computing=True)} == {1.0}
+    assert soak.control_ratios(with_shared_control(run(), {}), computing=True) == []
     # without thread names in the samples there are no such figures
     assert "clear_minute_serving_cpu_per_nonce_at_control_speed_vs_first_steady" not in soak.stability(
         SEGMENTS, with_shared_control(run(slow_at=-1), {}))

@@ -713,10 +713,11 @@ def stability(segments: list, samples: list, faults: list = ()) -> dict:
     return out
 
 
-def control_ratios(samples: list, segments: list = ()) -> list[tuple[float, float]]:
+def control_ratios(samples: list, segments: list = (), computing: bool = False) -> list[tuple[float, float]]:
     """Per sample (minutes, ratio): the server's nonces per CPU second (its processes' too) over the sample divided by
     the control's count per its CPU second over the same span, against the first such sample's; [] without a
-    control that reports its CPU seconds. Given the segments, only samples inside one (as stability's)."""
+    control that reports its CPU seconds. Given the segments, only samples inside one (as stability's). computing:
+    per computing CPU second (cpu_split), [] where the samples lack the server's threads."""
     out = []
     for a, b in zip(samples, samples[1:]):
         if segments and segment_holding(segments, a["t_s"], b["t_s"]) is None:
@@ -725,6 +726,11 @@ def control_ratios(samples: list, segments: list = ()) -> list[tuple[float, floa
         if not ("cpu_s" in ca and "cpu_s" in cb) or not b.get("nonces_computed") or None in (cpu(a), cpu(b)):
             continue
         used = cpu(b) - cpu(a)
+        if computing:
+            split = cpu_split(a, b)
+            if split is None:
+                continue
+            used = split[0]
         if used <= 0 or cb["cpu_s"] <= ca["cpu_s"]:
             continue
         speed = (cb["loops"] - ca["loops"]) / (cb["cpu_s"] - ca["cpu_s"])
@@ -757,6 +763,10 @@ def plot(res: dict, path: Path) -> None:
     if ratio:
         axes[3].plot([tt for tt, _ in ratio], [r for _, r in ratio], marker=".", lw=0.8,
                      label="server's nonces per CPU s / the control's per its CPU s, each sample against the first")
+        part = control_ratios(s, res["segments"], computing=True)
+        if part:
+            axes[3].plot([tt for tt, _ in part], [r for _, r in part], marker=".", lw=0.8,
+                         label="the same per computing CPU s (the server's poc-job and poc-prepare threads)")
         axes[3].axhspan(0.98, 1.02, color="green", alpha=0.1)
         axes[3].legend(fontsize=7)
     axes[-1].set_xlabel("minutes")
