@@ -15,7 +15,8 @@ block_height and block_hash (no batch_size, a callback url on a receiver in this
         --out benchmarks/cpu/soak_control_core.json          # an hour on the CPU, the server and its twin on core 0
 
 Every --sample-seconds: nonces computed (/metrics) and received since the last sample, RSS, open fds and CPU time of
-the server and of each process it started (the rank processes), the spool's size on disk, the callbacks pending
+the server and of each process it started (the rank processes), each of the server's threads' OS name and CPU time
+(its computing threads carry COMPUTING_THREADS' names: the rest serve), the spool's size on disk, the callbacks pending
 (/metrics), the machine's CPU seconds (busy, idle, stolen), on the CPU the time of a fixed single-thread probe (how
 fast the cores are at that moment: on a shared machine they move) or, with --control-core, what a control process
 pinned to that core has counted so far and its CPU seconds (by default the server's twin: the same model computing
