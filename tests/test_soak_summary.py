@@ -236,4 +236,7 @@ def test_cpu_split_counts_a_thread_by_its_name_at_the_later_sample(soak):
     a["children"] = [{"cpu_s": 1.0}]
     assert soak.cpu_split(a, b) == (4.5, 1.0)
     assert soak.cpu_split({"server": {"cpu_s": 1.0}, "children": []}, b) is None
-    assert set(soak.COMPUTING_THREADS) >= {"poc-job", "poc-prepare"}
+    from poc.engine.engine import PREPARE_THREAD
+    from poc.server.stream import JOB_THREAD
+
+    assert set(soak.COMPUTING_THREADS) == {JOB_THREAD, PREPARE_THREAD}  # the names the server gives them
